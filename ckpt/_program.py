@@ -1,0 +1,145 @@
+"""The program contract: `Program` (what a user writes) and `Runtime` (what ckpt hands it)."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from ckpt._errors import CkptError
+
+if TYPE_CHECKING:
+    from ckpt.coordinator.client import CoordinatorClient
+    from ckpt.runtime.plugins import PluginHost
+    from ckpt.runtime.rank import RankEngine
+
+
+class Program:
+    """A checkpointable program: its instance attributes are its state.
+
+    ``setup`` runs once (never again after a restart), ``step`` runs until it
+    returns False, ``result`` is what ``ckpt launch`` prints.  Collectives
+    (``rt.allgather``, ``rt.barrier``) must be called in the same step on every
+    rank; point-to-point traffic need not be.
+    """
+
+    def setup(self, rt: Runtime) -> None:
+        """Build state; runs once."""
+
+    def step(self, rt: Runtime) -> bool:
+        """One unit of work; return False when this rank is done."""
+        raise NotImplementedError(f"{type(self).__name__} must implement step(rt)")
+
+    def result(self) -> Any:
+        """What `ckpt launch` prints for this rank as ``result: <str(value)>``."""
+        return None
+
+
+class KeyValue:
+    """``rt.kv``: the coordinator's namespaced key-value store, scoped to the current generation.
+
+    Values are small msgpack-able data (numbers, strings, bytes, lists, dicts).
+    """
+
+    def __init__(self, client: CoordinatorClient) -> None:
+        self._client = client
+
+    def publish(self, ns: str, key: str, value: Any) -> None:
+        self._client.call("publish", ns=ns, key=key, value=value)
+
+    def get(self, ns: str, key: str, default: Any = None) -> Any:
+        answer = self._client.call("get", ns=ns, key=key)
+        return answer["value"] if answer["found"] else default
+
+    def subscribe(self, ns: str, key: str, timeout: float = 60.0) -> Any:
+        """Block until `key` is published (CoordinatorError after `timeout` seconds)."""
+        return self._client.call("subscribe", ns=ns, key=key, timeout=timeout)["value"]
+
+    def subscribe_prefix(self, ns: str, prefix: str, count: int, timeout: float = 60.0) -> dict[str, Any]:
+        """Block until at least `count` keys starting with `prefix` exist; returns them all."""
+        answer = self._client.call("subscribe", ns=ns, key=prefix, prefix=True, count=count, timeout=timeout)
+        return dict(answer["values"])
+
+    def incrby(self, ns: str, key: str, delta: int = 1) -> int:
+        return int(self._client.call("atomic", kind="incrby", ns=ns, key=key, operand=delta)["value"])
+
+    def min(self, ns: str, key: str, value: int) -> int:
+        return int(self._client.call("atomic", kind="min", ns=ns, key=key, operand=value)["value"])
+
+    def max(self, ns: str, key: str, value: int) -> int:
+        return int(self._client.call("atomic", kind="max", ns=ns, key=key, operand=value)["value"])
+
+
+class Runtime:
+    """What a program (and every plugin hook) gets as ``rt``."""
+
+    def __init__(
+        self,
+        engine: RankEngine,
+        *,
+        rank: int,
+        size: int,
+        argv: list[str],
+        device: str,
+        options: dict[str, Any],
+        plugins: PluginHost | None,
+    ) -> None:
+        self._engine = engine
+        self.rank = rank
+        self.size = size
+        self.argv = list(argv)
+        self.device = device
+        self.options = dict(options)
+        self.plugins = plugins
+        self.restarted = False
+        self.generation = 0
+        self.job = ""
+        self.ckpt_dir = ""
+        self.native = plugins is None
+        self.log = logging.getLogger(f"ckpt.program.rank{rank}")
+        self.kv = KeyValue(engine.client)
+
+    @property
+    def step(self) -> int:
+        """Completed steps."""
+        return self._engine.step
+
+    def allgather(self, obj: Any) -> list[Any]:
+        """Every rank's `obj`, in rank order (collective: same step on every rank)."""
+        return self._engine.collective("allgather", obj)
+
+    def barrier(self) -> None:
+        """Wait for every rank (collective: same step on every rank)."""
+        self._engine.collective("barrier", None)
+
+    def checkpoint(self) -> int:
+        """Ask for a checkpoint; it is taken at the next boundary every rank can reach. Returns its number."""
+        return self._engine.request_checkpoint()
+
+    def coordinator_barrier(self, name: str, value: Any = None) -> list[Any]:
+        """A named global barrier for plugin hooks; returns every rank's `value` in rank order."""
+        return list(self._engine.client.call("barrier", name=name, value=value)["values"])
+
+    def allocate_global(self, ns: str, count: int = 1) -> int:
+        """First of `count` IDs unique across all ranks and restarts of this job."""
+        return int(self._engine.client.call("alloc_ids", ns=ns, count=count)["first"])
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        # A program may keep `rt` in an attribute: it pickles as "this process's runtime".
+        return (_current_runtime, ())
+
+    def __repr__(self) -> str:
+        return f"<ckpt.Runtime rank {self.rank}/{self.size} step {self.step}>"
+
+
+_current: Runtime | None = None
+
+
+def _set_current_runtime(rt: Runtime | None) -> None:
+    global _current
+    _current = rt
+
+
+def _current_runtime() -> Runtime:
+    if _current is None:
+        raise CkptError("a pickled ckpt.Runtime can only be loaded inside a ckpt rank")
+    return _current

@@ -1,0 +1,336 @@
+"""The `ckpt` command line: launch, checkpoint, status, restart, kill, coordinator, plugins, inspect."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ckpt._errors import CkptError
+from ckpt._launcher import JobOptions, check_program, external_rank, prepare_restart, rank_spec, run_job
+from ckpt.coordinator import client as coord_client
+from ckpt.coordinator import protocol
+
+_TRANSPORTS = ("simib",)
+
+
+class _Group(click.Group):
+    """Every CkptError becomes one line on stderr and exit status 1 — never a traceback."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except CkptError as exc:
+            click.echo(f"error: {exc}", err=True)
+            ctx.exit(1)
+
+
+def _ckpt_dir_option(f: Any) -> Any:
+    return click.option(
+        "--ckpt-dir",
+        type=click.Path(file_okay=False, path_type=Path),
+        default=lambda: os.environ.get("CKPT_DIR", "ckpt"),
+        show_default="$CKPT_DIR or ./ckpt",
+        help="Directory of images, manifests and coordinator.json.",
+    )(f)
+
+
+def _coordinator_option(f: Any) -> Any:
+    return click.option(
+        "--coordinator",
+        envvar="CKPT_COORDINATOR",
+        metavar="HOST:PORT",
+        help="An existing coordinator (default: the one recorded in the ckpt dir).",
+    )(f)
+
+
+def _plugin_options(f: Any) -> Any:
+    f = click.option("--with-plugin", "with_plugins", multiple=True, metavar="MODULE", help="Load a plugin module.")(f)
+    f = click.option("--disable-plugin", "disabled", multiple=True, metavar="NAME", help="Do not load this plugin.")(f)
+    return f
+
+
+def _job_options(f: Any) -> Any:
+    f = click.option("--interval", type=click.FloatRange(min=0.01), help="Checkpoint every SECONDS.")(f)
+    f = click.option(
+        "--keep",
+        type=click.IntRange(min=0),
+        default=0,
+        show_default=True,
+        help="Keep the newest K checkpoints (0 = all).",
+    )(f)
+    f = click.option("--host", default="127.0.0.1", show_default=True, help="Address the coordinator binds to.")(f)
+    f = click.option("--port", type=click.IntRange(0, 65535), default=0, help="Coordinator port (0 = any free).")(f)
+    f = click.option("--transport", default="simib", show_default=True, help="Verbs provider of the ranks.")(f)
+    f = click.option(
+        "--phase-timeout",
+        type=float,
+        default=300.0,
+        show_default=True,
+        help="Abort a checkpoint whose phase takes longer (seconds).",
+    )(f)
+    f = click.option(
+        "--log-level",
+        default=lambda: os.environ.get("CKPT_LOG_LEVEL", "WARNING"),
+        type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+    )(f)
+    return f
+
+
+def _check_transport(name: str) -> str:
+    if name not in _TRANSPORTS:
+        raise CkptError(f"unknown transport {name!r} (available: {', '.join(_TRANSPORTS)})")
+    return name
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="ckpt")
+def main() -> None:
+    """ckpt: checkpoint/restart for distributed Python programs over (simulated) verbs."""
+
+
+@main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option("-n", "--ranks", type=click.IntRange(min=1), default=1, show_default=True, help="Number of ranks.")
+@_coordinator_option
+@click.option("--new-coordinator", is_flag=True, help="Start an embedded coordinator even if CKPT_COORDINATOR is set.")
+@_ckpt_dir_option
+@_plugin_options
+@_job_options
+@click.option("--native", is_flag=True, help="No plugins, no checkpoint thread: the overhead baseline.")
+@click.argument("program", type=click.Path())
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def launch(
+    program: str,
+    args: tuple[str, ...],
+    ranks: int,
+    coordinator: str | None,
+    new_coordinator: bool,
+    ckpt_dir: Path,
+    with_plugins: tuple[str, ...],
+    disabled: tuple[str, ...],
+    native: bool,
+    **job: Any,
+) -> None:
+    """Run PROGRAM (a file defining one ckpt.Program) on N ranks, printing each rank's result."""
+    check_program(program)
+    opts = JobOptions(
+        program=str(Path(program).resolve()),
+        argv=list(args),
+        ranks=ranks,
+        ckpt_dir=ckpt_dir.resolve(),
+        coordinator=None if new_coordinator else coordinator,
+        with_plugins=list(with_plugins),
+        disabled=list(disabled),
+        native=native,
+        transport=_check_transport(job.pop("transport")),
+        **job,
+    )
+    outside = external_rank()
+    if outside is not None and opts.coordinator:
+        _run_one_rank(opts, *outside)
+    sys.exit(run_job(opts))
+
+
+def _run_one_rank(opts: JobOptions, rank: int, size: int | None) -> None:
+    """Under mpiexec / srun: this process is one rank of a job served by --coordinator."""
+    from ckpt.runtime import rank as rank_main
+
+    assert opts.coordinator is not None
+    opts.ranks = size or opts.ranks
+    token = os.environ.get("CKPT_TOKEN")
+    address, token = coord_client.locate(opts.coordinator, opts.ckpt_dir, token)
+    spec = rank_spec(opts, rank, address, token, job="")
+    spec["job"] = None
+    spec["print_result"] = True
+    rank_main.main(spec)
+
+
+@main.command()
+@click.argument("target", required=False)
+@_ckpt_dir_option
+@_coordinator_option
+@_plugin_options
+@_job_options
+def restart(
+    target: str | None,
+    ckpt_dir: Path,
+    coordinator: str | None,
+    with_plugins: tuple[str, ...],
+    disabled: tuple[str, ...],
+    **job: Any,
+) -> None:
+    """Restart the latest checkpoint in the ckpt dir (or TARGET: a manifest or a directory)."""
+    manifest, directory, token = prepare_restart(target, ckpt_dir, os.environ.get("CKPT_TOKEN"))
+    opts = JobOptions(
+        program=manifest["program"]["path"],
+        argv=list(manifest.get("argv", [])),
+        ranks=int(manifest["size"]),
+        ckpt_dir=directory,
+        coordinator=coordinator,
+        with_plugins=list(with_plugins),
+        disabled=list(disabled),
+        transport=_check_transport(job.pop("transport")),
+        token=token,
+        restart=manifest,
+        **job,
+    )
+    click.echo(
+        f"ckpt: restarting checkpoint {manifest['number']} of {manifest['program']['name']} "
+        f"({manifest['size']} ranks, generation {manifest['generation'] + 1})",
+        err=True,
+    )
+    sys.exit(run_job(opts))
+
+
+def _control(coordinator: str | None, ckpt_dir: Path) -> coord_client.CoordinatorClient:
+    address, token = coord_client.locate(coordinator, ckpt_dir, os.environ.get("CKPT_TOKEN"))
+    return coord_client.control(address, token)
+
+
+@main.command()
+@click.option("--wait", is_flag=True, help="Block until the checkpoint is written.")
+@click.option("--kill", is_flag=True, help="Kill the job once the checkpoint is written.")
+@_coordinator_option
+@_ckpt_dir_option
+def checkpoint(wait: bool, kill: bool, coordinator: str | None, ckpt_dir: Path) -> None:
+    """Request a checkpoint of the running job."""
+    conn = _control(coordinator, ckpt_dir)
+    answer = conn.call("checkpoint", wait=wait or kill, kill=kill)
+    if "checkpoint" in answer:
+        last = answer["checkpoint"]
+        click.echo(
+            f"checkpoint {last['number']} written: {last['manifest']} "
+            f"({last['bytes']} bytes, {last['seconds']:.2f} s){'; job killed' if kill else ''}"
+        )
+    else:
+        click.echo(f"checkpoint {answer['number']} requested")
+    conn.close()
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@_coordinator_option
+@_ckpt_dir_option
+def status(as_json: bool, coordinator: str | None, ckpt_dir: Path) -> None:
+    """Show the job's ranks, states, generation and last checkpoint."""
+    conn = _control(coordinator, ckpt_dir)
+    state = conn.call("status")["status"]
+    conn.close()
+    if as_json:
+        click.echo(json.dumps(state, indent=2))
+        return
+    click.echo(
+        f"job {state['job']}  generation {state['generation']}  state {state['state']}"
+        f"{'' if state['unanimous'] else ' (not unanimous)'}  coordinator {state['coordinator']}"
+    )
+    for r in state["ranks"]:
+        click.echo(f"  rank {r['rank']:>3}  {r['state']:<11} step {r['step']:<8} pid {r['pid']:<8} {r['host']}")
+    last = state["last_checkpoint"]
+    if last:
+        click.echo(
+            f"last checkpoint: {last['number']}  {last['manifest']}  {last['bytes']} bytes  {last['seconds']:.2f} s"
+        )
+    else:
+        click.echo("last checkpoint: none")
+    if state["message"]:
+        click.echo(f"last event: {state['message']}")
+
+
+@main.command()
+@_coordinator_option
+@_ckpt_dir_option
+def kill(coordinator: str | None, ckpt_dir: Path) -> None:
+    """Kill the running job (its checkpoints stay)."""
+    conn = _control(coordinator, ckpt_dir)
+    conn.call("kill", reason="killed on request (ckpt kill)")
+    conn.close()
+    click.echo("job killed")
+
+
+@main.command("coordinator")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=click.IntRange(0, 65535), default=7779, show_default=True)
+@click.option("--interval", type=click.FloatRange(min=0.01), help="Checkpoint every SECONDS.")
+@click.option("--keep", type=click.IntRange(min=0), default=0, show_default=True)
+@click.option("--phase-timeout", type=float, default=300.0, show_default=True)
+@_ckpt_dir_option
+def coordinator_cmd(
+    host: str, port: int, interval: float | None, keep: int, phase_timeout: float, ckpt_dir: Path
+) -> None:
+    """Run a standalone coordinator in the foreground (for ranks started by mpiexec / srun)."""
+    from ckpt.coordinator.server import Coordinator
+
+    token = os.environ.get("CKPT_TOKEN") or protocol.new_token()
+    server = Coordinator(
+        token=token,
+        ckpt_dir=ckpt_dir,
+        host=host,
+        port=port,
+        interval=interval,
+        keep=keep,
+        phase_timeout=phase_timeout,
+        serve_forever=True,
+    ).start()
+    coord_client.write_job_file(ckpt_dir.resolve(), address=server.address, token=token, job="", pid=os.getpid())
+    click.echo(f"ckpt coordinator listening on {server.address}")
+    click.echo(f"export CKPT_COORDINATOR={server.address} CKPT_TOKEN={token}")
+
+    def on_signal(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        click.echo("ckpt coordinator: stopping", err=True)
+    finally:
+        server.stop()
+
+
+@main.command()
+@_plugin_options
+@click.option("--json", "as_json", is_flag=True)
+def plugins(with_plugins: tuple[str, ...], disabled: tuple[str, ...], as_json: bool) -> None:
+    """List the installed plugins, their versions and the hooks they implement."""
+    from ckpt.runtime.hookspecs import CKPT_PLUGIN_API
+    from ckpt.runtime.plugins import PluginHost
+
+    host = PluginHost().load(list(with_plugins), list(disabled))
+    if as_json:
+        click.echo(json.dumps([vars(p) | {"hooks": list(p.hooks)} for p in host.plugins], indent=2))
+        return
+    click.echo(f"plugin API {CKPT_PLUGIN_API}; {len(host.plugins)} plugin(s)")
+    for p in host.plugins:
+        click.echo(f"  {p.name} {p.version}  ({p.module}, {p.source}, order {p.order})")
+        click.echo(f"      hooks: {', '.join(p.hooks) or 'none'}")
+
+
+@main.command()
+@click.argument("image", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--json", "as_json", is_flag=True)
+def inspect(image: Path, as_json: bool) -> None:
+    """Show an image's header, sizes, checksum and largest objects."""
+    from ckpt.runtime.images import inspect_image
+
+    report = inspect_image(image)
+    if as_json:
+        click.echo(json.dumps(report, indent=2, default=str))
+        return
+    for key, value in report.items():
+        if key == "objects":
+            click.echo("largest objects:")
+            for obj in value:
+                click.echo(f"  {obj['bytes']:>14,}  {obj['type']:<28} {obj['path']}")
+        elif key == "header" and isinstance(value, dict):
+            click.echo("header:")
+            for k, v in value.items():
+                if k != "objects":
+                    click.echo(f"  {k}: {v}")
+        else:
+            click.echo(f"{key}: {value}")

@@ -1,0 +1,1 @@
+"""The coordinator: its TCP server, its wire protocol and its client."""

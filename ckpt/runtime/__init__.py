@@ -1,0 +1,1 @@
+"""Per-rank runtime: plugin manager, hookspecs, checkpoint thread, images, virtual-ID tables."""

@@ -1,0 +1,248 @@
+"""Checkpoint manifests: their schema, atomic writes, the ``latest`` pointer and pruning."""
+
+# A checkpoint exists once, and only once, its manifest exists: the images of
+# all ranks are written first, then the coordinator writes the manifest
+# (temp file -> fsync -> rename -> fsync of the directory), then moves the
+# `latest` pointer the same way.  A crash at any point leaves either the old
+# checkpoint or the new one fully visible, never half of one; stray images or
+# temp files of an aborted checkpoint are garbage for `remove_unreferenced`.
+# The manifest carries HMAC-SHA256(token, canonical JSON), so a restart can
+# refuse a manifest that was edited or belongs to another job.
+#
+# Files in a checkpoint directory:
+#   ckpt_<program>_<rank>_<n>.ckpt   image of one rank for checkpoint n
+#   ckpt_<program>_<n>.json          manifest of checkpoint n
+#   latest                           the file name of the newest manifest
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any, Final
+
+from ckpt._errors import ImageError
+
+__all__ = [
+    "LATEST",
+    "MANIFEST_VERSION",
+    "image_name",
+    "latest_manifest",
+    "manifest_name",
+    "next_number",
+    "prune",
+    "read_manifest",
+    "remove_unreferenced",
+    "write_manifest",
+]
+
+MANIFEST_VERSION: Final[int] = 1
+LATEST: Final[str] = "latest"
+_REQUIRED: Final = ("manifest_version", "program", "number", "ranks")
+
+
+def image_name(program: str, rank: int, number: int) -> str:
+    """File name of the image of ``rank`` in checkpoint ``number``."""
+    return f"ckpt_{_checked(program)}_{rank}_{number}.ckpt"
+
+
+def manifest_name(program: str, number: int) -> str:
+    """File name of the manifest of checkpoint ``number``."""
+    return f"ckpt_{_checked(program)}_{number}.json"
+
+
+def write_manifest(ckpt_dir: str | os.PathLike[str], manifest: dict[str, Any], *, token: bytes) -> Path:
+    """Write ``manifest`` atomically, then point ``latest`` at it; return its path.
+
+    Adds ``manifest_version`` and ``hmac`` (HMAC-SHA256 of the canonical JSON
+    without the ``hmac`` field).  ``manifest["program"]`` is the program entry
+    (a dict with ``name``) or its name; ``manifest["number"]`` the checkpoint number.
+    """
+    directory = Path(ckpt_dir)
+    stored = {key: value for key, value in manifest.items() if key != "hmac"}
+    stored["manifest_version"] = MANIFEST_VERSION
+    try:
+        name = manifest_name(_program_name(stored), int(stored["number"]))
+        stored["hmac"] = _mac(stored, token)
+        text = json.dumps(stored, indent=2, sort_keys=True) + "\n"
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ImageError(f"cannot write manifest in {directory}: {_one_line(exc)}") from exc
+    path = directory / name
+    try:
+        _replace_atomically(path, text.encode())
+        _replace_atomically(directory / LATEST, (name + "\n").encode())
+    except OSError as exc:
+        raise ImageError(f"cannot write manifest {path}: {exc.strerror or exc}") from exc
+    return path
+
+
+def read_manifest(path: str | os.PathLike[str], *, token: bytes | None) -> dict[str, Any]:
+    """Read and check a manifest; with a ``token``, also check its HMAC.
+
+    Raises ImageError (one line naming the file) if it is missing, unreadable,
+    not JSON, not a ckpt manifest, of another version, or not authentic.
+    """
+    where = f"checkpoint manifest {os.fspath(path)}"
+    try:
+        text = Path(path).read_bytes()
+    except FileNotFoundError as exc:
+        raise ImageError(f"{where}: missing file") from exc
+    except OSError as exc:
+        raise ImageError(f"{where}: unreadable ({exc.strerror or exc})") from exc
+    try:
+        manifest = json.loads(text)
+    except ValueError as exc:
+        raise ImageError(f"{where}: not JSON") from exc
+    if not isinstance(manifest, dict) or any(key not in manifest for key in _REQUIRED):
+        raise ImageError(f"{where}: not a ckpt manifest")
+    version = manifest["manifest_version"]
+    if version != MANIFEST_VERSION:
+        raise ImageError(f"{where}: unsupported manifest version {version} (this ckpt reads {MANIFEST_VERSION})")
+    if token is not None:
+        stored = manifest.get("hmac")
+        unsigned = {key: value for key, value in manifest.items() if key != "hmac"}
+        if not isinstance(stored, str) or not hmac.compare_digest(stored, _mac(unsigned, token)):
+            raise ImageError(f"{where}: not authentic (HMAC mismatch: wrong CKPT_TOKEN or tampered manifest)")
+    return manifest
+
+
+def latest_manifest(ckpt_dir: str | os.PathLike[str]) -> Path:
+    """The manifest ``latest`` points to; ImageError if there is no checkpoint."""
+    directory = Path(ckpt_dir)
+    pointer = directory / LATEST
+    try:
+        name = pointer.read_text().strip()
+    except FileNotFoundError as exc:
+        raise ImageError(f"no checkpoint in {directory}") from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ImageError(f"{pointer} is unreadable ({_one_line(exc)})") from exc
+    if not name or "/" in name or os.sep in name or name in (".", ".."):
+        raise ImageError(f"{pointer} is damaged (it does not name a manifest)")
+    path = directory / name
+    if not path.is_file():
+        raise ImageError(f"{pointer} names {name}, which does not exist")
+    return path
+
+
+def next_number(ckpt_dir: str | os.PathLike[str], program: str) -> int:
+    """One more than the highest manifest number of ``program`` in ``ckpt_dir`` (1 if none)."""
+    return max(_manifest_numbers(Path(ckpt_dir), program), default=0) + 1
+
+
+def prune(ckpt_dir: str | os.PathLike[str], program: str, keep: int) -> list[Path]:
+    """Keep the newest ``keep`` checkpoints of ``program`` (0 keeps all); delete the older ones.
+
+    A checkpoint's manifest goes first, so a crash mid-prune leaves orphan
+    images, never a manifest without its images.  The checkpoint ``latest``
+    points to is never deleted.  Returns the deleted paths.
+    """
+    if keep < 0:
+        raise ValueError(f"keep must be 0 or more, not {keep}")
+    directory = Path(ckpt_dir)
+    numbers = sorted(_manifest_numbers(directory, program))
+    if keep == 0 or len(numbers) <= keep:
+        return []
+    protected = _latest_name(directory)
+    deleted: list[Path] = []
+    for number in numbers[:-keep]:
+        name = manifest_name(program, number)
+        if name == protected:
+            continue
+        deleted += _unlink(directory / name)
+        deleted += _unlink(*_image_files(directory, program, number))
+    return deleted
+
+
+def remove_unreferenced(ckpt_dir: str | os.PathLike[str], program: str, number: int) -> list[Path]:
+    """Delete the images and temp files of checkpoint ``number`` if it has no manifest.
+
+    For the leftovers of an aborted checkpoint; returns the deleted paths.
+    """
+    directory = Path(ckpt_dir)
+    name = manifest_name(program, number)
+    if (directory / name).exists():
+        return []
+    return _unlink(directory / (name + ".tmp"), *_image_files(directory, program, number))
+
+
+def _checked(program: str) -> str:
+    if "/" in program or os.sep in program or "\0" in program:
+        raise ValueError(f"program name {program!r} cannot be part of a file name")
+    return program
+
+
+def _program_name(manifest: dict[str, Any]) -> str:
+    program = manifest["program"]
+    return str(program["name"] if isinstance(program, dict) else program)
+
+
+def _mac(manifest: dict[str, Any], token: bytes) -> str:
+    canonical = json.dumps(manifest, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hmac.new(token, canonical.encode(), hashlib.sha256).hexdigest()
+
+
+def _replace_atomically(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` via a temp file: write, fsync, rename, fsync the directory."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_directory(path.parent)
+
+
+def _fsync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _manifest_numbers(directory: Path, program: str) -> list[int]:
+    pattern = re.compile(rf"ckpt_{re.escape(_checked(program))}_(\d+)\.json")
+    return [int(match[1]) for match in _matches(directory, pattern)]
+
+
+def _image_files(directory: Path, program: str, number: int) -> list[Path]:
+    pattern = re.compile(rf"ckpt_{re.escape(_checked(program))}_\d+_{number}\.ckpt(\.tmp)?")
+    return [directory / match[0] for match in _matches(directory, pattern)]
+
+
+def _matches(directory: Path, pattern: re.Pattern[str]) -> list[re.Match[str]]:
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    return [match for name in names if (match := pattern.fullmatch(name))]
+
+
+def _latest_name(directory: Path) -> str | None:
+    try:
+        return (directory / LATEST).read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _unlink(*paths: Path) -> list[Path]:
+    deleted = []
+    for path in paths:
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            continue
+        deleted.append(path)
+    return deleted
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -1,0 +1,160 @@
+"""Plugin discovery and the plugin manager: entry points, --with-plugin, API check, hook order."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import logging
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+import pluggy
+
+from ckpt._errors import PluginError
+from ckpt.runtime import hookspecs
+
+log = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "ckpt.plugins"
+_DOWN = ("ckpt_presuspend", "ckpt_drain", "ckpt_precheckpoint", "ckpt_init", "ckpt_wrap_verbs")
+
+
+@dataclass(frozen=True)
+class PluginInfo:
+    """What `ckpt plugins` shows and what a manifest records."""
+
+    name: str
+    module: str
+    version: str
+    api: int
+    order: int
+    source: str  # "entry point <dist>" or "--with-plugin"
+    hooks: tuple[str, ...] = field(default=())
+
+    def record(self) -> dict[str, Any]:
+        return {"name": self.name, "version": self.version, "module": self.module}
+
+
+class ImageContents:
+    """The plugins' part of an image: ``add(key, obj)`` at checkpoint, ``get(key)`` at restart."""
+
+    def __init__(self, items: dict[str, Any] | None = None) -> None:
+        self.items: dict[str, Any] = dict(items or {})
+
+    def add(self, key: str, obj: Any) -> None:
+        if key in self.items:
+            raise PluginError(f"image key {key!r} was added twice (two plugins with one key?)")
+        self.items[key] = obj
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.items.get(key, default)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.items
+
+
+def discover(with_plugins: list[str], disabled: list[str]) -> list[tuple[str, Any, str]]:
+    """(name, plugin object, source) for every entry point and every --with-plugin module."""
+    found: list[tuple[str, Any, str]] = []
+    for ep in sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+        if ep.name in disabled:
+            continue
+        try:
+            plugin = ep.load()
+        except Exception as exc:
+            raise PluginError(f"plugin {ep.name!r} ({ep.value}) failed to import: {exc}") from None
+        dist = ep.dist.name if ep.dist else "?"
+        found.append((ep.name, plugin, f"entry point of {dist}"))
+    for spec in with_plugins:
+        try:
+            plugin = importlib.import_module(spec)
+        except Exception as exc:
+            raise PluginError(f"--with-plugin {spec}: cannot import it: {exc}") from None
+        name = str(getattr(plugin, "CKPT_PLUGIN_NAME", spec.rpartition(".")[2]))
+        if name in disabled:
+            continue
+        if any(name == other for other, _, _ in found):
+            raise PluginError(f"--with-plugin {spec}: a plugin named {name!r} is already installed")
+        found.append((name, plugin, "--with-plugin"))
+    return found
+
+
+def _info(name: str, plugin: Any, source: str) -> PluginInfo:
+    api = getattr(plugin, "CKPT_PLUGIN_API", None)
+    if api != hookspecs.CKPT_PLUGIN_API:
+        raise PluginError(
+            f"plugin {name!r} declares CKPT_PLUGIN_API = {api!r}; this ckpt speaks API "
+            f"{hookspecs.CKPT_PLUGIN_API} (set the attribute, or upgrade the plugin)"
+        )
+    module = plugin.__name__ if isinstance(plugin, ModuleType) else type(plugin).__module__
+    hooks = tuple(sorted(n for n in dir(plugin) if n.startswith("ckpt_") and callable(getattr(plugin, n))))
+    return PluginInfo(
+        name=name,
+        module=module,
+        version=str(getattr(plugin, "__version__", "0")),
+        api=int(api),
+        order=int(getattr(plugin, "CKPT_PLUGIN_ORDER", 100)),
+        source=source,
+        hooks=hooks,
+    )
+
+
+class PluginHost:
+    """One pluggy PluginManager plus the DMTCP ordering: down in registration order, up reversed."""
+
+    def __init__(self) -> None:
+        self.pm = pluggy.PluginManager(hookspecs.PROJECT)
+        self.pm.add_hookspecs(hookspecs)
+        self.plugins: list[PluginInfo] = []
+
+    def load(self, with_plugins: list[str], disabled: list[str]) -> PluginHost:
+        entries = [(_info(name, plugin, source), plugin) for name, plugin, source in discover(with_plugins, disabled)]
+        for info, plugin in sorted(entries, key=lambda e: e[0].order):  # stable: ties keep discovery order
+            try:
+                self.pm.register(plugin, name=info.name)
+                wrappers = [
+                    f"{impl.plugin_name}.{caller.name}"
+                    for caller in self.pm.get_hookcallers(plugin) or []
+                    for impl in caller.get_hookimpls()
+                    if impl.plugin is plugin and (impl.wrapper or impl.hookwrapper)
+                ]
+                if wrappers:
+                    self.pm.unregister(plugin)
+                    raise PluginError(
+                        f"plugin {info.name!r}: hook wrappers are not supported ({', '.join(wrappers)}); "
+                        "ckpt calls hooks in its own down/up order"
+                    )
+            except (ValueError, pluggy.PluginValidationError) as exc:
+                raise PluginError(f"plugin {info.name!r} cannot be registered: {exc}") from None
+            self.plugins.append(info)
+        return self
+
+    def add_hookspecs(self, module: Any) -> None:
+        """Extra hookspecs (e.g. the DSM's) on the same manager."""
+        self.pm.add_hookspecs(module)
+
+    def call(self, hook: str, **kwargs: Any) -> list[Any]:
+        """Run `hook` on every plugin in its direction's order; a failure names the plugin."""
+        caller = getattr(self.pm.hook, hook)
+        # each priority class in registration order, whatever order pluggy keeps them in
+        impls = caller.get_hookimpls()
+        first = [i for i in impls if i.tryfirst]
+        last = [i for i in impls if i.trylast][::-1]  # pluggy inserts trylast ones at the front
+        normal = [i for i in impls if not (i.tryfirst or i.trylast)]
+        if hook in _DOWN:
+            ordered = first + normal + last
+        else:
+            ordered = first[::-1] + normal[::-1] + last[::-1]
+        results = []
+        for impl in ordered:
+            args = {name: kwargs[name] for name in impl.argnames}
+            try:
+                result = impl.function(**args)
+            except PluginError:
+                raise
+            except Exception as exc:
+                raise PluginError(f"plugin {impl.plugin_name!r} failed in {hook}: {type(exc).__name__}: {exc}") from exc
+            if result is not None:
+                results.append(result)
+        return results

@@ -1,0 +1,464 @@
+"""One rank: runs the program's steps on the main thread and walks checkpoint phases on a second thread."""
+
+# The program thread and the checkpoint thread meet at step boundaries only.
+# Under `_cv` the checkpoint thread raises `_hold` and reads how far the
+# program thread can get on its own (`reach`: the boundary it holds at, or the
+# end of the step it is in); the coordinator answers with the job-wide target
+# (the maximum), and the program thread runs up to that boundary and parks.
+# Everything the checkpoint needs from the program thread happens while it is
+# parked, so program state is never pickled while it changes.  A rank that has
+# finished counts as parked at its final boundary and keeps taking part.
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import queue
+import socket
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from types import ModuleType
+from typing import Any, NoReturn
+
+import cloudpickle
+
+from ckpt._errors import CkptError, CoordinatorError, ImageError, PluginError
+from ckpt._program import Program, Runtime, _set_current_runtime
+from ckpt.coordinator.client import CoordinatorClient
+from ckpt.runtime import images, manifest, vid
+from ckpt.runtime.plugins import ImageContents, PluginHost
+
+log = logging.getLogger(__name__)
+
+SPEC_ENV = "CKPT_RANK_SPEC"
+
+
+class _Aborted(Exception):
+    pass
+
+
+def load_program(path: str) -> tuple[type[Program], dict[str, Any]]:
+    """Import the program file and find its one `ckpt.Program` subclass."""
+    file = Path(path).resolve()
+    if not file.is_file():
+        raise CkptError(f"program file {path} does not exist")
+    name = "ckpt_program_" + "".join(c if c.isalnum() else "_" for c in file.stem)
+    spec = importlib.util.spec_from_file_location(name, file)
+    if spec is None or spec.loader is None:
+        raise CkptError(f"{path} is not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    sys.path.insert(0, str(file.parent))
+    spec.loader.exec_module(module)
+    classes = _program_classes(module)
+    if len(classes) != 1:
+        found = ", ".join(c.__name__ for c in classes) or "none"
+        raise CkptError(f"{path} must define exactly one ckpt.Program subclass (found: {found})")
+    info = {
+        "path": str(file),
+        "name": file.stem,
+        "class": classes[0].__name__,
+        "sha256": hashlib.sha256(file.read_bytes()).hexdigest(),
+    }
+    return classes[0], info
+
+
+def _program_classes(module: ModuleType) -> list[type[Program]]:
+    return [
+        obj
+        for obj in vars(module).values()
+        if isinstance(obj, type)
+        and issubclass(obj, Program)
+        and obj is not Program
+        and obj.__module__ == module.__name__
+    ]
+
+
+class RankEngine:
+    """The per-rank runtime: coordinator link, plugins, the program loop and the checkpoint thread."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.spec = spec
+        self.rank = int(spec["rank"])
+        self.size = int(spec["size"])
+        self.native = bool(spec.get("native"))
+        self.token = str(spec["token"])
+        self.step = 0
+        self.finished = False
+        self.result: str | None = None
+        self._coll_seq = 0
+        self._cv = threading.Condition()
+        self._hold = False
+        self._target: int | None = None
+        self._parked = False
+        self._in_step = False
+        self._in_setup = False
+        self._aborted: set[int] = set()
+        self._done = threading.Event()
+        self._suspends: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self._last_step_report = 0.0
+        self.program_class, self.program_info = load_program(spec["program"])
+        self.program: Program | None = None
+        self.plugins = (
+            None if self.native else PluginHost().load(spec.get("with_plugins", []), spec.get("disabled", []))
+        )
+        self.image_header: dict[str, Any] | None = None
+        restart = spec.get("restart")
+        if restart:
+            self.image_header = images.read_header(restart["image"])
+            self._check_header(self.image_header)
+        self.client = CoordinatorClient(
+            spec["coordinator"], self.token, self._hello(), on_push=self._on_push, on_lost=self._on_lost
+        )
+        welcome = self.client.welcome
+        self.rt = Runtime(
+            self,
+            rank=self.rank,
+            size=self.size,
+            argv=list(spec.get("argv", [])),
+            device=str(spec.get("device") or "simib"),
+            options=dict(spec.get("options", {})),
+            plugins=self.plugins,
+        )
+        self.rt.generation = int(welcome["generation"])
+        self.rt.job = str(welcome["job"])
+        self.ckpt_dir = Path(spec.get("ckpt_dir") or welcome["ckpt_dir"])
+        self.rt.ckpt_dir = str(self.ckpt_dir)
+        _set_current_runtime(self.rt)
+        vid.set_global_allocator(self.rt.allocate_global)
+
+    def _check_header(self, header: dict[str, Any]) -> None:
+        restart = self.spec["restart"]
+        if header.get("program") != self.program_info["name"] or header.get("job") != restart["job"]:
+            raise ImageError(
+                f"image {restart['image']} belongs to program {header.get('program')!r} of job "
+                f"{header.get('job')!r}, not to {self.program_info['name']!r} of job {restart['job']!r}"
+            )
+        if header.get("rank") != self.rank or header.get("number") != restart["number"]:
+            raise ImageError(
+                f"image {restart['image']} is rank {header.get('rank')} of checkpoint {header.get('number')}, "
+                f"expected rank {self.rank} of checkpoint {restart['number']}"
+            )
+
+    def _hello(self) -> dict[str, Any]:
+        hello: dict[str, Any] = {
+            "role": "rank",
+            "rank": self.rank,
+            "size": self.size,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "job": self.spec.get("job"),
+            "program": self.program_info,
+            "argv": list(self.spec.get("argv", [])),
+            "transport": self.spec.get("transport", "simib"),
+            "native": self.native,
+            "plugins": [p.record() for p in self.plugins.plugins] if self.plugins else [],
+        }
+        if self.image_header is not None:
+            restart = self.spec["restart"]
+            hello["restart"] = {k: restart[k] for k in ("job", "generation", "number", "id_counters")}
+            hello.update(
+                step=self.image_header.get("step", 0),
+                finished=self.image_header.get("finished", False),
+                result=self.image_header.get("result"),
+            )
+        return hello
+
+    # ----------------------------------------------------------- coordinator pushes
+    def _on_push(self, message: dict[str, Any]) -> None:
+        op = message["op"]
+        if op == "suspend":
+            self._suspends.put(int(message["number"]))
+        elif op == "abort":
+            with self._cv:
+                self._aborted.add(int(message["number"]))
+                self._cv.notify_all()
+        elif op == "done":
+            self._done.set()
+        elif op == "kill":
+            log.info("killed by the coordinator: %s", message.get("reason"))
+            _exit(0)
+
+    def _on_lost(self, reason: str) -> None:
+        if not self._done.is_set():
+            print(f"ckpt rank {self.rank}: {reason}; exiting", file=sys.stderr, flush=True)
+            _exit(1)
+
+    # ----------------------------------------------------------- program thread
+    def run(self) -> int:
+        try:
+            if self.image_header is not None:
+                self._restart()
+            else:
+                if self.plugins:
+                    self.plugins.call("ckpt_init", rt=self.rt)
+                self.program = self.program_class()
+            if not self.native:
+                threading.Thread(target=self._checkpoint_loop, name="ckpt-checkpoint", daemon=True).start()
+            if self.image_header is None:
+                with self._cv:
+                    self._in_setup = True
+                assert self.program is not None
+                self.program.setup(self.rt)
+                with self._cv:
+                    self._in_setup = False
+            self._loop()
+        except CkptError as exc:
+            self._fatal(str(exc))
+        except Exception as exc:
+            traceback.print_exc()
+            where = f"step {self.step}" if self.image_header or self.step else "setup or step 0"
+            self._fatal(f"the program raised {type(exc).__name__} in {where}: {exc}")
+        self._done.wait()
+        if self.plugins:
+            try:
+                self.plugins.call("ckpt_exit", rt=self.rt)
+            except PluginError as exc:
+                log.warning("%s", exc)
+        self.client.close()
+        return 0
+
+    def _loop(self) -> None:
+        assert self.program is not None
+        step = self.program.step
+        while not self.finished:
+            self._boundary()
+            more = step(self.rt)
+            with self._cv:
+                self.step += 1
+                self._in_step = False
+                if not more:
+                    self.finished = True
+                    self._cv.notify_all()
+            now = time.monotonic()
+            if now - self._last_step_report >= 0.25:
+                self._last_step_report = now
+                self.client.notify("step", step=self.step)
+        self.result = None if (value := self.program.result()) is None else str(value)
+        self.client.call("finished", result=self.result, step=self.step)
+
+    def _boundary(self) -> None:
+        with self._cv:
+            while self._hold:
+                if self._target is None:
+                    self._cv.wait()
+                elif self.step >= self._target:
+                    self._parked = True
+                    self._cv.notify_all()
+                    while self._hold:
+                        self._cv.wait()
+                    self._parked = False
+                else:
+                    break
+            self._in_step = True
+
+    def _reach(self) -> int:
+        if self._in_setup:
+            return 0
+        return self.step + 1 if self._in_step else self.step
+
+    def collective(self, kind: str, obj: Any) -> list[Any]:
+        self._coll_seq += 1
+        data = cloudpickle.dumps(obj) if kind == "allgather" else None
+        step = self.step if not self._in_setup else -1
+        answer = self.client.call("collective", seq=self._coll_seq, kind=kind, step=step, data=data)
+        if kind != "allgather":
+            return []
+        return [cloudpickle.loads(value) for value in answer["values"]]
+
+    def request_checkpoint(self) -> int:
+        if self.native:
+            log.info("rt.checkpoint() ignored: checkpoints are disabled under --native")
+            return 0
+        return int(self.client.call("checkpoint")["number"])
+
+    def _fatal(self, message: str) -> NoReturn:
+        print(f"ckpt rank {self.rank}: {message}", file=sys.stderr, flush=True)
+        try:
+            self.client.call("fatal", reply_timeout=10.0, error=message)
+        except CoordinatorError:
+            pass
+        _exit(1)
+
+    # ----------------------------------------------------------- restart
+    def _restart(self) -> None:
+        restart = self.spec["restart"]
+
+        def progress(done: int, total: int) -> None:
+            self.client.notify("progress", done=done, total=total)
+
+        _, graph = images.read_image(restart["image"], token=self.token.encode(), progress=progress)
+        self.program = graph["program"]
+        state = graph["runtime"]
+        self.step, self.finished, self.result = state["step"], state["finished"], state["result"]
+        self._coll_seq = state["coll_seq"]
+        self.rt.restarted = True
+        contents = ImageContents(graph["plugins"])
+        generation = self.rt.generation
+        if self.plugins:
+            self.plugins.call("ckpt_init", rt=self.rt)
+            self.plugins.call("ckpt_restart", rt=self.rt, image=contents)
+        self._phase(f"gen{generation}:RESTART")
+        if self.plugins:
+            self.plugins.call("ckpt_refresh", rt=self.rt)
+        self._phase(f"gen{generation}:REFRESH")
+        if self.plugins:
+            self.plugins.call("ckpt_resume", rt=self.rt, restarted=True, aborted=False)
+        self._phase(f"gen{generation}:RESUME")
+        if self.finished:
+            self.client.call("finished", result=self.result, step=self.step)
+
+    def _phase(self, name: str, value: Any = None) -> dict[str, Any]:
+        answer = self.client.call("barrier", name=name, value=value)
+        if "abort" in answer:
+            raise _Aborted(answer["abort"])
+        return answer
+
+    # ----------------------------------------------------------- checkpoint thread
+    def _checkpoint_loop(self) -> None:
+        while True:
+            number = self._suspends.get()
+            try:
+                self._checkpoint(number)
+            except CoordinatorError as exc:
+                log.warning("checkpoint %d: %s", number, exc)
+                self._release()
+
+    def _checkpoint(self, number: int) -> None:
+        assert self.plugins is not None
+        suspended = False
+        try:
+            with self._cv:
+                self._hold = True
+                reach, finished = self._reach(), self.finished
+            answer = self._phase(f"ckpt{number}:reach", {"reach": reach, "finished": finished, "step": self.step})
+            reaches = [v["reach"] for v in answer["values"] if v and not v["finished"]]
+            with self._cv:
+                self._target = max(reaches, default=reach)
+                self._cv.notify_all()
+                while not (self._parked or self.finished) and number not in self._aborted:
+                    self._cv.wait()
+                if number in self._aborted:
+                    raise _Aborted("aborted while parking")
+            suspended = True
+            self.plugins.call("ckpt_presuspend", rt=self.rt)
+            self._phase(f"ckpt{number}:PRESUSPEND", {"step": self.step})
+            self.plugins.call("ckpt_drain", rt=self.rt)
+            self._phase(f"ckpt{number}:DRAIN")
+            contents = ImageContents()
+            self.plugins.call("ckpt_precheckpoint", rt=self.rt, image=contents)
+            answer = self._phase(f"ckpt{number}:CHECKPOINT", self._write_image(number, contents))
+            info = {"number": number, "manifest": answer["manifest"]}
+            self.plugins.call("ckpt_checkpointed", rt=self.rt, info=info)
+            if answer.get("kill"):
+                log.info("checkpoint %d written; exiting as asked (--kill)", number)
+                _exit(0)
+            self.plugins.call("ckpt_resume", rt=self.rt, restarted=False, aborted=False)
+            self._phase(f"ckpt{number}:RESUME")
+        except _Aborted as exc:
+            log.info("checkpoint %d aborted: %s", number, exc)
+            if suspended:
+                self._resume_after_abort()
+        except PluginError as exc:
+            log.warning("checkpoint %d: %s", number, exc)
+            try:
+                self.client.call("abort_checkpoint", number=number, reason=f"rank {self.rank}: {exc}")
+            except CoordinatorError:
+                pass
+            if suspended:
+                self._resume_after_abort()
+        finally:
+            self._release()
+
+    def _resume_after_abort(self) -> None:
+        assert self.plugins is not None
+        try:
+            self.plugins.call("ckpt_resume", rt=self.rt, restarted=False, aborted=True)
+        except PluginError as exc:
+            self._fatal(f"could not resume after an aborted checkpoint: {exc}")
+
+    def _release(self) -> None:
+        with self._cv:
+            self._hold = False
+            self._target = None
+            self._cv.notify_all()
+
+    def _write_image(self, number: int, contents: ImageContents) -> dict[str, Any]:
+        name = self.program_info["name"]
+        path = self.ckpt_dir / manifest.image_name(name, self.rank, number)
+        header = {
+            "program": name,
+            "class": self.program_info["class"],
+            "program_sha256": self.program_info["sha256"],
+            "job": self.rt.job,
+            "rank": self.rank,
+            "size": self.size,
+            "number": number,
+            "generation": self.rt.generation,
+            "step": self.step,
+            "finished": self.finished,
+            "result": self.result,
+        }
+        graph = {
+            "program": self.program,
+            "runtime": {
+                "step": self.step,
+                "finished": self.finished,
+                "result": self.result,
+                "coll_seq": self._coll_seq,
+            },
+            "plugins": contents.items,
+        }
+        try:
+            self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+            info = images.write_image(path, graph, header=header, token=self.token.encode())
+        except (CkptError, OSError, TypeError, ValueError, AttributeError) as exc:
+            return {"error": f"cannot write {path}: {type(exc).__name__}: {exc}"}
+        except Exception as exc:  # pickling arbitrary program state can fail in arbitrary ways
+            return {"error": f"cannot pickle the program state: {type(exc).__name__}: {exc}"}
+        return {
+            "file": path.name,
+            "bytes": info.bytes,
+            "sha256": info.sha256,
+            "seconds": info.seconds,
+            "step": self.step,
+        }
+
+
+def _exit(code: int) -> NoReturn:
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
+
+
+def configure_logging(rank: int, level: str) -> None:
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=getattr(logging, level.upper(), logging.WARNING),
+        format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def main(spec: dict[str, Any] | None = None) -> NoReturn:
+    """Entry point of a rank process (`python -m ckpt.runtime.rank`, spec in $CKPT_RANK_SPEC)."""
+    if spec is None:
+        spec = json.loads(os.environ[SPEC_ENV])
+    configure_logging(int(spec["rank"]), str(spec.get("log_level", "WARNING")))
+    try:
+        engine = RankEngine(spec)
+    except CkptError as exc:
+        print(f"ckpt rank {spec['rank']}: {exc}", file=sys.stderr, flush=True)
+        _exit(1)
+    _exit(engine.run())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""The end-to-end harness: run `ckpt` exactly as a user would, and always reap what it started.
+
+One shape for every end-to-end test (as CRIU's ZDTM): launch -> (checkpoint ->
+kill -> restart) x k -> compare the results with an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+PROGRAMS = Path(__file__).resolve().parent / "programs"
+CKPT = [sys.executable, "-P", "-m", "ckpt"]
+_RESULT = re.compile(r"^\[rank (\d+)\] result: (.*)$", re.M)
+
+
+def env(**extra: str) -> dict[str, str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_")}
+    base["PYTHONPATH"] = os.pathsep.join([str(PROGRAMS / "plugins"), base.get("PYTHONPATH", "")])
+    return {**base, **extra}
+
+
+def results(stdout: str) -> dict[int, str]:
+    return {int(rank): value for rank, value in _RESULT.findall(stdout)}
+
+
+def run(
+    *args: str, timeout: float = 60, extra_env: dict[str, str] | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run one ckpt command to completion."""
+    return subprocess.run(
+        [*CKPT, *args],
+        text=True,
+        capture_output=True,
+        timeout=timeout,
+        env=env(**(extra_env or {})),
+        cwd=cwd,
+        start_new_session=True,
+    )
+
+
+def wait_for(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
+    """Poll `condition` until it returns something truthy; fail the test after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)  # the polling interval of a condition wait, not a race-hiding sleep
+
+
+@dataclass
+class Job:
+    """A `ckpt launch` / `ckpt restart` running in the background, in its own process group."""
+
+    args: list[str]
+    ckpt_dir: Path
+    extra_env: dict[str, str] = field(default_factory=dict)
+    process: subprocess.Popen[str] | None = None
+    stdout: str = ""
+    stderr: str = ""
+
+    def start(self) -> Job:
+        out = open(self.ckpt_dir.parent / f"{self.ckpt_dir.name}.{time.monotonic_ns()}.out", "w+")
+        err = open(out.name + ".err", "w+")
+        self._files = (out, err)
+        self.process = subprocess.Popen(
+            [*CKPT, *self.args], text=True, stdout=out, stderr=err, env=env(**self.extra_env), start_new_session=True
+        )
+        return self
+
+    def status(self) -> dict[str, Any] | None:
+        answer = run("status", "--json", "--ckpt-dir", str(self.ckpt_dir), timeout=30)
+        return json.loads(answer.stdout) if answer.returncode == 0 else None
+
+    def wait_step(self, step: int, timeout: float = 60) -> dict[str, Any]:
+        def reached() -> dict[str, Any] | None:
+            assert self.process is not None
+            if self.process.poll() is not None:
+                raise AssertionError(f"job ended early: {self.read()[1]}")
+            state = self.status()
+            if state and len(state["ranks"]) and min(r["step"] for r in state["ranks"]) >= step:
+                return state
+            return None
+
+        return wait_for(reached, timeout, f"every rank past step {step}")
+
+    def wait(self, timeout: float = 120) -> int:
+        assert self.process is not None
+        code = self.process.wait(timeout=timeout)
+        self.read()
+        return code
+
+    def read(self) -> tuple[str, str]:
+        out, err = self._files
+        out.seek(0)
+        err.seek(0)
+        self.stdout, self.stderr = out.read(), err.read()
+        return self.stdout, self.stderr
+
+    def kill(self) -> None:
+        """Kill the whole process group (launcher, coordinator, ranks)."""
+        if self.process is not None:
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.process.wait(timeout=30)
+        for f in getattr(self, "_files", ()):
+            f.close()
+
+    def rank_pids(self) -> dict[int, int]:
+        state = self.status()
+        assert state is not None
+        return {r["rank"]: r["pid"] for r in state["ranks"]}

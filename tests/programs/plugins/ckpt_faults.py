@@ -1,0 +1,67 @@
+"""Test plugin: kill -9 its own rank at a chosen point of a chosen checkpoint.
+
+CKPT_TEST_FAULT=<point>:<rank>:<checkpoint number>, point one of
+presuspend, drain, image (inside the image write: pickling a bomb),
+gate (rank 0 waits in precheckpoint until the file $CKPT_TEST_GATE exists).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import ckpt
+
+CKPT_PLUGIN_API = 1
+__version__ = "1.0"
+
+
+def _armed(rt: ckpt.Runtime, point: str) -> bool:
+    spec = os.environ.get("CKPT_TEST_FAULT", "")
+    if not spec:
+        return False
+    want, rank, number = spec.split(":")
+    n = rt.options.get("_number", 0)
+    return want == point and int(rank) == rt.rank and int(number) == n
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _Bomb:
+    def __reduce__(self) -> Any:
+        _die()
+        return (_Bomb, ())
+
+
+@ckpt.hookimpl
+def ckpt_presuspend(rt: ckpt.Runtime) -> None:
+    rt.options["_number"] = rt.options.get("_number", 0) + 1
+    if _armed(rt, "presuspend"):
+        _die()
+
+
+@ckpt.hookimpl
+def ckpt_drain(rt: ckpt.Runtime) -> None:
+    if _armed(rt, "drain"):
+        _die()
+
+
+@ckpt.hookimpl
+def ckpt_precheckpoint(rt: ckpt.Runtime, image: Any) -> None:
+    if _armed(rt, "image"):
+        image.add("bomb", _Bomb())
+    gate = os.environ.get("CKPT_TEST_GATE")
+    if gate and rt.rank == 0 and _armed_any(rt):
+        deadline = time.monotonic() + 60
+        while not Path(gate).exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+
+def _armed_any(rt: ckpt.Runtime) -> bool:
+    spec = os.environ.get("CKPT_TEST_FAULT", "")
+    return bool(spec) and spec.startswith("gate:") and int(spec.split(":")[2]) == rt.options.get("_number", 0)

@@ -1,0 +1,163 @@
+"""End-to-end: launch -> (checkpoint -> kill -> restart) x k -> the uninterrupted run's results."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from harness import EXAMPLES, PROGRAMS, Job, results, run, wait_for
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+HEAT = [str(EXAMPLES / "heat.py"), "300", "2000", "3"]
+
+
+@pytest.fixture(scope="module")
+def expected(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
+    """The uninterrupted run of the 4-rank heat program."""
+    directory = tmp_path_factory.mktemp("plain")
+    done = run("launch", "-n", "4", "--ckpt-dir", str(directory / "ckpt"), *HEAT, timeout=120)
+    assert done.returncode == 0, done.stderr
+    got = results(done.stdout)
+    assert sorted(got) == [0, 1, 2, 3]
+    return got
+
+
+def _manifests(directory: Path) -> list[Path]:
+    return sorted(directory.glob("ckpt_heat_*.json"))
+
+
+def test_checkpoint_then_resume_gives_the_same_result(
+    start_job: Callable[..., Job], tmp_path: Path, expected: dict[int, str]
+) -> None:
+    ckpt_dir = tmp_path / "ckpt"
+    job = start_job("launch", "-n", "4", "--ckpt-dir", str(ckpt_dir), *HEAT)
+    job.wait_step(30)
+    taken = run("checkpoint", "--wait", "--ckpt-dir", str(ckpt_dir))
+    assert taken.returncode == 0, taken.stderr
+    assert "checkpoint 1 written" in taken.stdout
+    assert job.wait() == 0, job.stderr
+    assert results(job.stdout) == expected
+    (manifest,) = _manifests(ckpt_dir)
+    data = json.loads(manifest.read_text())
+    assert data["number"] == 1 and data["size"] == 4 and len(data["ranks"]) == 4
+    assert (ckpt_dir / "latest").read_text().strip() == manifest.name
+    for entry in data["ranks"]:
+        assert (ckpt_dir / entry["file"]).stat().st_size == entry["bytes"]
+
+
+def test_kill_then_restart_gives_the_same_result(
+    start_job: Callable[..., Job], tmp_path: Path, expected: dict[int, str]
+) -> None:
+    ckpt_dir = tmp_path / "ckpt"
+    job = start_job("launch", "-n", "4", "--ckpt-dir", str(ckpt_dir), *HEAT)
+    before = job.wait_step(40)
+    taken = run("checkpoint", "--kill", "--ckpt-dir", str(ckpt_dir))
+    assert taken.returncode == 0, taken.stderr
+    assert job.wait() == 0
+    assert "killed after checkpoint 1" in job.stderr
+    assert results(job.stdout) == {}, "a killed job must not print results"
+    again = start_job("restart", "--ckpt-dir", str(ckpt_dir))
+    assert again.wait() == 0, again.stderr
+    assert results(again.stdout) == expected
+    pids_before = {r["pid"] for r in before["ranks"]}
+    assert pids_before, "status listed no ranks"
+
+
+def test_five_restart_cycles_chain_from_the_previous_restart(start_job: Callable[..., Job], tmp_path: Path) -> None:
+    ckpt_dir = tmp_path / "ckpt"
+    program = [str(EXAMPLES / "heat.py"), "1500", "500", "3"]
+    plain = run("launch", "-n", "4", "--ckpt-dir", str(tmp_path / "plain"), *program, timeout=120)
+    assert plain.returncode == 0, plain.stderr
+    job = start_job("launch", "-n", "4", "--ckpt-dir", str(ckpt_dir), *program)
+    generations = []
+    for cycle in range(5):
+        job.wait_step(50 + 150 * cycle)
+        state = job.status()
+        assert state is not None
+        generations.append(state["generation"])
+        taken = run("checkpoint", "--kill", "--ckpt-dir", str(ckpt_dir))
+        assert taken.returncode == 0, taken.stderr
+        assert f"checkpoint {cycle + 1} written" in taken.stdout
+        assert job.wait() == 0, job.stderr
+        job = start_job("restart", "--ckpt-dir", str(ckpt_dir))
+    assert job.wait() == 0, job.stderr
+    assert results(job.stdout) == results(plain.stdout)
+    assert generations == [0, 1, 2, 3, 4]
+    assert [json.loads(m.read_text())["number"] for m in _manifests(ckpt_dir)] == [1, 2, 3, 4, 5]
+
+
+def test_interval_checkpoints_and_keep_prunes(
+    start_job: Callable[..., Job], tmp_path: Path, expected: dict[int, str]
+) -> None:
+    ckpt_dir = tmp_path / "ckpt"
+    job = start_job("launch", "-n", "4", "--ckpt-dir", str(ckpt_dir), "--interval", "0.3", "--keep", "2", *HEAT)
+    wait_for(lambda: (ckpt_dir / "ckpt_heat_4.json").exists(), 60, "a fourth interval checkpoint")
+    assert job.wait() == 0, job.stderr
+    assert results(job.stdout) == expected
+    manifests = _manifests(ckpt_dir)
+    assert len(manifests) == 2, manifests
+    numbers = sorted(json.loads(m.read_text())["number"] for m in manifests)
+    assert numbers[0] >= 3
+    images = sorted(ckpt_dir.glob("ckpt_heat_*_*.ckpt"))
+    assert len(images) == 2 * 4
+    assert all(int(p.stem.rsplit("_", 1)[1]) in numbers for p in images)
+
+
+def test_status_json_shows_ranks_states_generation_and_last_checkpoint(
+    start_job: Callable[..., Job], tmp_path: Path
+) -> None:
+    ckpt_dir = tmp_path / "ckpt"
+    job = start_job("launch", "-n", "4", "--ckpt-dir", str(ckpt_dir), *HEAT)
+    job.wait_step(10)
+    state = job.status()
+    assert state is not None
+    assert state["generation"] == 0 and state["last_checkpoint"] is None
+    assert state["state"] == "running" and state["unanimous"] is True
+    assert [r["rank"] for r in state["ranks"]] == [0, 1, 2, 3]
+    assert all({"rank", "state", "step", "host", "pid"} <= r.keys() for r in state["ranks"])
+    assert run("checkpoint", "--wait", "--ckpt-dir", str(ckpt_dir)).returncode == 0
+    state = job.status()
+    assert state is not None
+    last = state["last_checkpoint"]
+    assert last["number"] == 1 and last["bytes"] > 0 and last["seconds"] > 0
+    assert Path(last["manifest"]).exists()
+    human = run("status", "--ckpt-dir", str(ckpt_dir))
+    assert "last checkpoint: 1" in human.stdout
+    assert job.wait() == 0
+
+
+def test_misaligned_collectives_abort_the_checkpoint_and_the_job_finishes(
+    start_job: Callable[..., Job], tmp_path: Path
+) -> None:
+    ckpt_dir = tmp_path / "ckpt"
+    program = [str(PROGRAMS / "misaligned.py"), "150", "0.02"]
+    plain = run("launch", "-n", "2", "--ckpt-dir", str(tmp_path / "plain"), *program)
+    assert plain.returncode == 0, plain.stderr
+    job = start_job("launch", "-n", "2", "--ckpt-dir", str(ckpt_dir), *program)
+    job.wait_step(20)
+    taken = run("checkpoint", "--wait", "--ckpt-dir", str(ckpt_dir), timeout=30)
+    assert taken.returncode == 1
+    (line,) = taken.stderr.strip().splitlines()
+    assert "checkpoint 1 aborted: collectives are not step-aligned" in line
+    assert "rank 1 is in allgather" in line and "step" in line
+    assert job.wait() == 0, job.stderr
+    assert results(job.stdout) == results(plain.stdout)
+    assert not list(ckpt_dir.glob("*.ckpt*")), "an aborted checkpoint must leave no image behind"
+
+
+def test_a_checkpoint_requested_from_the_program_and_during_setup(
+    start_job: Callable[..., Job], tmp_path: Path, expected: dict[int, str]
+) -> None:
+    ckpt_dir = tmp_path / "ckpt"
+    job = start_job("launch", "-n", "4", "--ckpt-dir", str(ckpt_dir), *HEAT)
+    taken = run("checkpoint", "--wait", "--ckpt-dir", str(ckpt_dir))
+    if taken.returncode != 0:  # the job file may not exist yet: that is "no job", a clear error
+        assert "error:" in taken.stderr
+        wait_for(lambda: (ckpt_dir / "coordinator.json").exists(), 30, "coordinator.json")
+        taken = run("checkpoint", "--wait", "--ckpt-dir", str(ckpt_dir))
+    assert taken.returncode == 0, taken.stderr
+    assert job.wait() == 0
+    assert results(job.stdout) == expected

@@ -1,0 +1,299 @@
+"""Unit tests of the coordinator wire protocol: framing, limits, decoding, auth helpers, addresses."""
+
+from __future__ import annotations
+
+import random
+import socket
+import struct
+import threading
+from collections.abc import Iterator
+
+import msgpack
+import pytest
+
+from ckpt._errors import CkptError, ProtocolError
+from ckpt.coordinator import protocol
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
+    a, b = socket.socketpair()
+    a.settimeout(5.0)
+    b.settimeout(5.0)
+    yield a, b
+    a.close()
+    b.close()
+
+
+def body(obj: object) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def frame(obj: object) -> bytes:
+    data = body(obj)
+    return struct.pack(">I", len(data)) + data
+
+
+# ----------------------------------------------------------------- encode / decode
+def test_protocol_error_is_a_ckpt_error() -> None:
+    assert issubclass(ProtocolError, CkptError)
+
+
+def test_encode_prefixes_a_big_endian_length_and_adds_the_version() -> None:
+    data = protocol.encode({"op": "status", "id": 3})
+    (length,) = struct.unpack(">I", data[:4])
+    assert length == len(data) - 4
+    assert msgpack.unpackb(data[4:], raw=False) == {"v": protocol.PROTOCOL_VERSION, "op": "status", "id": 3}
+
+
+def test_round_trip_keeps_bytes_strings_and_nesting() -> None:
+    message = {"op": "publish", "ns": "ib", "key": "qp/0", "value": {"raw": b"\x00\xff", "list": [1, "a", None]}}
+    decoded = protocol.decode(protocol.encode(message)[4:])
+    assert decoded == {"v": protocol.PROTOCOL_VERSION, **message}
+    assert isinstance(decoded["value"]["raw"], bytes)
+
+
+def test_a_message_cannot_override_the_protocol_version() -> None:
+    with pytest.raises(ProtocolError, match="protocol version"):
+        protocol.decode(protocol.encode({"op": "x", "v": 99})[4:])
+
+
+def test_encode_refuses_a_message_over_the_frame_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(protocol, "MAX_FRAME", 64)
+    protocol.encode({"op": "small"})
+    with pytest.raises(ProtocolError, match=r"'big'.*64-byte frame limit"):
+        protocol.encode({"op": "big", "data": b"x" * 100})
+
+
+@pytest.mark.parametrize(
+    ("raw", "match"),
+    [
+        (b"", "undecodable"),
+        (b"\xc1", "undecodable"),  # never-used msgpack byte
+        (b"\x92\x01", "undecodable"),  # truncated array
+        (body([1, 2, 3]), "not a map"),
+        (body("status"), "not a map"),
+        (body(7), "not a map"),
+        (body(None), "not a map"),
+        (body({"op": "status"}), "protocol version None"),
+        (body({"v": 2, "op": "status"}), "protocol version 2"),
+        (body({"v": "1", "op": "status"}), "protocol version"),
+        (body({"v": 1}), "no op"),
+        (body({"v": 1, "op": 5}), "no op"),
+        (body({"v": 1, "op": b"status"}), "no op"),
+        (body({1: 1, "v": 1, "op": "x"}), "undecodable"),  # non-string map key
+        (body({"v": 1, "op": "x"}) + b"\x00", "undecodable"),  # trailing data
+    ],
+)
+def test_decode_rejects_malformed_bodies(raw: bytes, match: str) -> None:
+    with pytest.raises(ProtocolError, match=match):
+        protocol.decode(raw)
+
+
+def test_decode_of_random_garbage_only_ever_raises_protocol_error() -> None:
+    rng = random.Random(20240611)
+    for _ in range(3000):
+        raw = rng.randbytes(rng.randrange(0, 64))
+        try:
+            message = protocol.decode(raw)
+        except ProtocolError:
+            continue
+        assert message["v"] == protocol.PROTOCOL_VERSION and isinstance(message["op"], str)
+
+
+def test_decode_of_mutated_valid_frames_only_ever_raises_protocol_error() -> None:
+    rng = random.Random(7)
+    valid = protocol.encode({"op": "publish", "ns": "n", "key": "k", "value": [1, 2.5, b"x", {"a": None}]})[4:]
+    for _ in range(3000):
+        mutated = bytearray(valid)
+        for _ in range(rng.randrange(1, 4)):
+            mutated[rng.randrange(len(mutated))] = rng.randrange(256)
+        try:
+            message = protocol.decode(bytes(mutated))
+        except ProtocolError:
+            continue
+        assert isinstance(message, dict) and isinstance(message["op"], str)
+
+
+# ----------------------------------------------------------------- recv / send on sockets
+def test_send_and_recv_over_a_socket(pair: tuple[socket.socket, socket.socket]) -> None:
+    a, b = pair
+    protocol.send(a, {"op": "one", "n": 1})
+    protocol.send(a, {"op": "two", "payload": b"\x01" * 100_000})
+    assert protocol.recv(b)["op"] == "one"
+    second = protocol.recv(b)
+    assert second["op"] == "two" and second["payload"] == b"\x01" * 100_000
+
+
+def test_recv_reassembles_a_frame_sent_one_byte_at_a_time(pair: tuple[socket.socket, socket.socket]) -> None:
+    a, b = pair
+    data = protocol.encode({"op": "slow", "value": list(range(50))})
+
+    def trickle() -> None:
+        for i in range(len(data)):
+            a.sendall(data[i : i + 1])
+
+    writer = threading.Thread(target=trickle)
+    writer.start()
+    try:
+        assert protocol.recv(b) == {"v": 1, "op": "slow", "value": list(range(50))}
+    finally:
+        writer.join(5.0)
+
+
+def test_recv_raises_eof_on_a_clean_close(pair: tuple[socket.socket, socket.socket]) -> None:
+    a, b = pair
+    a.close()
+    with pytest.raises(EOFError):
+        protocol.recv(b)
+
+
+def test_recv_raises_eof_when_the_peer_closes_mid_frame(pair: tuple[socket.socket, socket.socket]) -> None:
+    a, b = pair
+    data = protocol.encode({"op": "cut", "value": "x" * 100})
+    a.sendall(data[:30])
+    a.shutdown(socket.SHUT_WR)
+    with pytest.raises(EOFError):
+        protocol.recv(b)
+
+
+def test_recv_raises_eof_when_the_peer_closes_inside_the_length(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    a, b = pair
+    a.sendall(b"\x00\x00")
+    a.shutdown(socket.SHUT_WR)
+    with pytest.raises(EOFError):
+        protocol.recv(b)
+
+
+@pytest.mark.timeout(10)
+def test_recv_refuses_an_oversize_length_before_reading_the_body(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    a, b = pair
+    # Only the header is sent: reading the body would block (and hit the socket timeout).
+    a.sendall(struct.pack(">I", protocol.MAX_FRAME + 1))
+    with pytest.raises(ProtocolError, match="limit"):
+        protocol.recv(b)
+    a.sendall(struct.pack(">I", 0xFFFFFFFF))
+    with pytest.raises(ProtocolError, match="limit"):
+        protocol.recv(b)
+
+
+def test_recv_honours_the_frame_limit_exactly(
+    pair: tuple[socket.socket, socket.socket], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a, b = pair
+    ok = body({"v": 1, "op": "fits"})
+    monkeypatch.setattr(protocol, "MAX_FRAME", len(ok))
+    a.sendall(struct.pack(">I", len(ok)) + ok)
+    assert protocol.recv(b)["op"] == "fits"
+    a.sendall(struct.pack(">I", len(ok) + 1))
+    with pytest.raises(ProtocolError):
+        protocol.recv(b)
+
+
+def test_recv_of_a_zero_length_frame_is_a_protocol_error(pair: tuple[socket.socket, socket.socket]) -> None:
+    a, b = pair
+    a.sendall(struct.pack(">I", 0))
+    with pytest.raises(ProtocolError):
+        protocol.recv(b)
+
+
+def test_recv_of_a_non_map_frame_is_a_protocol_error(pair: tuple[socket.socket, socket.socket]) -> None:
+    a, b = pair
+    a.sendall(frame(["op", "status"]))
+    with pytest.raises(ProtocolError, match="not a map"):
+        protocol.recv(b)
+
+
+# ----------------------------------------------------------------- authentication helpers
+def test_new_token_is_random_hex() -> None:
+    tokens = {protocol.new_token() for _ in range(20)}
+    assert len(tokens) == 20
+    for token in tokens:
+        assert len(token) == 32
+        int(token, 16)
+
+
+def test_new_nonce_is_16_random_bytes() -> None:
+    nonces = {protocol.new_nonce() for _ in range(20)}
+    assert len(nonces) == 20
+    assert all(isinstance(n, bytes) and len(n) == 16 for n in nonces)
+
+
+def test_auth_answer_is_an_hmac_that_does_not_contain_the_token() -> None:
+    nonce = protocol.new_nonce()
+    answer = protocol.auth_answer("sekrit", nonce)
+    assert answer == protocol.auth_answer("sekrit", nonce)
+    assert len(answer) == 32
+    assert b"sekrit" not in answer
+    assert answer != protocol.auth_answer("sekrit", protocol.new_nonce())
+    assert answer != protocol.auth_answer("other", nonce)
+
+
+def test_check_answer_accepts_only_the_right_answer() -> None:
+    nonce = protocol.new_nonce()
+    right = protocol.auth_answer("tok", nonce)
+    assert protocol.check_answer("tok", nonce, right)
+    assert not protocol.check_answer("tok", nonce, protocol.auth_answer("bad", nonce))
+    assert not protocol.check_answer("tok", nonce, protocol.auth_answer("tok", protocol.new_nonce()))
+    assert not protocol.check_answer("tok", nonce, right[:-1])
+    assert not protocol.check_answer("tok", nonce, b"")
+
+
+@pytest.mark.parametrize("answer", [None, "tok", 0, [1], bytearray(32)])
+def test_check_answer_rejects_non_bytes(answer: object) -> None:
+    assert not protocol.check_answer("tok", protocol.new_nonce(), answer)
+
+
+def test_token_bytes_is_utf8() -> None:
+    assert protocol.token_bytes("jöb") == "jöb".encode()
+
+
+# ----------------------------------------------------------------- require
+def test_require_returns_the_checked_field() -> None:
+    message = {"op": "x", "n": 3, "name": "a", "t": 1.5}
+    assert protocol.require(message, "n", int) == 3
+    assert protocol.require(message, "name", str) == "a"
+    assert protocol.require(message, "t", (int, float)) == 1.5
+    assert protocol.require(message, "n", (int, float)) == 3
+
+
+@pytest.mark.parametrize(
+    ("key", "kind"),
+    [("missing", int), ("name", int), ("n", str), ("flag", int), ("t", int), ("none", str)],
+)
+def test_require_rejects_missing_and_mistyped_fields(key: str, kind: type) -> None:
+    message = {"op": "x", "n": 3, "name": "a", "flag": True, "t": 1.5, "none": None}
+    with pytest.raises(ProtocolError, match=rf"op 'x': field '{key}'"):
+        protocol.require(message, key, kind)
+
+
+# ----------------------------------------------------------------- addresses
+@pytest.mark.parametrize(
+    ("address", "expected"),
+    [
+        ("127.0.0.1:7779", ("127.0.0.1", 7779)),
+        ("localhost:1", ("localhost", 1)),
+        ("node-3.cluster:65535", ("node-3.cluster", 65535)),
+        ("[::1]:7000", ("::1", 7000)),
+    ],
+)
+def test_parse_address(address: str, expected: tuple[str, int]) -> None:
+    assert protocol.parse_address(address) == expected
+
+
+@pytest.mark.parametrize(
+    "address",
+    ["", "host", "host:", ":80", "host:0", "host:65536", "host:abc", "host:-1", "host: 80", "host:8o"],
+)
+def test_parse_address_rejects_bad_addresses_with_a_clear_line(address: str) -> None:
+    with pytest.raises(ProtocolError, match="expected HOST:PORT"):
+        protocol.parse_address(address)
+
+
+def test_parse_address_rejects_non_ascii_digits() -> None:
+    with pytest.raises(ProtocolError, match="expected HOST:PORT"):
+        protocol.parse_address("host:²")
