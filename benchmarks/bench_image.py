@@ -81,7 +81,7 @@ def drop_cache(path: Path) -> None:
 
 
 def raw_write(path: Path, grid: np.ndarray) -> None:
-    view = memoryview(grid).cast("B")
+    view = grid.data.cast("B")
     with open(path, "wb", buffering=0) as f:
         for start in range(0, view.nbytes, PIECE):
             f.write(view[start : start + PIECE])
@@ -90,7 +90,7 @@ def raw_write(path: Path, grid: np.ndarray) -> None:
 
 def raw_read(path: Path, size: int) -> np.ndarray:
     grid = np.empty(size, dtype=np.uint8)
-    view = memoryview(grid)
+    view = grid.data
     with open(path, "rb", buffering=0) as f:
         for start in range(0, size, PIECE):
             f.readinto(view[start : start + PIECE])

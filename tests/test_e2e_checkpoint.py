@@ -148,16 +148,21 @@ def test_misaligned_collectives_abort_the_checkpoint_and_the_job_finishes(
     assert not list(ckpt_dir.glob("*.ckpt*")), "an aborted checkpoint must leave no image behind"
 
 
-def test_a_checkpoint_requested_from_the_program_and_during_setup(
-    start_job: Callable[..., Job], tmp_path: Path, expected: dict[int, str]
+def test_checkpoints_requested_by_the_program_during_setup_and_inside_a_step(
+    start_job: Callable[..., Job], tmp_path: Path
 ) -> None:
+    program = [str(PROGRAMS / "selfckpt.py"), "200"]
+    native = run("launch", "--native", "-n", "3", "--ckpt-dir", str(tmp_path / "native"), *program)
+    assert native.returncode == 0, native.stderr
+    assert not list((tmp_path / "native").glob("ckpt_*.json")), "--native takes no checkpoints"
     ckpt_dir = tmp_path / "ckpt"
-    job = start_job("launch", "-n", "4", "--ckpt-dir", str(ckpt_dir), *HEAT)
-    taken = run("checkpoint", "--wait", "--ckpt-dir", str(ckpt_dir))
-    if taken.returncode != 0:  # the job file may not exist yet: that is "no job", a clear error
-        assert "error:" in taken.stderr
-        wait_for(lambda: (ckpt_dir / "coordinator.json").exists(), 30, "coordinator.json")
-        taken = run("checkpoint", "--wait", "--ckpt-dir", str(ckpt_dir))
-    assert taken.returncode == 0, taken.stderr
-    assert job.wait() == 0
-    assert results(job.stdout) == expected
+    job = start_job("launch", "-n", "3", "--ckpt-dir", str(ckpt_dir), *program)
+    assert job.wait() == 0, job.stderr
+    assert results(job.stdout) == results(native.stdout)
+    first, second = (json.loads((ckpt_dir / f"ckpt_selfckpt_{n}.json").read_text()) for n in (1, 2))
+    # asked for in setup: the first boundary every rank can still reach (0, or 1 if a peer is in step 0)
+    assert len({r["step"] for r in first["ranks"]}) == 1 and first["ranks"][0]["step"] <= 1
+    assert min(r["step"] for r in second["ranks"]) >= 51
+    again = start_job("restart", str(ckpt_dir / "ckpt_selfckpt_1.json"))
+    assert again.wait() == 0, again.stderr
+    assert results(again.stdout) == results(native.stdout)

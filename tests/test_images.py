@@ -243,6 +243,10 @@ def test_inspect_reports_damage(image: Path) -> None:
     image.write_bytes(data)
     report = inspect_image(image)
     assert not report["ok"] and "damaged" in report["problem"]
+    image.write_bytes(data[:-10])
+    report = inspect_image(image)
+    assert not report["ok"] and "truncated" in report["problem"]
+    assert report["sections"] is None and report["header"]["program"] == "heat"
 
 
 # ------------------------------------------------------------------- refusals --

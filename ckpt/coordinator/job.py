@@ -121,6 +121,7 @@ class Job:
         self._ckpt: _Checkpoint | None = None
         self._queued: _Checkpoint | None = None
         self._interval_timer: Timer | None = None
+        self._complete_announced = False
         #: rank -> (bytes loaded, bytes total) while a restart loads images
         self.progress: dict[int, tuple[int, int]] = {}
         self.on_end: Callable[[], None] = lambda: None
@@ -153,16 +154,21 @@ class Job:
         info.result = hello.get("result")
         info.state = "restart" if self.restarting else "finished" if info.finished else "running"
         self.ranks[rank] = info
-        if len(self.ranks) == self.size:
-            self.message = f"all {self.size} ranks joined (generation {self.generation})"
-            if not self.restarting:
-                self._arm_interval()
         return {
             "job": self.job_id,
             "generation": self.generation,
             "size": self.size,
             "ckpt_dir": str(self.settings.ckpt_dir),
         }
+
+    def joined(self) -> None:
+        """Called once the new rank's connection can receive pushes (after its welcome)."""
+        if self.all_joined() and not self._complete_announced:
+            self._complete_announced = True
+            self.message = f"all {self.size} ranks joined (generation {self.generation})"
+            if not self.restarting:
+                self._arm_interval()
+                self._start_queued()
 
     def _adopt(self, hello: dict[str, Any]) -> None:
         """The first rank to join defines the job (so an external coordinator needs no flags)."""

@@ -61,7 +61,7 @@ def new_nonce() -> bytes:
 
 def encode(message: Message) -> bytes:
     """One frame for `message` (adds the protocol version)."""
-    body = msgpack.packb({"v": PROTOCOL_VERSION, **message}, use_bin_type=True)
+    body: bytes = msgpack.packb({"v": PROTOCOL_VERSION, **message}, use_bin_type=True)
     if len(body) > MAX_FRAME:
         raise ProtocolError(
             f"message {message.get('op')!r} is {len(body)} bytes, over the {MAX_FRAME}-byte frame limit"

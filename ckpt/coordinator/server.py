@@ -211,6 +211,7 @@ class Coordinator:
             conn.rank = int(hello["rank"])
             self._ranks[conn.rank] = conn
             conn.post({"op": "welcome", **welcome})
+            self.job.joined()
 
     def _maybe_next_job(self) -> None:
         if self._serve_forever and self.job.outcome is not None and not self._ranks:

@@ -262,7 +262,7 @@ def _write_file(tmp: str, prefix: bytes, sections: list[tuple[int, memoryview]],
                 if record_bytes - flushed >= _WRITEBACK_EVERY:
                     _start_writeback(f, len(prefix) + flushed, record_bytes - flushed)
                     flushed = record_bytes
-            os.fdatasync(f.fileno())
+            getattr(os, "fdatasync", os.fsync)(f.fileno())  # the bulk, while the hashing finishes
             digest = hasher.digest()
             mac = hmac.new(token, digest, hashlib.sha256).digest()
             _write_all(f, _TRAILER.pack(_TRAILER_MAGIC, record_bytes, digest, mac))
@@ -395,8 +395,13 @@ def verify_image(path: str | os.PathLike[str], *, token: bytes) -> ImageInfo:
 def inspect_image(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Describe an image for ``ckpt inspect``; checks the checksum, not the HMAC (no token).
 
-    Raises ImageError only if not even the header can be read; a damaged or
-    truncated body is reported as ``"ok": False`` with the reason in ``"problem"``.
+    Keys: path, format_version, header, objects, file_bytes, raw_bytes,
+    sections (count per kind), records, chunks (raw / lz4 counts),
+    stored_raw_bytes, compressed_bytes (lz4 payload on disk),
+    compressed_raw_bytes (what it inflates to), sha256 (checksum in the
+    trailer), ok and problem.  Raises ImageError only if not even the header
+    can be read; a damaged or truncated body gives ``"ok": False``, the reason
+    in ``"problem"`` and None for what could not be counted.
     """
     name = os.fspath(path)
     header = read_header(name)
@@ -406,6 +411,18 @@ def inspect_image(path: str | os.PathLike[str]) -> dict[str, Any]:
         "header": header,
         "file_bytes": os.path.getsize(name) if os.path.isfile(name) else None,
         "objects": header.get("objects", []),
+        **dict.fromkeys(
+            (
+                "raw_bytes",
+                "sections",
+                "records",
+                "chunks",
+                "stored_raw_bytes",
+                "compressed_bytes",
+                "compressed_raw_bytes",
+                "sha256",
+            )
+        ),
         "ok": False,
         "problem": None,
     }

@@ -24,7 +24,7 @@ import time
 import traceback
 from pathlib import Path
 from types import ModuleType
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 import cloudpickle
 
@@ -293,7 +293,8 @@ class RankEngine:
         def progress(done: int, total: int) -> None:
             self.client.notify("progress", done=done, total=total)
 
-        _, graph = images.read_image(restart["image"], token=self.token.encode(), progress=progress)
+        _, loaded = images.read_image(restart["image"], token=self.token.encode(), progress=progress)
+        graph = cast(dict[str, Any], loaded)
         self.program = graph["program"]
         state = graph["runtime"]
         self.step, self.finished, self.result = state["step"], state["finished"], state["result"]
