@@ -14,7 +14,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from ckpt._errors import CkptError, ImageError
+from ckpt._errors import ImageError
 from ckpt.coordinator import protocol
 from ckpt.coordinator.client import read_job_file, write_job_file
 from ckpt.coordinator.server import Coordinator
@@ -301,6 +301,10 @@ def run_job(opts: JobOptions) -> int:
         signal.signal(signal.SIGTERM, previous)
     if outcome["status"] == "failed":
         job.terminate()
+    if job.coordinator is not None:
+        final = job.coordinator.status()
+        write_job_file(opts.ckpt_dir, address=job.address, token=job.token, job=job.job_id, pid=os.getpid(),
+                       ended=final)
     job.stop()
     return report(outcome, opts.ckpt_dir)
 
@@ -319,7 +323,3 @@ def report(outcome: dict[str, Any], ckpt_dir: Path) -> int:
     print(f"error: {outcome['message']}", file=sys.stderr)
     return EXIT_FAILED
 
-
-def check_program(path: str) -> None:
-    if not Path(path).is_file():
-        raise CkptError(f"program file {path} does not exist")

@@ -13,9 +13,10 @@ from typing import Any
 import click
 
 from ckpt._errors import CkptError
-from ckpt._launcher import JobOptions, check_program, external_rank, prepare_restart, rank_spec, run_job
+from ckpt._launcher import JobOptions, external_rank, prepare_restart, rank_spec, run_job
 from ckpt.coordinator import client as coord_client
 from ckpt.coordinator import protocol
+from ckpt.runtime.rank import load_program
 
 _TRANSPORTS = ("simib",)
 
@@ -118,7 +119,7 @@ def launch(
     **job: Any,
 ) -> None:
     """Run PROGRAM (a file defining one ckpt.Program) on N ranks, printing each rank's result."""
-    check_program(program)
+    load_program(program)  # one clear error here rather than one per rank
     opts = JobOptions(
         program=str(Path(program).resolve()),
         argv=list(args),
@@ -219,9 +220,13 @@ def checkpoint(wait: bool, kill: bool, coordinator: str | None, ckpt_dir: Path) 
 @_ckpt_dir_option
 def status(as_json: bool, coordinator: str | None, ckpt_dir: Path) -> None:
     """Show the job's ranks, states, generation and last checkpoint."""
-    conn = _control(coordinator, ckpt_dir)
-    state = conn.call("status")["status"]
-    conn.close()
+    ended = None if coordinator else (coord_client.read_job_file(ckpt_dir) or {}).get("ended")
+    if ended is not None:
+        state = ended  # the job is over: its coordinator is gone, its final status stays
+    else:
+        conn = _control(coordinator, ckpt_dir)
+        state = conn.call("status")["status"]
+        conn.close()
     if as_json:
         click.echo(json.dumps(state, indent=2))
         return

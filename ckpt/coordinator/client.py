@@ -159,14 +159,22 @@ def _parse(address: str) -> tuple[str, int]:
 
 
 # ----------------------------------------------------------- finding a job
-def write_job_file(ckpt_dir: Path, *, address: str, token: str, job: str, pid: int) -> Path:
-    """Record where the job's coordinator is, so later commands find it without flags (mode 0600)."""
+def write_job_file(
+    ckpt_dir: Path, *, address: str, token: str, job: str, pid: int, ended: dict[str, Any] | None = None
+) -> Path:
+    """Record where the job's coordinator is, so later commands find it without flags (mode 0600).
+
+    When the job has ended, `ended` is its final status, which `ckpt status` shows from then on.
+    """
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     path = ckpt_dir / JOB_FILE
     tmp = path.with_suffix(".json.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
-        json.dump({"address": address, "token": token, "job": job, "pid": pid}, f)
+        record: dict[str, Any] = {"address": address, "token": token, "job": job, "pid": pid}
+        if ended is not None:
+            record["ended"] = ended
+        json.dump(record, f)
         f.write("\n")
     os.replace(tmp, path)
     return path

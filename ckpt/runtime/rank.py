@@ -55,7 +55,10 @@ def load_program(path: str) -> tuple[type[Program], dict[str, Any]]:
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     sys.path.insert(0, str(file.parent))
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:  # the user's module: any error at import is theirs to see, in one line
+        raise CkptError(f"cannot import {path}: {type(exc).__name__}: {exc}") from None
     classes = _program_classes(module)
     if len(classes) != 1:
         found = ", ".join(c.__name__ for c in classes) or "none"
@@ -279,11 +282,14 @@ class RankEngine:
         return int(self.client.call("checkpoint")["number"])
 
     def _fatal(self, message: str) -> NoReturn:
-        print(f"ckpt rank {self.rank}: {message}", file=sys.stderr, flush=True)
+        reported = False
         try:
             self.client.call("fatal", reply_timeout=10.0, error=message)
+            reported = True
         except CoordinatorError:
             pass
+        if not reported or self.spec.get("print_result"):  # else the launcher prints it, once
+            print(f"ckpt rank {self.rank}: {message}", file=sys.stderr, flush=True)
         _exit(1)
 
     # ----------------------------------------------------------- restart

@@ -1,0 +1,96 @@
+"""End-to-end fault tests: kill -9 of a rank at each phase of a checkpoint, and while running.
+
+Every time: the checkpoint in progress is aborted and leaves nothing behind,
+`launch` exits non-zero with one clear line, `ckpt status` says what happened,
+and the previous checkpoint restarts to the uninterrupted run's result.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from harness import PROGRAMS, Job, results, run, wait_for
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+
+COUNTER = [str(PROGRAMS / "counter.py"), "400", "0.005"]
+
+
+@pytest.fixture(scope="module")
+def expected(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
+    directory = tmp_path_factory.mktemp("plain")
+    done = run("launch", "-n", "3", "--ckpt-dir", str(directory / "ckpt"), *COUNTER, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return results(done.stdout)
+
+
+def _first_checkpoint(job: Job, ckpt_dir: Path) -> None:
+    job.wait_step(20)
+    taken = run("checkpoint", "--wait", "--ckpt-dir", str(ckpt_dir))
+    assert taken.returncode == 0, taken.stderr
+    job.wait_step(40)
+
+
+def _assert_failed_and_restartable(job: Job, ckpt_dir: Path, expected: dict[int, str], start_job: Callable[..., Job],
+                                   lost: int) -> None:
+    assert job.wait() == 1
+    (line,) = job.stderr.strip().splitlines()[-1:]
+    assert line.startswith("error: ") and f"rank {lost}" in line and "the latest checkpoint is 1" in line, line
+    assert "Traceback" not in job.stderr
+    assert not (ckpt_dir / "ckpt_counter_2.json").exists()
+    assert not list(ckpt_dir.glob("*ckpt_counter_*_2.ckpt*")), "the aborted checkpoint left files behind"
+    assert (ckpt_dir / "latest").read_text().strip() == "ckpt_counter_1.json"
+    status = run("status", "--json", "--ckpt-dir", str(ckpt_dir))
+    assert status.returncode == 0, status.stderr
+    state = json.loads(status.stdout)
+    assert state["state"] == "failed" and f"rank {lost}" in state["message"]
+    assert state["last_checkpoint"]["number"] == 1
+    assert any(r["state"] == "lost" for r in state["ranks"])
+    again = start_job("restart", "--ckpt-dir", str(ckpt_dir))
+    assert again.wait() == 0, again.stderr
+    assert results(again.stdout) == expected
+
+
+@pytest.mark.parametrize("point", ["presuspend", "drain", "image"])
+def test_a_rank_killed_during_a_checkpoint_phase(
+    point: str, start_job: Callable[..., Job], tmp_path: Path, expected: dict[int, str]
+) -> None:
+    ckpt_dir = tmp_path / "ckpt"
+    job = start_job("launch", "-n", "3", "--ckpt-dir", str(ckpt_dir), "--with-plugin", "ckpt_faults", *COUNTER,
+                    extra_env={"CKPT_TEST_FAULT": f"{point}:1:2"})
+    _first_checkpoint(job, ckpt_dir)
+    second = run("checkpoint", "--wait", "--ckpt-dir", str(ckpt_dir))
+    assert second.returncode == 1
+    assert "error:" in second.stderr and "Traceback" not in second.stderr
+    _assert_failed_and_restartable(job, ckpt_dir, expected, start_job, lost=1)
+
+
+def test_a_rank_killed_after_writing_its_image_before_the_manifest(
+    start_job: Callable[..., Job], tmp_path: Path, expected: dict[int, str]
+) -> None:
+    ckpt_dir = tmp_path / "ckpt"
+    gate = tmp_path / "gate"
+    job = start_job("launch", "-n", "3", "--ckpt-dir", str(ckpt_dir), "--with-plugin", "ckpt_faults", *COUNTER,
+                    extra_env={"CKPT_TEST_FAULT": "gate:0:2", "CKPT_TEST_GATE": str(gate)})
+    _first_checkpoint(job, ckpt_dir)
+    pids = job.rank_pids()
+    second = start_job("checkpoint", "--wait", "--ckpt-dir", str(ckpt_dir))
+    image = ckpt_dir / "ckpt_counter_2_2.ckpt"
+    wait_for(image.exists, 60, "rank 2's image of checkpoint 2")  # rank 0 is held at the gate
+    os.kill(pids[2], signal.SIGKILL)
+    gate.touch()
+    assert second.wait() == 1
+    _assert_failed_and_restartable(job, ckpt_dir, expected, start_job, lost=2)
+
+
+def test_a_rank_killed_while_running(start_job: Callable[..., Job], tmp_path: Path, expected: dict[int, str]) -> None:
+    ckpt_dir = tmp_path / "ckpt"
+    job = start_job("launch", "-n", "3", "--ckpt-dir", str(ckpt_dir), *COUNTER)
+    _first_checkpoint(job, ckpt_dir)
+    os.kill(job.rank_pids()[0], signal.SIGKILL)
+    _assert_failed_and_restartable(job, ckpt_dir, expected, start_job, lost=0)
