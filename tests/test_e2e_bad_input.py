@@ -1,0 +1,185 @@
+"""End-to-end bad input: every case gets one clear `error:` line and a non-zero exit, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import socket
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from harness import EXAMPLES, PROGRAMS, Job, results, run
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
+
+HEAT = [str(EXAMPLES / "heat.py"), "300", "500", "2"]
+
+
+def _one_error_line(done: object, *needles: str) -> str:
+    returncode, stderr = done.returncode, done.stderr  # type: ignore[attr-defined]
+    assert returncode != 0
+    assert "Traceback" not in stderr, stderr
+    lines = [line for line in stderr.strip().splitlines() if not line.startswith("ckpt: restarting")]
+    assert len(lines) == 1, stderr
+    (line,) = lines
+    assert line.startswith("error: "), line
+    for needle in needles:
+        assert needle in line, line
+    return line
+
+
+@pytest.fixture(scope="module")
+def killed_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A checkpoint directory holding one checkpoint of a killed 2-rank heat job (copied per test)."""
+    ckpt_dir = tmp_path_factory.mktemp("killed") / "ckpt"
+    job = Job(["launch", "-n", "2", "--ckpt-dir", str(ckpt_dir), *HEAT], ckpt_dir).start()
+    try:
+        job.wait_step(10)
+        taken = run("checkpoint", "--kill", "--ckpt-dir", str(ckpt_dir))
+        assert taken.returncode == 0, taken.stderr
+        assert job.wait() == 0
+    finally:
+        job.kill()
+    return ckpt_dir
+
+
+@pytest.fixture
+def ckpt_copy(killed_job: Path, tmp_path: Path) -> Path:
+    target = tmp_path / "ckpt"
+    shutil.copytree(killed_job, target)
+    return target
+
+
+def test_the_intact_copy_restarts(ckpt_copy: Path) -> None:
+    done = run("restart", "--ckpt-dir", str(ckpt_copy), timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert sorted(results(done.stdout)) == [0, 1]
+
+
+def test_a_truncated_image(ckpt_copy: Path) -> None:
+    image = ckpt_copy / "ckpt_heat_1_1.ckpt"
+    data = image.read_bytes()
+    image.write_bytes(data[: len(data) // 2])
+    _one_error_line(run("restart", "--ckpt-dir", str(ckpt_copy)), "ckpt_heat_1_1.ckpt", "truncated")
+
+
+def test_a_flipped_byte_in_an_image(ckpt_copy: Path) -> None:
+    image = ckpt_copy / "ckpt_heat_0_1.ckpt"
+    data = bytearray(image.read_bytes())
+    position = random.Random(7).randrange(len(data) // 2, len(data) - 100)
+    data[position] ^= 0x40
+    image.write_bytes(bytes(data))
+    line = _one_error_line(run("restart", "--ckpt-dir", str(ckpt_copy), timeout=60), "rank 0")
+    assert "ckpt_heat_0_1.ckpt" in line and ("damaged" in line or "checksum" in line or "corrupt" in line), line
+
+
+def test_an_image_of_another_program(ckpt_copy: Path, tmp_path: Path) -> None:
+    other = tmp_path / "other"
+    job = Job(["launch", "-n", "2", "--ckpt-dir", str(other), str(PROGRAMS / "counter.py"), "300", "0.01"], other)
+    try:
+        job.start().wait_step(5)
+        assert run("checkpoint", "--kill", "--ckpt-dir", str(other)).returncode == 0
+        job.wait()
+    finally:
+        job.kill()
+    shutil.copy(other / "ckpt_counter_1_1.ckpt", ckpt_copy / "ckpt_heat_1_1.ckpt")
+    manifest = ckpt_copy / "ckpt_heat_1.json"
+    data = json.loads(manifest.read_text())
+    # keep the manifest authentic: only the image is foreign, and its size matches the manifest's
+    size = (ckpt_copy / "ckpt_heat_1_1.ckpt").stat().st_size
+    if size != data["ranks"][1]["bytes"]:
+        _one_error_line(run("restart", "--ckpt-dir", str(ckpt_copy)), "ckpt_heat_1_1.ckpt")
+        return
+    _one_error_line(run("restart", "--ckpt-dir", str(ckpt_copy)), "belongs to program 'counter'")
+
+
+def test_a_wrong_token(ckpt_copy: Path) -> None:
+    done = run("restart", "--ckpt-dir", str(ckpt_copy), extra_env={"CKPT_TOKEN": "not-the-job-token"})
+    _one_error_line(done, "not authentic", "CKPT_TOKEN")
+
+
+def test_a_tampered_manifest(ckpt_copy: Path) -> None:
+    manifest = ckpt_copy / "ckpt_heat_1.json"
+    data = json.loads(manifest.read_text())
+    data["argv"] = ["999999"]
+    manifest.write_text(json.dumps(data))
+    _one_error_line(run("restart", "--ckpt-dir", str(ckpt_copy)), "not authentic")
+
+
+def test_a_manifest_that_is_not_one(ckpt_copy: Path) -> None:
+    (ckpt_copy / "ckpt_heat_1.json").write_text("{not json")
+    _one_error_line(run("restart", str(ckpt_copy / "ckpt_heat_1.json")), "ckpt_heat_1.json")
+
+
+def test_a_missing_image(ckpt_copy: Path) -> None:
+    (ckpt_copy / "ckpt_heat_0_1.ckpt").unlink()
+    _one_error_line(run("restart", "--ckpt-dir", str(ckpt_copy)), "ckpt_heat_0_1.ckpt", "missing")
+
+
+def test_no_checkpoint_at_all(tmp_path: Path) -> None:
+    _one_error_line(run("restart", "--ckpt-dir", str(tmp_path / "empty")), "no checkpoint")
+
+
+def test_an_unreachable_coordinator(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound but not listening: connection refused
+        done = run("status", "--coordinator", f"127.0.0.1:{port}", extra_env={"CKPT_TOKEN": "x"})
+    _one_error_line(done, "cannot reach the coordinator", f"127.0.0.1:{port}")
+    _one_error_line(run("checkpoint", "--ckpt-dir", str(tmp_path / "nojob")), "no coordinator")
+    _one_error_line(run("status", "--coordinator", "nonsense", extra_env={"CKPT_TOKEN": "x"}), "HOST:PORT")
+
+
+def test_a_port_in_use(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        done = run("launch", "--port", str(port), "--ckpt-dir", str(tmp_path / "ckpt"), *HEAT)
+    _one_error_line(done, "cannot listen", str(port))
+
+
+def test_bad_programs_and_options(tmp_path: Path) -> None:
+    ckpt_dir = ["--ckpt-dir", str(tmp_path / "ckpt")]
+    _one_error_line(run("launch", *ckpt_dir, str(tmp_path / "missing.py")), "missing.py")
+    empty = tmp_path / "empty.py"
+    empty.write_text("x = 1\n")
+    _one_error_line(run("launch", *ckpt_dir, str(empty)), "exactly one ckpt.Program subclass")
+    broken = tmp_path / "broken.py"
+    broken.write_text("import ckpt\nraise RuntimeError('boom')\n")
+    _one_error_line(run("launch", *ckpt_dir, str(broken)), "RuntimeError: boom")
+    _one_error_line(run("launch", "--transport", "carrier-pigeon", *ckpt_dir, *HEAT), "unknown transport")
+
+
+def test_a_wrong_token_for_a_running_job(start_job: Callable[..., Job], tmp_path: Path) -> None:
+    ckpt_dir = tmp_path / "ckpt"
+    job = start_job("launch", "-n", "2", "--ckpt-dir", str(ckpt_dir), *HEAT)
+    job.wait_step(1)
+    address = json.loads((ckpt_dir / "coordinator.json").read_text())["address"]
+    done = run("status", "--coordinator", address, extra_env={"CKPT_TOKEN": "wrong"})
+    _one_error_line(done, "CKPT_TOKEN")
+    assert job.wait() == 0, job.stderr
+
+
+def test_garbage_connections_do_not_disturb_a_running_job(start_job: Callable[..., Job], tmp_path: Path) -> None:
+    program = [str(PROGRAMS / "counter.py"), "200", "0.005"]
+    plain = run("launch", "-n", "2", "--ckpt-dir", str(tmp_path / "plain"), *program)
+    ckpt_dir = tmp_path / "ckpt"
+    job = start_job("launch", "-n", "2", "--ckpt-dir", str(ckpt_dir), *program)
+    job.wait_step(1)
+    host, port = json.loads((ckpt_dir / "coordinator.json").read_text())["address"].rsplit(":", 1)
+    rng = random.Random(3)
+    for size in (0, 1, 4, 9, 100, 5000):
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            s.recv(4096)  # the challenge
+            s.sendall(rng.randbytes(size) if size != 4 else b"\xff\xff\xff\xff")
+            s.shutdown(socket.SHUT_WR)
+            while s.recv(4096):  # the coordinator closes the connection
+                pass
+    taken = run("checkpoint", "--wait", "--ckpt-dir", str(ckpt_dir))
+    assert taken.returncode == 0, taken.stderr
+    assert job.wait() == 0, job.stderr
+    assert results(job.stdout) == results(plain.stdout)
