@@ -303,8 +303,9 @@ def run_job(opts: JobOptions) -> int:
         job.terminate()
     if job.coordinator is not None:
         final = job.coordinator.status()
-        write_job_file(opts.ckpt_dir, address=job.address, token=job.token, job=job.job_id, pid=os.getpid(),
-                       ended=final)
+        write_job_file(
+            opts.ckpt_dir, address=job.address, token=job.token, job=job.job_id, pid=os.getpid(), ended=final
+        )
     job.stop()
     return report(outcome, opts.ckpt_dir)
 
@@ -322,4 +323,3 @@ def report(outcome: dict[str, Any], ckpt_dir: Path) -> int:
         return EXIT_OK
     print(f"error: {outcome['message']}", file=sys.stderr)
     return EXIT_FAILED
-

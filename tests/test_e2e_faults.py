@@ -36,8 +36,9 @@ def _first_checkpoint(job: Job, ckpt_dir: Path) -> None:
     job.wait_step(40)
 
 
-def _assert_failed_and_restartable(job: Job, ckpt_dir: Path, expected: dict[int, str], start_job: Callable[..., Job],
-                                   lost: int) -> None:
+def _assert_failed_and_restartable(
+    job: Job, ckpt_dir: Path, expected: dict[int, str], start_job: Callable[..., Job], lost: int
+) -> None:
     assert job.wait() == 1
     (line,) = job.stderr.strip().splitlines()[-1:]
     assert line.startswith("error: ") and f"rank {lost}" in line and "the latest checkpoint is 1" in line, line
@@ -61,8 +62,17 @@ def test_a_rank_killed_during_a_checkpoint_phase(
     point: str, start_job: Callable[..., Job], tmp_path: Path, expected: dict[int, str]
 ) -> None:
     ckpt_dir = tmp_path / "ckpt"
-    job = start_job("launch", "-n", "3", "--ckpt-dir", str(ckpt_dir), "--with-plugin", "ckpt_faults", *COUNTER,
-                    extra_env={"CKPT_TEST_FAULT": f"{point}:1:2"})
+    job = start_job(
+        "launch",
+        "-n",
+        "3",
+        "--ckpt-dir",
+        str(ckpt_dir),
+        "--with-plugin",
+        "ckpt_faults",
+        *COUNTER,
+        extra_env={"CKPT_TEST_FAULT": f"{point}:1:2"},
+    )
     _first_checkpoint(job, ckpt_dir)
     second = run("checkpoint", "--wait", "--ckpt-dir", str(ckpt_dir))
     assert second.returncode == 1
@@ -75,8 +85,17 @@ def test_a_rank_killed_after_writing_its_image_before_the_manifest(
 ) -> None:
     ckpt_dir = tmp_path / "ckpt"
     gate = tmp_path / "gate"
-    job = start_job("launch", "-n", "3", "--ckpt-dir", str(ckpt_dir), "--with-plugin", "ckpt_faults", *COUNTER,
-                    extra_env={"CKPT_TEST_FAULT": "gate:0:2", "CKPT_TEST_GATE": str(gate)})
+    job = start_job(
+        "launch",
+        "-n",
+        "3",
+        "--ckpt-dir",
+        str(ckpt_dir),
+        "--with-plugin",
+        "ckpt_faults",
+        *COUNTER,
+        extra_env={"CKPT_TEST_FAULT": "gate:0:2", "CKPT_TEST_GATE": str(gate)},
+    )
     _first_checkpoint(job, ckpt_dir)
     pids = job.rank_pids()
     second = start_job("checkpoint", "--wait", "--ckpt-dir", str(ckpt_dir))

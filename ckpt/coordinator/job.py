@@ -221,12 +221,12 @@ class Job:
         for rank in self._live():
             self._push(rank, {"op": "kill", "reason": message})
 
-    def kill(self, reason: str) -> None:
+    def kill(self, reason: str, *, push: bool = True) -> None:
         if self.outcome is not None:
             return
         self.message = reason
         self._end({"status": "killed", "message": reason})
-        for rank in self._live():
+        for rank in self._live() if push else ():
             self._push(rank, {"op": "kill", "reason": reason})
 
     def _end(self, outcome: dict[str, Any]) -> None:
@@ -362,7 +362,9 @@ class Job:
                 self._abort(self.message_for_abort(ckpt))
             elif ckpt.kill:
                 self._complete(ckpt)
-                self.kill(f"killed after checkpoint {ckpt.number}")
+                # the ranks were told in the barrier's reply: they run their checkpointed and exit
+                # hooks and exit on their own, so no kill push races with those hooks
+                self.kill(f"killed after checkpoint {ckpt.number}", push=False)
         elif phase == "RESUME":
             self._complete(ckpt)
 

@@ -69,7 +69,12 @@ def ckpt_init(rt: Runtime) -> None:
 
 @hookspec
 def ckpt_exit(rt: Runtime) -> None:
-    """The job has ended (every rank finished, or it was killed); the process is about to exit."""
+    """The job has ended: every rank finished, or ``checkpoint --kill`` wrote its checkpoint.
+
+    The process exits right after.  Not called when the coordinator kills the job
+    (``ckpt kill``, a failed rank): then the process is ended at once.
+    Reverse registration order.
+    """
 
 
 # --------------------------------------------------------------------- checkpoint: down

@@ -365,6 +365,7 @@ class RankEngine:
             self.plugins.call("ckpt_checkpointed", rt=self.rt, info=info)
             if answer.get("kill"):
                 log.info("checkpoint %d written; exiting as asked (--kill)", number)
+                self.plugins.call("ckpt_exit", rt=self.rt)
                 _exit(0)
             self.plugins.call("ckpt_resume", rt=self.rt, restarted=False, aborted=False)
             self._phase(f"ckpt{number}:RESUME")
