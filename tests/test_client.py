@@ -695,7 +695,8 @@ def test_concurrent_incrby_from_several_ranks_loses_nothing(ranks: Callable[...,
 
     def bump(client: CoordinatorClient) -> list[int]:
         return [
-            client.call("atomic", reply_timeout=WAIT, kind="incrby", ns="n", key="c", operand=1)["value"] for _ in range(40)
+            client.call("atomic", reply_timeout=WAIT, kind="incrby", ns="n", key="c", operand=1)["value"]
+            for _ in range(40)
         ]
 
     with ThreadPoolExecutor(3) as pool:

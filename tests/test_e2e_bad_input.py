@@ -10,7 +10,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-
 from harness import EXAMPLES, PROGRAMS, Job, results, run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]

@@ -12,7 +12,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-
 from harness import EXAMPLES, PROGRAMS, Job, env, results, run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
