@@ -18,7 +18,7 @@ from harness import PROGRAMS, Job, results, run, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
-COUNTER = [str(PROGRAMS / "counter.py"), "400", "0.005"]
+COUNTER = [str(PROGRAMS / "counter.py"), "1200", "0.004"]
 
 
 @pytest.fixture(scope="module")
