@@ -219,6 +219,9 @@ class RankEngine:
             where = f"step {self.step}" if self.image_header or self.step else "setup or step 0"
             self._fatal(f"the program raised {type(exc).__name__} in {where}: {exc}")
         self._done.wait()
+        if self.spec.get("print_result"):  # no embedded coordinator to print it for this rank
+            sys.stdout.flush()  # one write() per line: ranks share the launcher's stdout
+            os.write(sys.stdout.fileno(), f"[rank {self.rank}] result: {self.result}\n".encode())
         if self.plugins:
             try:
                 self.plugins.call("ckpt_exit", rt=self.rt)

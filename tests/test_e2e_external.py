@@ -1,0 +1,51 @@
+"""End-to-end: a standalone `ckpt coordinator` and ranks started by an external launcher.
+
+An external launcher (mpiexec, srun) starts `ckpt launch --coordinator H:P prog`
+once per rank with the rank in PMI_RANK / OMPI_COMM_WORLD_RANK / SLURM_PROCID;
+here the test is that launcher.  The coordinator outlives the job and serves
+the restarted one.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from harness import EXAMPLES, Job, results, run, wait_for
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
+
+HEAT = [str(EXAMPLES / "heat.py"), "1500", "500", "2"]
+RANK_VARIABLES = [("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+                  ("SLURM_PROCID", "SLURM_NTASKS")]  # fmt: skip
+
+
+@pytest.mark.parametrize("rank_var,size_var", RANK_VARIABLES)
+def test_ranks_started_by_an_external_launcher_checkpoint_and_restart(
+    rank_var: str, size_var: str, start_job: Callable[..., Job], tmp_path: Path
+) -> None:
+    plain = run("launch", "-n", "2", "--ckpt-dir", str(tmp_path / "plain"), *HEAT, timeout=120)
+    assert plain.returncode == 0, plain.stderr
+    ckpt_dir = tmp_path / "ckpt"
+    token = {"CKPT_TOKEN": "external-job-token"}
+    start_job("coordinator", "--port", "0", "--ckpt-dir", str(ckpt_dir), extra_env=token)
+    job_file = ckpt_dir / "coordinator.json"
+    wait_for(job_file.exists, 30, "the coordinator's job file")
+    address = json.loads(job_file.read_text())["address"]
+    ranks = [
+        start_job("launch", "--coordinator", address, "--ckpt-dir", str(ckpt_dir), *HEAT,
+                  extra_env={**token, rank_var: str(r), size_var: "2"})
+        for r in range(2)
+    ]  # fmt: skip
+    ranks[0].wait_step(30)
+    taken = run("checkpoint", "--kill", "--coordinator", address, "--ckpt-dir", str(ckpt_dir), extra_env=token)
+    assert taken.returncode == 0, taken.stderr
+    assert [r.wait() for r in ranks] == [0, 0]
+    restarted = run("restart", "--coordinator", address, "--ckpt-dir", str(ckpt_dir), extra_env=token, timeout=120)
+    assert restarted.returncode == 0, restarted.stderr
+    assert results(restarted.stdout) == results(plain.stdout)
+    manifest = json.loads((ckpt_dir / "ckpt_heat_1.json").read_text())
+    assert manifest["coordinator"] == address and manifest["size"] == 2
