@@ -92,11 +92,67 @@ def _check_transport(name: str) -> str:
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="ckpt")
-def main() -> None:
+def cli() -> None:
     """ckpt: checkpoint/restart for distributed Python programs over (simulated) verbs."""
 
 
-@main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+def main() -> None:
+    """The `ckpt` console script: plugin-declared options are added to launch/restart first."""
+    argv = sys.argv[1:]
+    if argv and argv[0] in ("launch", "restart"):
+        try:
+            _add_plugin_options(argv)
+        except CkptError as exc:
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(1)
+    cli()
+
+
+_PLUGIN_OPTION = "plugin_option_"
+_OPTION_TYPES: dict[str, Any] = {"int": int, "float": float, "str": str}
+
+
+def _values_of(argv: list[str], flag: str) -> list[str]:
+    values = []
+    for i, word in enumerate(argv):
+        if word == flag and i + 1 < len(argv):
+            values.append(argv[i + 1])
+        elif word.startswith(flag + "="):
+            values.append(word.split("=", 1)[1])
+    return values
+
+
+def _add_plugin_options(argv: list[str]) -> None:
+    """Turn every plugin's ckpt_add_options() declarations into --NAME options of launch and restart."""
+    from ckpt.runtime.plugins import PluginHost
+
+    host = PluginHost().load(_values_of(argv, "--with-plugin"), _values_of(argv, "--disable-plugin"))
+    taken = {opt for command in (launch, restart) for param in command.params for opt in param.opts}
+    for declared in host.pm.hook.ckpt_add_options():
+        for spec in declared:
+            name = str(spec["name"])
+            flag = f"--{name}"
+            if flag in taken:
+                raise CkptError(f"a plugin declares option {flag}, which is already taken")
+            taken.add(flag)
+            kind = spec.get("type", "str")
+            extra: dict[str, Any] = {"is_flag": True} if kind == "flag" else {"type": _OPTION_TYPES[kind]}
+            option = click.Option(
+                [flag, _PLUGIN_OPTION + name.replace("-", "_")],
+                default=spec.get("default"),
+                help=str(spec.get("help", "")) + " (plugin option)",
+                **extra,
+            )
+            launch.params.append(option)
+            restart.params.append(option)
+
+
+def _plugin_values(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Pop the plugin options' values out of a command's kwargs: {"log_home": 3, ...}."""
+    return {k[len(_PLUGIN_OPTION) :]: kwargs.pop(k) for k in list(kwargs) if k.startswith(_PLUGIN_OPTION)}
+
+
+@cli.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.option("-n", "--ranks", type=click.IntRange(min=1), default=1, show_default=True, help="Number of ranks.")
 @_coordinator_option
 @click.option("--new-coordinator", is_flag=True, help="Start an embedded coordinator even if CKPT_COORDINATOR is set.")
@@ -120,6 +176,7 @@ def launch(
 ) -> None:
     """Run PROGRAM (a file defining one ckpt.Program) on N ranks, printing each rank's result."""
     load_program(program)  # one clear error here rather than one per rank
+    options = _plugin_values(job)
     opts = JobOptions(
         program=str(Path(program).resolve()),
         argv=list(args),
@@ -128,6 +185,7 @@ def launch(
         coordinator=None if new_coordinator else coordinator,
         with_plugins=list(with_plugins),
         disabled=list(disabled),
+        options=options,
         native=native,
         transport=_check_transport(job.pop("transport")),
         **job,
@@ -152,7 +210,7 @@ def _run_one_rank(opts: JobOptions, rank: int, size: int | None) -> None:
     rank_main.main(spec)
 
 
-@main.command()
+@cli.command()
 @click.argument("target", required=False)
 @_ckpt_dir_option
 @_coordinator_option
@@ -168,6 +226,7 @@ def restart(
 ) -> None:
     """Restart the latest checkpoint in the ckpt dir (or TARGET: a manifest or a directory)."""
     manifest, directory, token = prepare_restart(target, ckpt_dir, os.environ.get("CKPT_TOKEN"))
+    options = _plugin_values(job)
     opts = JobOptions(
         program=manifest["program"]["path"],
         argv=list(manifest.get("argv", [])),
@@ -178,6 +237,7 @@ def restart(
         disabled=list(disabled),
         transport=_check_transport(job.pop("transport")),
         token=token,
+        options=options,
         restart=manifest,
         **job,
     )
@@ -194,7 +254,7 @@ def _control(coordinator: str | None, ckpt_dir: Path) -> coord_client.Coordinato
     return coord_client.control(address, token)
 
 
-@main.command()
+@cli.command()
 @click.option("--wait", is_flag=True, help="Block until the checkpoint is written.")
 @click.option("--kill", is_flag=True, help="Kill the job once the checkpoint is written.")
 @_coordinator_option
@@ -214,7 +274,7 @@ def checkpoint(wait: bool, kill: bool, coordinator: str | None, ckpt_dir: Path) 
     conn.close()
 
 
-@main.command()
+@cli.command()
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @_coordinator_option
 @_ckpt_dir_option
@@ -247,7 +307,7 @@ def status(as_json: bool, coordinator: str | None, ckpt_dir: Path) -> None:
         click.echo(f"last event: {state['message']}")
 
 
-@main.command()
+@cli.command()
 @_coordinator_option
 @_ckpt_dir_option
 def kill(coordinator: str | None, ckpt_dir: Path) -> None:
@@ -258,7 +318,7 @@ def kill(coordinator: str | None, ckpt_dir: Path) -> None:
     click.echo("job killed")
 
 
-@main.command("coordinator")
+@cli.command("coordinator")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=click.IntRange(0, 65535), default=7779, show_default=True)
 @click.option("--interval", type=click.FloatRange(min=0.01), help="Checkpoint every SECONDS.")
@@ -298,7 +358,7 @@ def coordinator_cmd(
         server.stop()
 
 
-@main.command()
+@cli.command()
 @_plugin_options
 @click.option("--json", "as_json", is_flag=True)
 def plugins(with_plugins: tuple[str, ...], disabled: tuple[str, ...], as_json: bool) -> None:
@@ -316,7 +376,7 @@ def plugins(with_plugins: tuple[str, ...], disabled: tuple[str, ...], as_json: b
         click.echo(f"      hooks: {', '.join(p.hooks) or 'none'}")
 
 
-@main.command()
+@cli.command()
 @click.argument("image", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--json", "as_json", is_flag=True)
 def inspect(image: Path, as_json: bool) -> None:

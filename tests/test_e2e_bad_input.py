@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
 from harness import EXAMPLES, PROGRAMS, Job, results, run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
 from harness import EXAMPLES, PROGRAMS, Job, results, run, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
 from harness import PROGRAMS, Job, results, run, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
 from harness import EXAMPLES, PROGRAMS, Job, env, results, run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
@@ -37,6 +38,8 @@ def test_ckpt_plugins_lists_the_installed_plugin(tmp_path: Path) -> None:
     assert by_name["recorder_a"]["version"] == "1.2"
     assert by_name["recorder_a"]["source"] == "entry point of ckpt-recorder"
     assert "ckpt_refresh" in by_name["recorder_b"]["hooks"]
+    helped = run("launch", "--help", extra_env=_env(tmp_path))
+    assert "--recorder-tag" in helped.stdout and "(plugin option)" in helped.stdout
     human = run("plugins", extra_env=_env(tmp_path))
     assert "recorder_a 1.2" in human.stdout
     assert "recorder_a" not in run("plugins", "--disable-plugin", "recorder_a", extra_env=_env(tmp_path)).stdout
@@ -49,7 +52,9 @@ def test_the_plugin_sees_every_event_in_order_across_resume_and_restart(
     logs.mkdir()
     ckpt_dir = tmp_path / "ckpt"
     plain = run("launch", "-n", str(RANKS), "--ckpt-dir", str(tmp_path / "plain"), *HEAT)
-    job = start_job("launch", "-n", str(RANKS), "--ckpt-dir", str(ckpt_dir), *HEAT, extra_env=_env(logs))
+    job = start_job(
+        "launch", "-n", str(RANKS), "--ckpt-dir", str(ckpt_dir), "--recorder-tag", "blue", *HEAT, extra_env=_env(logs)
+    )
     job.wait_step(20)
     assert run("checkpoint", "--wait", "--ckpt-dir", str(ckpt_dir)).returncode == 0
     job.wait_step(60)
@@ -57,7 +62,7 @@ def test_the_plugin_sees_every_event_in_order_across_resume_and_restart(
     assert job.wait() == 0
     manifest = json.loads((ckpt_dir / "ckpt_heat_2.json").read_text())
     assert {"recorder_a", "recorder_b"} <= {p["name"] for p in manifest["plugins"]}
-    again = start_job("restart", "--ckpt-dir", str(ckpt_dir), extra_env=_env(logs))
+    again = start_job("restart", "--ckpt-dir", str(ckpt_dir), "--recorder-tag", "green", extra_env=_env(logs))
     assert again.wait() == 0, again.stderr
     assert results(again.stdout) == results(plain.stdout)
 
@@ -87,5 +92,7 @@ def test_the_plugin_sees_every_event_in_order_across_resume_and_restart(
             assert fields["new"] == f"real-{init_pids[-1]}" and init_pids[-1] != init_pids[0]
             assert fields["virtual"] == "1", "the virtual id survives the restart"
             assert int(fields["fresh"]) > int(fields["global"]), "global ids after restart never collide"
+        tags = [e[3] for e in events if e[1] == "init"]
+        assert tags == ["tag=blue", "tag=blue", "tag=green", "tag=green"], "plugin options reach every rank"
         refreshes = [e for e in events if e[1] == "refresh"]
         assert all(int(e[2]) == RANKS for e in refreshes)

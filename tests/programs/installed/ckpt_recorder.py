@@ -34,8 +34,14 @@ class Recorder:
                 f.write(" ".join([self.name, *map(str, words)]) + "\n")
 
     @ckpt.hookimpl
+    def ckpt_add_options(self) -> list[dict[str, Any]]:
+        if self.name != "recorder_a":
+            return []
+        return [{"name": "recorder-tag", "type": "str", "default": "none", "help": "A word logged at init."}]
+
+    @ckpt.hookimpl
     def ckpt_init(self, rt: ckpt.Runtime) -> None:
-        self._log(rt, "init", os.getpid())
+        self._log(rt, "init", os.getpid(), f"tag={rt.options.get('recorder_tag')}")
         if self.table is None:
             self.table = VirtualIdTable(self.name)
             self.virtual = self.table.add(f"real-{os.getpid()}")
