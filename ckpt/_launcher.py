@@ -207,8 +207,7 @@ class _Job:
                         return outcome
                     rank, code = next(iter(sorted((failed or self.exited).items())))
                     message = f"rank {rank} exited with {_describe(code)} before joining the job"
-                    with self.coordinator._lock:
-                        self.coordinator.job.fail(message)
+                    self.coordinator.fail(message)
                     return {"status": "failed", "message": message, "results": {}}
                 self.changed.wait(timeout=0.1 if progress else None)
                 if progress:
@@ -261,11 +260,9 @@ class _Progress:
     def update(self) -> None:
         if self._closed:
             return
-        with self._coordinator._lock:
-            done = sum(d for d, _ in self._coordinator.job.progress.values())
-            restarting = self._coordinator.job.restarting
+        done = self._coordinator.bytes_loaded()
         self._bar.update(done - self._bar.n)
-        if not restarting:
+        if done >= self._bar.total:
             self.close()
 
     def close(self) -> None:

@@ -167,3 +167,18 @@ def test_checkpoints_requested_by_the_program_during_setup_and_inside_a_step(
     again = start_job("restart", str(ckpt_dir / "ckpt_selfckpt_1.json"))
     assert again.wait() == 0, again.stderr
     assert results(again.stdout) == results(native.stdout)
+
+
+def test_restart_shows_a_progress_bar_for_large_images(start_job: Callable[..., Job], tmp_path: Path) -> None:
+    ckpt_dir = tmp_path / "ckpt"
+    program = [str(EXAMPLES / "heat.py"), "400", "1000000"]  # 8 MB of float64 per rank
+    plain = run("launch", "-n", "2", "--ckpt-dir", str(tmp_path / "plain"), *program, timeout=120)
+    assert plain.returncode == 0, plain.stderr
+    job = start_job("launch", "-n", "2", "--ckpt-dir", str(ckpt_dir), *program)
+    job.wait_step(5)
+    assert run("checkpoint", "--kill", "--ckpt-dir", str(ckpt_dir)).returncode == 0
+    assert job.wait() == 0
+    again = start_job("restart", "--ckpt-dir", str(ckpt_dir))
+    assert again.wait() == 0, again.stderr
+    assert results(again.stdout) == results(plain.stdout)
+    assert "loading images" in again.stderr and "100%" in again.stderr, again.stderr

@@ -141,6 +141,16 @@ class Coordinator:
         with self._lock:
             return self.job.status()
 
+    def fail(self, message: str) -> None:
+        """End the job as failed (the launcher saw a rank process die before it joined)."""
+        with self._lock:
+            self.job.fail(message)
+
+    def bytes_loaded(self) -> int:
+        """Image bytes the ranks of a restarting job have loaded so far."""
+        with self._lock:
+            return sum(done for done, _ in self.job.progress.values())
+
     def _job_ended(self) -> None:
         self.ended.set()
 
