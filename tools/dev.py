@@ -32,8 +32,12 @@ def ensure_venv() -> None:
     if not (BIN / "python").exists():
         subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
     pip = [str(BIN / "python"), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
-    subprocess.run([*pip, "--upgrade", "pip"], check=True)
-    subprocess.run([*pip, "-e", f"{ROOT}[test]"], check=True)
+    print("installing ckpt and its dependencies into .venv ...", flush=True)
+    for command in ([*pip, "--upgrade", "pip"], [*pip, "-e", f"{ROOT}[test]"]):
+        done = subprocess.run(command, text=True, capture_output=True)
+        if done.returncode != 0:  # the build's chatter only matters when it failed
+            sys.stderr.write(done.stdout + done.stderr)
+            raise SystemExit(f"error: {' '.join(command[3:])} failed")
     stamp.write_text(digest)
 
 
