@@ -182,3 +182,17 @@ def test_restart_shows_a_progress_bar_for_large_images(start_job: Callable[..., 
     assert again.wait() == 0, again.stderr
     assert results(again.stdout) == results(plain.stdout)
     assert "loading images" in again.stderr and "100%" in again.stderr, again.stderr
+
+
+def test_a_phase_that_takes_too_long_aborts_the_checkpoint(start_job: Callable[..., Job], tmp_path: Path) -> None:
+    ckpt_dir = tmp_path / "ckpt"
+    job = start_job(
+        "launch", "-n", "2", "--ckpt-dir", str(ckpt_dir), "--phase-timeout", "1", str(PROGRAMS / "stuck.py"), "8"
+    )
+    wait_for(lambda: (job.status() or {}).get("ranks") and job.status()["ranks"][1]["step"] >= 10, 30, "step 10")
+    taken = run("checkpoint", "--wait", "--ckpt-dir", str(ckpt_dir), timeout=30)
+    assert taken.returncode == 1
+    assert "rank 1 (near step 10)" in taken.stderr and "rank 0 (in barrier" in taken.stderr
+    assert "did not park at the step boundary within 1 s" in taken.stderr
+    assert job.wait() == 0, job.stderr
+    assert results(job.stdout) == {0: "40", 1: "40"}

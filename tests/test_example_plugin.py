@@ -58,9 +58,12 @@ def test_ckpt_plugins_lists_the_example_plugin(tmp_path: Path) -> None:
     listed = run("plugins", "--with-plugin", "ckpt_stepclock", extra_env=_env(tmp_path))
     assert listed.returncode == 0, listed.stderr
     assert "stepclock 1.0  (ckpt_stepclock, --with-plugin, order 10)" in listed.stdout
+    helped = run("launch", "--with-plugin", "ckpt_stepclock", "--help", extra_env=_env(tmp_path))
+    assert helped.returncode == 0 and "--stepclock-file" in helped.stdout, helped.stderr
     as_json = run("plugins", "--json", "--with-plugin", "ckpt_stepclock", extra_env=_env(tmp_path))
     assert as_json.returncode == 0, as_json.stderr
     (info,) = [p for p in json.loads(as_json.stdout) if p["name"] == "stepclock"]
+    assert "ckpt_add_options" in info["hooks"]
     assert info["api"] == 1 and info["version"] == "1.0" and info["module"] == "ckpt_stepclock"
     assert {"ckpt_presuspend", "ckpt_drain", "ckpt_precheckpoint", "ckpt_checkpointed", "ckpt_resume"} <= set(
         info["hooks"]
@@ -93,8 +96,10 @@ def test_the_timings_survive_a_restart(start_job: Callable[..., Job], tmp_path: 
         assert [c["number"] for c in summary["checkpoints"]] == [1, 2]
         assert summary["checkpoints"][1]["ended"] == "killed"
 
-    # generation 1: restart with the plugin, checkpoint 3, run to the end
-    again = start_job("restart", "--ckpt-dir", str(ckpt_dir), *plugin, extra_env=_env(final_dir))
+    # generation 1: restart with the plugin, checkpoint 3, run to the end; the plugin's own
+    # --stepclock-file option (from ckpt_add_options) takes precedence over $CKPT_STEPCLOCK_FILE
+    option = ["--stepclock-file", str(final_dir / "stepclock-{rank}.json")]
+    again = start_job("restart", "--ckpt-dir", str(ckpt_dir), *plugin, *option, extra_env=_env(killed_dir))
     again.wait_step(killed_at + 1)  # the restarted job is up (not the killed one's final status)
     assert "checkpoint 3 written" in _checkpoint(ckpt_dir, "--wait")
     assert again.wait() == 0, again.stderr
@@ -132,3 +137,9 @@ def test_the_timings_survive_a_restart(start_job: Callable[..., Job], tmp_path: 
             record = summary["checkpoints"][index]
             assert record["ranks_presuspend"][rank] == record["presuspend"]
     assert len({tuple(s["restarts"][0]["ranks_load"]) for s in final.values()}) == 1
+
+
+def test_the_guide_shows_the_plugin_as_it_is() -> None:
+    guide = (EXAMPLES.parent / "docs" / "plugins.md").read_text()
+    source = (PLUGIN_DIR / "ckpt_stepclock.py").read_text()
+    assert source.rstrip("\n") in guide, "docs/plugins.md §9 must list examples/plugins/ckpt_stepclock.py verbatim"

@@ -413,9 +413,18 @@ class Job:
         ckpt = self._ckpt
         if ckpt is None:
             return
-        waiting = self._barriers.get(f"ckpt{ckpt.number}:{_stage_barrier(ckpt.stage)}", {})
-        late = [f"rank {r} (step {self.ranks[r].step})" for r in self._live() if r not in waiting]
-        self._abort(f"ranks {', '.join(late)} did not reach {ckpt.stage} within {self.settings.phase_timeout:g} s")
+        barrier = _stage_barrier(ckpt.stage)
+        waiting = self._barriers.get(f"ckpt{ckpt.number}:{barrier}", {})
+        blocked = {r: (seq, a) for seq, arr in self._collectives.items() for r, a in arr.items()}
+        late = []
+        for rank in (r for r in self._live() if r not in waiting):
+            if rank in blocked:
+                seq, arrival = blocked[rank]
+                late.append(f"rank {rank} (in {arrival.kind} #{seq} of step {arrival.step})")
+            else:
+                late.append(f"rank {rank} (near step {self.ranks[rank].step})")
+        what = "park at the step boundary" if barrier == "PRESUSPEND" else f"finish {barrier}"
+        self._abort(f"{', '.join(late)} did not {what} within {self.settings.phase_timeout:g} s")
 
     def _check_stuck(self) -> None:
         """Abort when parked ranks and ranks blocked in collectives wait for each other forever."""

@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import queue
+import signal
 import socket
 import sys
 import threading
@@ -463,6 +464,10 @@ def main(spec: dict[str, Any] | None = None) -> NoReturn:
     if spec is None:
         spec = json.loads(os.environ[SPEC_ENV])
     configure_logging(int(spec["rank"]), str(spec.get("log_level", "WARNING")))
+    if spec.get("print_result"):  # under mpiexec / srun: Ctrl-C ends this rank quietly
+        signal.signal(signal.SIGINT, lambda signum, frame: _exit(130))
+    else:  # under ckpt launch, which catches Ctrl-C and ends the ranks itself
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         engine = RankEngine(spec)
     except CkptError as exc:
