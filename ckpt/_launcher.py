@@ -14,7 +14,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from ckpt._errors import ImageError
+from ckpt._errors import CoordinatorError, ImageError
 from ckpt.coordinator import protocol
 from ckpt.coordinator.client import read_job_file, write_job_file
 from ckpt.coordinator.server import Coordinator
@@ -146,7 +146,13 @@ class _Job:
         self.processes: list[subprocess.Popen[bytes]] = []
         self.exited: dict[int, int] = {}
         restart = opts.restart
-        self.token = opts.token or os.environ.get("CKPT_TOKEN") or protocol.new_token()
+        # One token per checkpoint directory: a new job launched into it keeps the token, so the
+        # checkpoints already there stay restartable (their HMACs are keyed with it).
+        existing = read_job_file(opts.ckpt_dir) or {}
+        given = opts.token or os.environ.get("CKPT_TOKEN")
+        if opts.coordinator is not None and not given and existing.get("address") != opts.coordinator:
+            raise CoordinatorError(f"no token for the coordinator at {opts.coordinator}: set CKPT_TOKEN")
+        self.token = given or existing.get("token") or protocol.new_token()
         self.job_id = restart["job"] if restart else uuid.uuid4().hex[:12]
         self.coordinator: Coordinator | None = None
         if opts.coordinator is None:
@@ -161,9 +167,9 @@ class _Job:
             ).start()
             self.address = self.coordinator.address
             threading.Thread(target=self._watch_coordinator, daemon=True).start()
+            write_job_file(opts.ckpt_dir, address=self.address, token=self.token, job=self.job_id, pid=os.getpid())
         else:
-            self.address = opts.coordinator
-        write_job_file(opts.ckpt_dir, address=self.address, token=self.token, job=self.job_id, pid=os.getpid())
+            self.address = opts.coordinator  # its own coordinator.json stays as `ckpt coordinator` wrote it
 
     def _watch_coordinator(self) -> None:
         assert self.coordinator is not None
@@ -223,6 +229,8 @@ class _Job:
                 process.wait()
         if self.coordinator is not None:
             self.coordinator.stop()
+            # a rank still writing when its checkpoint was aborted may have left its image behind
+            self.coordinator.remove_aborted_images()
 
     def terminate(self) -> None:
         for process in self.processes:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from ckpt._errors import CkptError
+from ckpt._errors import CheckpointAborted, CkptError
 
 if TYPE_CHECKING:
     from ckpt.coordinator.client import CoordinatorClient
@@ -116,8 +116,15 @@ class Runtime:
         return self._engine.request_checkpoint()
 
     def coordinator_barrier(self, name: str, value: Any = None) -> list[Any]:
-        """A named global barrier for plugin hooks; returns every rank's `value` in rank order."""
-        return list(self._engine.client.call("barrier", name=name, value=value)["values"])
+        """A named global barrier for plugin hooks; returns every rank's `value` in rank order.
+
+        Raises CheckpointAborted when the checkpoint in progress is aborted meanwhile.
+        """
+        scope = self._engine.barrier_scope  # "ckptN" or "genG": an aborted checkpoint releases it
+        answer = self._engine.client.call("barrier", name=f"{scope}:plugin:{name}", value=value)
+        if "abort" in answer:
+            raise CheckpointAborted(answer["abort"])
+        return list(answer["values"])
 
     def allocate_global(self, ns: str, count: int = 1) -> int:
         """First of `count` IDs unique across all ranks and restarts of this job."""

@@ -909,3 +909,32 @@ def test_an_absurd_subscribe_timeout_is_a_protocol_error(
     r0.send("subscribe", ns="n", key="forever", timeout=1e12)
     with pytest.raises((EOFError, OSError)):
         r0.recv(timeout=5.0)
+
+
+def test_values_with_integer_keys_travel_through_the_store(ranks: Callable[..., list[CoordinatorClient]]) -> None:
+    r0, r1 = ranks(2)
+    r0.call("publish", reply_timeout=WAIT, ns="n", key="k", value={1: "one", 2: [3, 4]})
+    assert r1.call("get", reply_timeout=WAIT, ns="n", key="k")["value"] == {1: "one", 2: [3, 4]}
+
+
+def test_an_allgather_answer_over_the_frame_limit_is_an_error_not_a_lost_rank(
+    coordinator: Coordinator, ranks: Callable[..., list[CoordinatorClient]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    r0, r1 = ranks(2)
+    monkeypatch.setattr(protocol, "MAX_FRAME", 1 << 20)
+    payload = b"x" * (600 << 10)  # each request fits; the answer (both) does not
+    answers: dict[int, BaseException | dict[str, Any]] = {}
+
+    def gather(rank: int, client: CoordinatorClient) -> None:
+        try:
+            answers[rank] = _collective(client, 1, "allgather", 0, payload)
+        except CoordinatorError as exc:
+            answers[rank] = exc
+
+    threads = [threading.Thread(target=gather, args=(r, c)) for r, c in enumerate((r0, r1))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(WAIT)
+    assert all(isinstance(a, CoordinatorError) and "frame limit" in str(a) for a in answers.values()), answers
+    assert coordinator.outcome is None, "no rank may be taken for lost"

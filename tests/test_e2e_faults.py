@@ -114,3 +114,22 @@ def test_a_rank_killed_while_running(start_job: Callable[..., Job], tmp_path: Pa
     _first_checkpoint(job, ckpt_dir)
     os.kill(job.rank_pids()[0], signal.SIGKILL)
     _assert_failed_and_restartable(job, ckpt_dir, expected, start_job, lost=0)
+
+
+@pytest.mark.parametrize("point,hook", [("raise", "ckpt_precheckpoint"), ("barrier", "ckpt_drain")])
+def test_a_failing_plugin_aborts_the_checkpoint_and_the_job_goes_on(
+    point: str, hook: str, start_job: Callable[..., Job], tmp_path: Path, expected: dict[int, str]
+) -> None:
+    ckpt_dir = tmp_path / "ckpt"
+    job = start_job("launch", "-n", "3", "--ckpt-dir", str(ckpt_dir), "--with-plugin", "ckpt_faults", *COUNTER,
+                    extra_env={"CKPT_TEST_FAULT": f"{point}:1:2"})  # fmt: skip
+    _first_checkpoint(job, ckpt_dir)
+    second = run("checkpoint", "--wait", "--ckpt-dir", str(ckpt_dir), timeout=60)
+    assert second.returncode == 1
+    assert f"checkpoint 2 aborted: rank 1: plugin 'ckpt_faults' failed in {hook}" in second.stderr
+    third = run("checkpoint", "--wait", "--ckpt-dir", str(ckpt_dir), timeout=60)
+    assert third.returncode == 0, third.stderr
+    assert "checkpoint 3 written" in third.stdout
+    assert job.wait() == 0, job.stderr
+    assert results(job.stdout) == expected
+    assert not list(ckpt_dir.glob("*ckpt_counter_*_2.ckpt*")) and not (ckpt_dir / "ckpt_counter_2.json").exists()

@@ -549,3 +549,10 @@ def test_an_entry_point_may_name_a_plugin_object(
     assert info.hooks == ("ckpt_drain",)
     assert host.call("ckpt_drain", rt=RT) == ["object"]
     assert sys.modules["objplugmod"].PLUGIN.calls == ["drain"]
+
+
+def test_a_misspelt_hook_is_refused(make_plugin: Callable[..., types.ModuleType]) -> None:
+    make_plugin("typo", hooks=())
+    sys.modules["typo"].ckpt_presupend = hookimpl(lambda rt: None)  # type: ignore[attr-defined]
+    with pytest.raises(PluginError, match=r"ckpt_presupend.*misspelt"):
+        load("typo")

@@ -83,6 +83,7 @@ class _Checkpoint:
     stage: str = "reach"
     manifest: dict[str, Any] | None = None
     timer: Timer | None = None
+    failure: str = ""
 
 
 @dataclass
@@ -122,6 +123,7 @@ class Job:
         self._queued: _Checkpoint | None = None
         self._interval_timer: Timer | None = None
         self._complete_announced = False
+        self._aborted: set[int] = set()
         #: rank -> (bytes loaded, bytes total) while a restart loads images
         self.progress: dict[int, tuple[int, int]] = {}
         self.on_end: Callable[[], None] = lambda: None
@@ -292,6 +294,10 @@ class Job:
     # ----------------------------------------------------------- named barriers
     def barrier(self, rank: int, name: str, value: Any, reply: Reply) -> None:
         """A named global barrier (runtime phases and plugins); a name mismatch is reported, not hung on."""
+        prefix = name.partition(":")[0]
+        if prefix.startswith("ckpt") and prefix[4:].isdigit() and int(prefix[4:]) in self._aborted:
+            reply({"abort": f"checkpoint {prefix[4:]} was aborted"})  # a latecomer: do not wait for anyone
+            return
         for other, arrivals in self._barriers.items():
             if other != name and arrivals:
                 where = ", ".join(f"rank {r}" for r in sorted(arrivals))
@@ -334,15 +340,17 @@ class Job:
         ckpt.stage = _PHASE_STATE.get(phase, "done")
         if phase == "CHECKPOINT":
             errors = [f"rank {r}: {v['error']}" for r, v in enumerate(values) if isinstance(v, dict) and "error" in v]
-            if errors:
-                return {"abort": "; ".join(errors)}
             try:
+                if errors:
+                    raise CkptError("; ".join(errors))
                 ckpt.manifest = self._write_manifest(ckpt, values)
             except (CkptError, OSError) as exc:
-                return {"abort": f"cannot write the manifest: {exc}"}
-            return {"manifest": ckpt.manifest["path"], "kill": ckpt.kill}
+                ckpt.failure = f"checkpoint {ckpt.number} could not be written: {exc}"
+                return {"abort": ckpt.failure}
         if phase != "RESUME":
-            ckpt.timer = self._scheduler.call_at(time.monotonic() + self.settings.phase_timeout, self._phase_timeout)
+            ckpt.timer = self._arm_phase_timer(ckpt)
+        if phase == "CHECKPOINT":
+            return {"manifest": ckpt.manifest["path"] if ckpt.manifest else None, "kill": ckpt.kill}
         return {}
 
     def _after_barrier(self, name: str) -> None:
@@ -359,7 +367,7 @@ class Job:
             return
         if phase == "CHECKPOINT":
             if ckpt.manifest is None:
-                self._abort(self.message_for_abort(ckpt))
+                self._abort(ckpt.failure)
             elif ckpt.kill:
                 self._complete(ckpt)
                 # the ranks were told in the barrier's reply: they run their checkpointed and exit
@@ -367,9 +375,6 @@ class Job:
                 self.kill(f"killed after checkpoint {ckpt.number}", push=False)
         elif phase == "RESUME":
             self._complete(ckpt)
-
-    def message_for_abort(self, ckpt: _Checkpoint) -> str:
-        return f"checkpoint {ckpt.number} could not be written"
 
     # ----------------------------------------------------------- checkpoints
     def request_checkpoint(self, *, kill: bool, waiter: Reply | None) -> dict[str, Any]:
@@ -405,14 +410,18 @@ class Job:
         self._ckpt = ckpt
         ckpt.started = time.time()
         self.message = f"checkpoint {ckpt.number} in progress"
-        ckpt.timer = self._scheduler.call_at(time.monotonic() + self.settings.phase_timeout, self._phase_timeout)
+        ckpt.timer = self._arm_phase_timer(ckpt)
         for rank in self._live():
             self._push(rank, {"op": "suspend", "number": ckpt.number})
 
-    def _phase_timeout(self) -> None:
-        ckpt = self._ckpt
-        if ckpt is None:
-            return
+    def _arm_phase_timer(self, ckpt: _Checkpoint) -> Timer:
+        return self._scheduler.call_at(
+            time.monotonic() + self.settings.phase_timeout, lambda: self._phase_timeout(ckpt)
+        )
+
+    def _phase_timeout(self, ckpt: _Checkpoint) -> None:
+        if self._ckpt is not ckpt:
+            return  # that checkpoint has ended
         barrier = _stage_barrier(ckpt.stage)
         waiting = self._barriers.get(f"ckpt{ckpt.number}:{barrier}", {})
         blocked = {r: (seq, a) for seq, arr in self._collectives.items() for r, a in arr.items()}
@@ -449,27 +458,39 @@ class Job:
             return
         if ckpt.timer:
             ckpt.timer.cancel()
-        message = f"checkpoint {ckpt.number} aborted: {reason}"
+        self._aborted.add(ckpt.number)
+        message = (
+            reason if reason.startswith(f"checkpoint {ckpt.number} ") else f"checkpoint {ckpt.number} aborted: {reason}"
+        )
         log.warning("%s", message)
         self.message = message
-        for name in [n for n in self._barriers if n.startswith(f"ckpt{ckpt.number}:")]:
+        for name in list(self._barriers):  # phase barriers and plugins' own barriers inside hooks
             for arrival in self._barriers.pop(name).values():
                 arrival.reply({"abort": message})
         for rank in self._live():
             self._push(rank, {"op": "abort", "number": ckpt.number, "reason": message})
             info = self.ranks[rank]
             info.state = "finished" if info.finished else "running"
-        try:
-            manifests.remove_unreferenced(self.settings.ckpt_dir, self.program.get("name", ""), ckpt.number)
-        except (OSError, ImageError) as exc:
-            log.warning("cannot clean up checkpoint %d: %s", ckpt.number, exc)
+        self._remove_images(ckpt.number)
         for waiter in ckpt.waiters:
             waiter({"error": message})
         self._arm_interval()
         self._maybe_done()
 
+    def _remove_images(self, number: int) -> None:
+        try:
+            manifests.remove_unreferenced(self.settings.ckpt_dir, self.program.get("name", ""), number)
+        except (OSError, ImageError) as exc:
+            log.warning("cannot clean up checkpoint %d: %s", number, exc)
+
+    def remove_aborted_images(self) -> None:
+        for number in sorted(self._aborted):
+            self._remove_images(number)
+
     def _complete(self, ckpt: _Checkpoint) -> None:
         self._ckpt = None
+        if ckpt.timer:
+            ckpt.timer.cancel()
         assert ckpt.manifest is not None
         self.message = f"checkpoint {ckpt.number} written: {ckpt.manifest['path']}"
         for waiter in ckpt.waiters:

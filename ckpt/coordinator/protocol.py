@@ -72,7 +72,7 @@ def encode(message: Message) -> bytes:
 def decode(body: bytes) -> Message:
     """Parse and validate one frame body."""
     try:
-        message = msgpack.unpackb(body, raw=False, strict_map_key=True)
+        message = msgpack.unpackb(body, raw=False, strict_map_key=False)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
         raise ProtocolError(f"undecodable frame ({type(exc).__name__})") from None
     if not isinstance(message, dict):

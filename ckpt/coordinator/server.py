@@ -48,7 +48,10 @@ class _Connection:
 
     def reply_to(self, rid: Any) -> Reply:
         def reply(payload: dict[str, Any]) -> None:
-            self.post({"op": "reply", "id": rid, **payload})
+            try:
+                self.post({"op": "reply", "id": rid, **payload})
+            except ProtocolError as exc:  # e.g. an allgather whose answer is over the frame limit
+                self.post({"op": "reply", "id": rid, "error": str(exc)})
 
         return reply
 
@@ -145,6 +148,11 @@ class Coordinator:
         """End the job as failed (the launcher saw a rank process die before it joined)."""
         with self._lock:
             self.job.fail(message)
+
+    def remove_aborted_images(self) -> None:
+        """Delete what aborted checkpoints left behind (call once no rank can write any more)."""
+        with self._lock:
+            self.job.remove_aborted_images()
 
     def bytes_loaded(self) -> int:
         """Image bytes the ranks of a restarting job have loaded so far."""

@@ -11,7 +11,7 @@ from typing import Any
 
 import pluggy
 
-from ckpt._errors import PluginError
+from ckpt._errors import CheckpointAborted, PluginError
 from ckpt.runtime import hookspecs
 
 log = logging.getLogger(__name__)
@@ -128,6 +128,10 @@ class PluginHost:
             except (ValueError, pluggy.PluginValidationError) as exc:
                 raise PluginError(f"plugin {info.name!r} cannot be registered: {exc}") from None
             self.plugins.append(info)
+        try:
+            self.pm.check_pending()
+        except pluggy.PluginValidationError as exc:
+            raise PluginError(f"{exc} (a misspelt hook name?)") from None
         return self
 
     def add_hookspecs(self, module: Any) -> None:
@@ -151,7 +155,7 @@ class PluginHost:
             args = {name: kwargs[name] for name in impl.argnames}
             try:
                 result = impl.function(**args)
-            except PluginError:
+            except (PluginError, CheckpointAborted):
                 raise
             except Exception as exc:
                 raise PluginError(f"plugin {impl.plugin_name!r} failed in {hook}: {type(exc).__name__}: {exc}") from exc

@@ -29,7 +29,7 @@ from typing import Any, NoReturn, cast
 
 import cloudpickle
 
-from ckpt._errors import CkptError, CoordinatorError, ImageError, PluginError
+from ckpt._errors import CheckpointAborted, CkptError, CoordinatorError, ImageError, PluginError
 from ckpt._program import Program, Runtime, _set_current_runtime
 from ckpt.coordinator.client import CoordinatorClient
 from ckpt.runtime import images, manifest, vid
@@ -38,10 +38,6 @@ from ckpt.runtime.plugins import ImageContents, PluginHost
 log = logging.getLogger(__name__)
 
 SPEC_ENV = "CKPT_RANK_SPEC"
-
-
-class _Aborted(Exception):
-    pass
 
 
 def load_program(path: str) -> tuple[type[Program], dict[str, Any]]:
@@ -107,6 +103,8 @@ class RankEngine:
         self._done = threading.Event()
         self._suspends: queue.SimpleQueue[int] = queue.SimpleQueue()
         self._last_step_report = 0.0
+        #: what the phase in progress is part of: "ckptN" during checkpoint N, "genG" during a restart
+        self.barrier_scope = "job"
         self.program_class, self.program_info = load_program(spec["program"])
         self.program: Program | None = None
         self.plugins = (
@@ -312,6 +310,7 @@ class RankEngine:
         self.rt.restarted = True
         contents = ImageContents(graph["plugins"])
         generation = self.rt.generation
+        self.barrier_scope = f"gen{generation}"
         if self.plugins:
             self.plugins.call("ckpt_init", rt=self.rt)
             self.plugins.call("ckpt_restart", rt=self.rt, image=contents)
@@ -322,41 +321,29 @@ class RankEngine:
         if self.plugins:
             self.plugins.call("ckpt_resume", rt=self.rt, restarted=True, aborted=False)
         self._phase(f"gen{generation}:RESUME")
+        self.barrier_scope = "job"
         if self.finished:
             self.client.call("finished", result=self.result, step=self.step)
 
     def _phase(self, name: str, value: Any = None) -> dict[str, Any]:
         answer = self.client.call("barrier", name=name, value=value)
         if "abort" in answer:
-            raise _Aborted(answer["abort"])
+            raise CheckpointAborted(answer["abort"])
         return answer
 
     # ----------------------------------------------------------- checkpoint thread
     def _checkpoint_loop(self) -> None:
         while True:
-            number = self._suspends.get()
-            try:
-                self._checkpoint(number)
-            except CoordinatorError as exc:
-                log.warning("checkpoint %d: %s", number, exc)
-                self._release()
+            self._checkpoint(self._suspends.get())
 
     def _checkpoint(self, number: int) -> None:
+        """Walk one checkpoint's phases; every way out releases the program thread."""
         assert self.plugins is not None
-        suspended = False
+        suspended = written = False
+        self.barrier_scope = f"ckpt{number}"
+        image = self.ckpt_dir / manifest.image_name(self.program_info["name"], self.rank, number)
         try:
-            with self._cv:
-                self._hold = True
-                reach, finished = self._reach(), self.finished
-            answer = self._phase(f"ckpt{number}:reach", {"reach": reach, "finished": finished, "step": self.step})
-            reaches = [v["reach"] for v in answer["values"] if v and not v["finished"]]
-            with self._cv:
-                self._target = max(reaches, default=reach)
-                self._cv.notify_all()
-                while not (self._parked or self.finished) and number not in self._aborted:
-                    self._cv.wait()
-                if number in self._aborted:
-                    raise _Aborted("aborted while parking")
+            self._park(number)
             suspended = True
             self.plugins.call("ckpt_presuspend", rt=self.rt)
             self._phase(f"ckpt{number}:PRESUSPEND", {"step": self.step})
@@ -365,28 +352,51 @@ class RankEngine:
             contents = ImageContents()
             self.plugins.call("ckpt_precheckpoint", rt=self.rt, image=contents)
             answer = self._phase(f"ckpt{number}:CHECKPOINT", self._write_image(number, contents))
-            info = {"number": number, "manifest": answer["manifest"]}
-            self.plugins.call("ckpt_checkpointed", rt=self.rt, info=info)
+            written = True
+            self.plugins.call("ckpt_checkpointed", rt=self.rt, info={"number": number, "manifest": answer["manifest"]})
             if answer.get("kill"):
-                log.info("checkpoint %d written; exiting as asked (--kill)", number)
-                self.plugins.call("ckpt_exit", rt=self.rt)
-                _exit(0)
+                self._exit_after_checkpoint(number)
             self.plugins.call("ckpt_resume", rt=self.rt, restarted=False, aborted=False)
             self._phase(f"ckpt{number}:RESUME")
-        except _Aborted as exc:
+        except (CheckpointAborted, CoordinatorError, PluginError) as exc:
+            if written:  # the checkpoint exists; a rank whose plugins failed after it cannot go on safely
+                self._fatal(f"after checkpoint {number} was written: {exc} (it can be restarted)")
             log.info("checkpoint %d aborted: %s", number, exc)
-            if suspended:
-                self._resume_after_abort()
-        except PluginError as exc:
-            log.warning("checkpoint %d: %s", number, exc)
-            try:
-                self.client.call("abort_checkpoint", number=number, reason=f"rank {self.rank}: {exc}")
-            except CoordinatorError:
-                pass
+            if not isinstance(exc, CheckpointAborted):
+                try:  # tell the others (a plugin failed here, or a barrier was refused)
+                    self.client.call("abort_checkpoint", number=number, reason=f"rank {self.rank}: {exc}")
+                except CoordinatorError:
+                    pass
+            image.unlink(missing_ok=True)  # written before the abort reached this rank
             if suspended:
                 self._resume_after_abort()
         finally:
+            self.barrier_scope = "job"
             self._release()
+
+    def _park(self, number: int) -> None:
+        """Agree on the target boundary, then wait until the program thread is parked there."""
+        with self._cv:
+            self._hold = True
+            reach, finished = self._reach(), self.finished
+        answer = self._phase(f"ckpt{number}:reach", {"reach": reach, "finished": finished, "step": self.step})
+        reaches = [v["reach"] for v in answer["values"] if v and not v["finished"]]
+        with self._cv:
+            self._target = max(reaches, default=reach)
+            self._cv.notify_all()
+            while not (self._parked or self.finished) and number not in self._aborted:
+                self._cv.wait()
+            if number in self._aborted:
+                raise CheckpointAborted(f"checkpoint {number} was aborted while rank {self.rank} was parking")
+
+    def _exit_after_checkpoint(self, number: int) -> NoReturn:
+        assert self.plugins is not None
+        log.info("checkpoint %d written; exiting as asked (--kill)", number)
+        try:
+            self.plugins.call("ckpt_exit", rt=self.rt)
+        except PluginError as exc:
+            log.warning("%s", exc)
+        _exit(0)
 
     def _resume_after_abort(self) -> None:
         assert self.plugins is not None

@@ -2,7 +2,9 @@
 
 CKPT_TEST_FAULT=<point>:<rank>:<checkpoint number>, point one of
 presuspend, drain, image (inside the image write: pickling a bomb),
-gate (rank 0 waits in precheckpoint until the file $CKPT_TEST_GATE exists).
+gate (rank 0 waits in precheckpoint until the file $CKPT_TEST_GATE exists),
+raise (raise in precheckpoint instead of dying: a failing plugin),
+barrier (the other ranks wait in a plugin barrier at drain; this one raises).
 """
 
 from __future__ import annotations
@@ -49,12 +51,19 @@ def ckpt_presuspend(rt: ckpt.Runtime) -> None:
 def ckpt_drain(rt: ckpt.Runtime) -> None:
     if _armed(rt, "drain"):
         _die()
+    spec = os.environ.get("CKPT_TEST_FAULT", "")
+    if spec.startswith("barrier:") and int(spec.split(":")[2]) == rt.options.get("_number", 0):
+        if _armed(rt, "barrier"):
+            raise RuntimeError("injected failure before a plugin barrier")
+        rt.coordinator_barrier(f"faults:drain{rt.options['_number']}")
 
 
 @ckpt.hookimpl
 def ckpt_precheckpoint(rt: ckpt.Runtime, image: Any) -> None:
     if _armed(rt, "image"):
         image.add("bomb", _Bomb())
+    if _armed(rt, "raise"):
+        raise RuntimeError("injected failure in precheckpoint")
     gate = os.environ.get("CKPT_TEST_GATE")
     if gate and rt.rank == 0 and _armed_any(rt):
         deadline = time.monotonic() + 60
