@@ -116,7 +116,7 @@ def test_status_json_shows_ranks_states_generation_and_last_checkpoint(
     state = job.status()
     assert state is not None
     assert state["generation"] == 0 and state["last_checkpoint"] is None
-    assert state["state"] == "running" and state["unanimous"] is True
+    assert state["state"] == "running" and state["max_state"] == "running" and state["unanimous"] is True
     assert [r["rank"] for r in state["ranks"]] == [0, 1, 2, 3]
     assert all({"rank", "state", "step", "host", "pid"} <= r.keys() for r in state["ranks"])
     assert run("checkpoint", "--wait", "--ckpt-dir", str(ckpt_dir)).returncode == 0
@@ -196,3 +196,26 @@ def test_a_phase_that_takes_too_long_aborts_the_checkpoint(start_job: Callable[.
     assert "did not park at the step boundary within 1 s" in taken.stderr
     assert job.wait() == 0, job.stderr
     assert results(job.stdout) == {0: "40", 1: "40"}
+
+
+def test_finished_ranks_take_part_in_checkpoints_and_restarts(start_job: Callable[..., Job], tmp_path: Path) -> None:
+    program = [str(PROGRAMS / "uneven.py")]
+    plain = run("launch", "-n", "3", "--ckpt-dir", str(tmp_path / "plain"), *program, timeout=120)
+    assert plain.returncode == 0, plain.stderr
+    ckpt_dir = tmp_path / "ckpt"
+    job = start_job("launch", "-n", "3", "--ckpt-dir", str(ckpt_dir), *program)
+
+    def rank0_finished() -> bool:
+        state = job.status()
+        return bool(state and state["ranks"] and state["ranks"][0]["state"] == "finished")
+
+    wait_for(rank0_finished, 60, "rank 0 to finish while the others run")
+    taken = run("checkpoint", "--kill", "--ckpt-dir", str(ckpt_dir))
+    assert taken.returncode == 0, taken.stderr
+    assert job.wait() == 0
+    manifest = json.loads((ckpt_dir / "ckpt_uneven_1.json").read_text())
+    steps = [r["step"] for r in manifest["ranks"]]
+    assert steps[0] == 60 and steps[2] < 180, steps
+    again = start_job("restart", "--ckpt-dir", str(ckpt_dir))
+    assert again.wait() == 0, again.stderr
+    assert results(again.stdout) == results(plain.stdout)

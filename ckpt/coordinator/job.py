@@ -565,6 +565,7 @@ class Job:
         states = [r["state"] for r in ranks]
         known = [s for s in states if s in STATES]
         state = min(known, key=STATES.index) if known else ("lost" if states else "waiting")
+        max_state = max(known, key=STATES.index) if known else state
         if self.outcome is not None:
             state = self.outcome["status"]
         return {
@@ -572,6 +573,7 @@ class Job:
             "generation": self.generation,
             "size": self.size,
             "state": state,
+            "max_state": max_state,
             "unanimous": len(set(states)) <= 1,
             "ranks": ranks,
             "last_checkpoint": self.last_checkpoint,
