@@ -113,8 +113,11 @@ _OPTION_TYPES: dict[str, Any] = {"int": int, "float": float, "str": str}
 
 
 def _values_of(argv: list[str], flag: str) -> list[str]:
+    """Values of `flag` among ckpt's own options: scanning stops at the program file."""
     values = []
     for i, word in enumerate(argv):
+        if word.endswith(".py") and Path(word).is_file():
+            break  # what follows are the program's own arguments
         if word == flag and i + 1 < len(argv):
             values.append(argv[i + 1])
         elif word.startswith(flag + "="):
