@@ -383,13 +383,19 @@ def plugins(with_plugins: tuple[str, ...], disabled: tuple[str, ...], as_json: b
 @click.argument("image", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--json", "as_json", is_flag=True)
 def inspect(image: Path, as_json: bool) -> None:
-    """Show an image's header, sizes, checksum and largest objects."""
+    """Show an image's header, sizes, checksum and largest objects (exit 1 if it is damaged)."""
     from ckpt.runtime.images import inspect_image
 
     report = inspect_image(image)
     if as_json:
         click.echo(json.dumps(report, indent=2, default=str))
-        return
+    else:
+        _print_report(report)
+    if not report.get("ok", True):
+        raise CkptError(f"image {image} is damaged: {report.get('problem')}")
+
+
+def _print_report(report: dict[str, Any]) -> None:
     for key, value in report.items():
         if key == "objects":
             click.echo("largest objects:")

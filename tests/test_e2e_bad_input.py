@@ -183,3 +183,18 @@ def test_garbage_connections_do_not_disturb_a_running_job(start_job: Callable[..
     assert taken.returncode == 0, taken.stderr
     assert job.wait() == 0, job.stderr
     assert results(job.stdout) == results(plain.stdout)
+
+
+def test_inspect_shows_header_sizes_checksum_and_objects_and_flags_damage(ckpt_copy: Path) -> None:
+    image = ckpt_copy / "ckpt_heat_0_1.ckpt"
+    shown = run("inspect", str(image))
+    assert shown.returncode == 0, shown.stderr
+    for needle in ("program: heat", "rank: 0", "number: 1", "sha256:", "largest objects:", "program.u", "ok: True"):
+        assert needle in shown.stdout, needle
+    as_json = json.loads(run("inspect", "--json", str(image)).stdout)
+    assert as_json["file_bytes"] == image.stat().st_size and as_json["ok"] is True
+    data = bytearray(image.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    image.write_bytes(bytes(data))
+    _one_error_line(run("inspect", str(image)), "damaged")
+    _one_error_line(run("inspect", str(ckpt_copy / "ckpt_heat_1.json")), "not a ckpt image")
