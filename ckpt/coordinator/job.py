@@ -226,6 +226,8 @@ class Job:
     def kill(self, reason: str, *, push: bool = True) -> None:
         if self.outcome is not None:
             return
+        if self._ckpt is not None:
+            self._abort(reason)
         self.message = reason
         self._end({"status": "killed", "message": reason})
         for rank in self._live() if push else ():
@@ -327,10 +329,12 @@ class Job:
     def _barrier_complete(self, name: str, values: list[Any]) -> dict[str, Any]:
         """What completing a phase barrier does before anyone is released."""
         prefix, _, phase = name.partition(":")
+        if phase not in _PHASE_STATE and phase != "RESUME":
+            return {}  # a plugin's own barrier: no phase ends here
         for info in self.ranks.values():
             if phase in _PHASE_STATE:
                 info.state = _PHASE_STATE[phase]
-            elif phase == "RESUME":
+            else:
                 info.state = "finished" if info.finished else "running"
         ckpt = self._ckpt
         if ckpt is None or prefix != f"ckpt{ckpt.number}":
@@ -369,12 +373,12 @@ class Job:
             if ckpt.manifest is None:
                 self._abort(ckpt.failure)
             elif ckpt.kill:
-                self._complete(ckpt)
                 # the ranks were told in the barrier's reply: they run their checkpointed and exit
                 # hooks and exit on their own, so no kill push races with those hooks
-                self.kill(f"killed after checkpoint {ckpt.number}", push=False)
+                self._complete(ckpt, kill=True, push=False)
         elif phase == "RESUME":
-            self._complete(ckpt)
+            # a --kill that joined after the CHECKPOINT barrier: the ranks resumed, so push it
+            self._complete(ckpt, kill=ckpt.kill, push=True)
 
     # ----------------------------------------------------------- checkpoints
     def request_checkpoint(self, *, kill: bool, waiter: Reply | None) -> dict[str, Any]:
@@ -402,7 +406,13 @@ class Job:
             self._abort(reason)
 
     def _start_queued(self) -> None:
-        if self._queued is not None and self._ckpt is None and self.all_joined() and not self.restarting:
+        if (
+            self._queued is not None
+            and self._ckpt is None
+            and self.outcome is None
+            and self.all_joined()
+            and not self.restarting
+        ):
             queued, self._queued = self._queued, None
             self._start(queued)
 
@@ -440,7 +450,13 @@ class Job:
         ckpt = self._ckpt
         if ckpt is None or ckpt.stage != "presuspend":
             return
-        parked = set(self._barriers.get(f"ckpt{ckpt.number}:PRESUSPEND", {}))
+        # parked: at PRESUSPEND, or inside a presuspend hook's own barrier (ckptN:plugin:...)
+        parked = {
+            rank
+            for name, arrivals in self._barriers.items()
+            if name.startswith(f"ckpt{ckpt.number}:") and name != f"ckpt{ckpt.number}:reach"
+            for rank in arrivals
+        }
         parked |= {r for r, info in self.ranks.items() if info.finished}
         blocked = {r: (seq, a) for seq, arr in self._collectives.items() for r, a in arr.items()}
         if not blocked or not set(self._live()) <= parked | set(blocked):
@@ -487,14 +503,18 @@ class Job:
         for number in sorted(self._aborted):
             self._remove_images(number)
 
-    def _complete(self, ckpt: _Checkpoint) -> None:
+    def _complete(self, ckpt: _Checkpoint, *, kill: bool = False, push: bool = False) -> None:
         self._ckpt = None
         if ckpt.timer:
             ckpt.timer.cancel()
         assert ckpt.manifest is not None
         self.message = f"checkpoint {ckpt.number} written: {ckpt.manifest['path']}"
-        for waiter in ckpt.waiters:
+        waiters, ckpt.waiters = ckpt.waiters, []
+        for waiter in waiters:
             waiter({"checkpoint": self.last_checkpoint})
+        if kill:  # before anything could end the job as "finished" and push done
+            self.kill(f"killed after checkpoint {ckpt.number}", push=push)
+            return
         self._arm_interval()
         self._start_queued()
         self._maybe_done()

@@ -218,6 +218,9 @@ class RankEngine:
             where = f"step {self.step}" if self.image_header or self.step else "setup or step 0"
             self._fatal(f"the program raised {type(exc).__name__} in {where}: {exc}")
         self._done.wait()
+        with self._cv:  # a checkpoint being aborted as the job ends finishes its hooks first
+            while self._hold:
+                self._cv.wait()
         if self.spec.get("print_result"):  # no embedded coordinator to print it for this rank
             sys.stdout.flush()  # one write() per line: ranks share the launcher's stdout
             os.write(sys.stdout.fileno(), f"[rank {self.rank}] result: {self.result}\n".encode())
@@ -232,35 +235,34 @@ class RankEngine:
     def _loop(self) -> None:
         assert self.program is not None
         step = self.program.step
-        while not self.finished:
+        while True:
             self._boundary()
             more = step(self.rt)
+            if not more:  # still "in the step" until the result is known: a checkpoint must not see
+                value = self.program.result()  # finished=True with no result yet
             with self._cv:
                 self.step += 1
                 self._in_step = False
                 if not more:
-                    self.finished = True
+                    self.finished, self.result = True, None if value is None else str(value)
                     self._cv.notify_all()
+                    break
             now = time.monotonic()
             if now - self._last_step_report >= 0.25:
                 self._last_step_report = now
                 self.client.notify("step", step=self.step)
-        self.result = None if (value := self.program.result()) is None else str(value)
         self.client.call("finished", result=self.result, step=self.step)
 
     def _boundary(self) -> None:
         with self._cv:
-            while self._hold:
-                if self._target is None:
-                    self._cv.wait()
-                elif self.step >= self._target:
+            # Parked means: held, and at (or past) *this* checkpoint's target.  _release clears
+            # _parked, so a checkpoint that follows at once can never see the previous one's.
+            while self._hold and (self._target is None or self.step >= self._target):
+                if self._target is not None and not self._parked:
                     self._parked = True
                     self._cv.notify_all()
-                    while self._hold:
-                        self._cv.wait()
-                    self._parked = False
-                else:
-                    break
+                self._cv.wait()
+            self._parked = False
             self._in_step = True
 
     def _reach(self) -> int:
@@ -409,6 +411,7 @@ class RankEngine:
         with self._cv:
             self._hold = False
             self._target = None
+            self._parked = False
             self._cv.notify_all()
 
     def _write_image(self, number: int, contents: ImageContents) -> dict[str, Any]:
