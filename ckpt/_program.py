@@ -112,7 +112,11 @@ class Runtime:
         self._engine.collective("barrier", None)
 
     def checkpoint(self) -> int:
-        """Ask for a checkpoint; it is taken at the next boundary every rank can reach. Returns its number."""
+        """Ask for a checkpoint; it is taken at the next boundary every rank can reach.
+
+        Returns its number, or 0 when it is queued until every rank has joined (or, under
+        ``--native``, when checkpoints are disabled).
+        """
         return self._engine.request_checkpoint()
 
     def coordinator_barrier(self, name: str, value: Any = None) -> list[Any]:

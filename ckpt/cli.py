@@ -272,6 +272,8 @@ def checkpoint(wait: bool, kill: bool, coordinator: str | None, ckpt_dir: Path) 
             f"checkpoint {last['number']} written: {last['manifest']} "
             f"({last['bytes']} bytes, {last['seconds']:.2f} s){'; job killed' if kill else ''}"
         )
+    elif answer.get("queued"):
+        click.echo("checkpoint requested (it starts once every rank has joined the job)")
     else:
         click.echo(f"checkpoint {answer['number']} requested")
     conn.close()

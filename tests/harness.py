@@ -92,6 +92,8 @@ class Job:
             if self.process.poll() is not None:
                 raise AssertionError(f"job ended early: {self.read()[1]}")
             state = self.status()
+            if state and state["state"] in ("finished", "killed", "failed"):
+                return None  # the final status an earlier job left behind, not this one's
             if state and len(state["ranks"]) and min(r["step"] for r in state["ranks"]) >= step:
                 return state
             return None

@@ -176,8 +176,8 @@ def test_a_checkpoint_queued_during_a_restart_does_not_start_on_an_ended_job(
 ) -> None:
     restart = {"job": "j1", "generation": 0, "number": 1, "id_counters": {}}
     ranks = [join(coordinator, r, 2, restart=restart, step=5, finished=True, result=f"r{r}") for r in range(2)]
-    number = ctl.call("checkpoint", reply_timeout=WAIT)["number"]  # queued: the job is restarting
-    assert number == 2
+    answer = ctl.call("checkpoint", reply_timeout=WAIT)  # queued: the job is restarting
+    assert answer["queued"] is True
     for phase in ("RESTART", "REFRESH", "RESUME"):
         all_at(ranks, f"gen1:{phase}")
     assert coordinator.outcome is not None and coordinator.outcome["status"] == "finished"
@@ -324,7 +324,8 @@ def test_a_checkpoint_requested_during_a_restart_starts_after_its_resume(
 ) -> None:
     restart = {"job": "j1", "generation": 0, "number": 1, "id_counters": {}}
     ranks = [join(coordinator, r, 2, restart=restart, step=5) for r in range(2)]
-    assert ctl.call("checkpoint", reply_timeout=WAIT)["number"] == 2
+    answer = ctl.call("checkpoint", reply_timeout=WAIT)
+    assert answer["number"] == 0 and answer["queued"] is True  # numbered when it starts
     for phase in ("RESTART", "REFRESH"):
         all_at(ranks, f"gen1:{phase}")
         assert coordinator.status()["checkpoint_in_progress"] is None
@@ -332,6 +333,20 @@ def test_a_checkpoint_requested_during_a_restart_starts_after_its_resume(
     all_at(ranks, "gen1:RESUME")
     assert ranks[0].push("suspend")["number"] == 2
     assert coordinator.status()["checkpoint_in_progress"] == 2
+
+
+def test_a_checkpoint_requested_before_a_restarted_job_joins_does_not_reuse_an_old_number(
+    coordinator: Coordinator, join: Callable[..., Rank], ctl: CoordinatorClient
+) -> None:
+    """Before the first rank joins, the coordinator does not know the restarted job's last
+    checkpoint (5 here): a request then must not be numbered 1 and overwrite checkpoint 1."""
+    answer = ctl.call("checkpoint", reply_timeout=WAIT)
+    assert answer["queued"] is True
+    restart = {"job": "j1", "generation": 2, "number": 5, "id_counters": {}}
+    ranks = [join(coordinator, r, 2, restart=restart, step=5) for r in range(2)]
+    for phase in ("RESTART", "REFRESH", "RESUME"):
+        all_at(ranks, f"gen3:{phase}")
+    assert ranks[0].push("suspend")["number"] == 6
 
 
 def test_a_rank_finishing_while_others_wait_at_presuspend_triggers_the_stuck_check(

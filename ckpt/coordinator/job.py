@@ -316,8 +316,7 @@ class Job:
         if phase in _PHASE_STATE or phase == "RESUME":
             self.ranks[rank].state = {"reach": "presuspend"}.get(phase, phase.lower())
         if len(arrivals) < self.size:
-            if phase == "PRESUSPEND":
-                self._check_stuck()
+            self._check_stuck()  # a rank arriving at PRESUSPEND (or a plugin barrier) may complete the picture
             return
         del self._barriers[name]
         values = [arrivals[r].value if r in arrivals else None for r in range(self.size)]
@@ -382,15 +381,19 @@ class Job:
 
     # ----------------------------------------------------------- checkpoints
     def request_checkpoint(self, *, kill: bool, waiter: Reply | None) -> dict[str, Any]:
-        """Start a checkpoint, or join the one in progress / queued. Returns {"number"} or {"error"}."""
+        """Start a checkpoint, or join the one in progress / queued.
+
+        Returns {"number"} ({"number": 0, "queued": True} while the job is not running yet: the
+        number is only taken when the checkpoint starts, once the restarted job knows its last
+        one) or {"error"}.
+        """
         if self.outcome is not None:
             return {"error": f"the job has ended ({self.outcome['status']})"}
         if self.native:
             return {"error": "the job runs with --native: no checkpoint thread, checkpoints are disabled"}
         target = self._ckpt or self._queued
         if target is None:
-            target = _Checkpoint(self._next_number, kill, time.time())
-            self._next_number += 1
+            target = _Checkpoint(0, kill, time.time())
             if self.all_joined() and not self.restarting:
                 self._start(target)
             else:
@@ -398,7 +401,7 @@ class Job:
         target.kill = target.kill or kill
         if waiter is not None:
             target.waiters.append(waiter)
-        return {"number": target.number}
+        return {"number": target.number, "queued": target is self._queued}
 
     def abort_checkpoint(self, number: int, reason: str) -> None:
         """A rank cannot complete checkpoint `number` (a plugin failed): abort it for everyone."""
@@ -417,6 +420,8 @@ class Job:
             self._start(queued)
 
     def _start(self, ckpt: _Checkpoint) -> None:
+        ckpt.number = self._next_number
+        self._next_number += 1
         self._ckpt = ckpt
         ckpt.started = time.time()
         self.message = f"checkpoint {ckpt.number} in progress"
