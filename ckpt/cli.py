@@ -253,6 +253,9 @@ def restart(
 
 
 def _control(coordinator: str | None, ckpt_dir: Path) -> coord_client.CoordinatorClient:
+    ended = None if coordinator else (coord_client.read_job_file(ckpt_dir) or {}).get("ended")
+    if ended is not None:
+        raise CkptError(f"the job in {ckpt_dir} has ended ({ended['state']}): {ended['message']}")
     address, token = coord_client.locate(coordinator, ckpt_dir, os.environ.get("CKPT_TOKEN"))
     return coord_client.control(address, token)
 

@@ -219,3 +219,17 @@ def test_finished_ranks_take_part_in_checkpoints_and_restarts(start_job: Callabl
     again = start_job("restart", "--ckpt-dir", str(ckpt_dir))
     assert again.wait() == 0, again.stderr
     assert results(again.stdout) == results(plain.stdout)
+
+
+def test_ckpt_kill_ends_the_job_and_status_says_so(start_job: Callable[..., Job], tmp_path: Path) -> None:
+    ckpt_dir = tmp_path / "ckpt"
+    job = start_job("launch", "-n", "2", "--ckpt-dir", str(ckpt_dir), str(EXAMPLES / "heat.py"), "100000")
+    job.wait_step(5)
+    killed = run("kill", "--ckpt-dir", str(ckpt_dir))
+    assert killed.returncode == 0, killed.stderr
+    assert job.wait() == 0
+    assert "killed on request" in job.stderr and results(job.stdout) == {}
+    state = job.status()
+    assert state is not None and state["state"] == "killed"
+    late = run("checkpoint", "--ckpt-dir", str(ckpt_dir))
+    assert late.returncode == 1 and "has ended (killed)" in late.stderr
