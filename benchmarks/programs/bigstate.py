@@ -60,7 +60,8 @@ class BigState(ckpt.Program):
         if rt.restarted and self.stamp and not self.stamped:
             first_step = time.time()
             self.stamped = True
-            record = {"imported": IMPORTED, "first_step": first_step, "intact": sample_digest(self.state) == self.digest}
+            intact = sample_digest(self.state) == self.digest
+            record = {"imported": IMPORTED, "first_step": first_step, "intact": intact}
             tmp = self.stamp + ".tmp"
             with open(tmp, "w") as f:
                 json.dump(record, f)
