@@ -8,15 +8,19 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from ckpt._errors import CkptError
-from ckpt._launcher import JobOptions, external_rank, prepare_restart, rank_spec, run_job
 from ckpt.coordinator import client as coord_client
 from ckpt.coordinator import protocol
-from ckpt.runtime.rank import load_program
+
+if TYPE_CHECKING:
+    from ckpt._launcher import JobOptions
+
+# launch / restart import the launcher (numpy, cloudpickle, lz4 ...) when they run, so that
+# status / checkpoint / kill start quickly.
 
 _TRANSPORTS = ("simib",)
 
@@ -178,6 +182,9 @@ def launch(
     **job: Any,
 ) -> None:
     """Run PROGRAM (a file defining one ckpt.Program) on N ranks, printing each rank's result."""
+    from ckpt._launcher import JobOptions, external_rank, run_job
+    from ckpt.runtime.rank import load_program
+
     load_program(program)  # one clear error here rather than one per rank
     options = _plugin_values(job)
     opts = JobOptions(
@@ -201,6 +208,7 @@ def launch(
 
 def _run_one_rank(opts: JobOptions, rank: int, size: int | None) -> None:
     """Under mpiexec / srun: this process is one rank of a job served by --coordinator."""
+    from ckpt._launcher import rank_spec
     from ckpt.runtime import rank as rank_main
 
     assert opts.coordinator is not None
@@ -228,6 +236,8 @@ def restart(
     **job: Any,
 ) -> None:
     """Restart the latest checkpoint in the ckpt dir (or TARGET: a manifest or a directory)."""
+    from ckpt._launcher import JobOptions, prepare_restart, run_job
+
     manifest, directory, token = prepare_restart(target, ckpt_dir, os.environ.get("CKPT_TOKEN"))
     options = _plugin_values(job)
     opts = JobOptions(
