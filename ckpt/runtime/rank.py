@@ -210,7 +210,8 @@ class RankEngine:
                 self.program.setup(self.rt)
                 with self._cv:
                     self._in_setup = False
-            self._loop()
+            if not self.finished:  # a rank restarted from its final boundary has nothing left to run
+                self._loop()
         except CkptError as exc:
             self._fatal(str(exc))
         except Exception as exc:
