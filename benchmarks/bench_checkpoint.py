@@ -58,6 +58,7 @@ from typing import Any
 import bench_image
 import numpy as np
 from bench_image import drop_cache, machine, make_state, raw_read, raw_write, timed, warm_memory
+from bench_overhead import Jobs
 
 ROOT = Path(__file__).resolve().parent.parent
 BIGSTATE = ROOT / "benchmarks" / "programs" / "bigstate.py"
@@ -71,28 +72,6 @@ TARGETS = {
 CLEAN_MIB = 64
 _REPORTED = Path("/sys/module/page_reporting/parameters/reported_kib")
 _READ_LOG = re.compile(r"DEBUG ckpt\.runtime\.images: read \S+: (\d+) bytes \((\d+) raw\) in ([0-9.]+) s")
-
-
-class Jobs:
-    """CLI processes started by the benchmark, each in its own session; `close` kills their groups."""
-
-    def __init__(self) -> None:
-        self.processes: list[subprocess.Popen[str]] = []
-
-    def start(self, args: list[str], out: Path) -> subprocess.Popen[str]:
-        with open(out, "w") as stdout, open(out.with_suffix(".err"), "w") as stderr:
-            process = subprocess.Popen([*CKPT, *args], stdout=stdout, stderr=stderr, text=True, start_new_session=True)
-        self.processes.append(process)
-        return process
-
-    def close(self) -> None:
-        for process in self.processes:
-            try:
-                os.killpg(process.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            process.wait()
-        self.processes.clear()
 
 
 def ckpt_cli(*args: str, timeout: float = 300.0) -> subprocess.CompletedProcess[str]:
