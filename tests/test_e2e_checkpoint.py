@@ -12,7 +12,7 @@ from harness import EXAMPLES, PROGRAMS, Job, results, run, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
-HEAT = [str(EXAMPLES / "heat.py"), "300", "2000", "3"]
+HEAT = [str(EXAMPLES / "heat.py"), "700", "2000", "3"]
 
 
 @pytest.fixture(scope="module")
