@@ -239,6 +239,7 @@ def restart(
     from ckpt._launcher import JobOptions, prepare_restart, run_job
 
     manifest, directory, token = prepare_restart(target, ckpt_dir, os.environ.get("CKPT_TOKEN"))
+    _check_restart_plugins(manifest, list(with_plugins), list(disabled))
     options = _plugin_values(job)
     opts = JobOptions(
         program=manifest["program"]["path"],
@@ -260,6 +261,26 @@ def restart(
         err=True,
     )
     sys.exit(run_job(opts))
+
+
+def _check_restart_plugins(manifest: dict[str, Any], with_plugins: list[str], disabled: list[str]) -> None:
+    """A plugin whose state is in the images must be loaded again, or explicitly disabled."""
+    import hashlib
+
+    from ckpt.runtime.plugins import PluginHost
+
+    loaded = {p.name for p in PluginHost().load(with_plugins, disabled).plugins}
+    for plugin in manifest.get("plugins", []):
+        name = plugin.get("name")
+        if name not in loaded and name not in disabled:
+            raise CkptError(
+                f"checkpoint {manifest['number']} was taken with plugin {name!r} ({plugin.get('version')}), "
+                f"which is not loaded now: install it (or --with-plugin {plugin.get('module', name)}), "
+                f"or pass --disable-plugin {name} to drop its state"
+            )
+    program = manifest["program"]
+    if hashlib.sha256(Path(program["path"]).read_bytes()).hexdigest() != program.get("sha256"):
+        click.echo(f"ckpt: warning: {program['path']} changed since checkpoint {manifest['number']}", err=True)
 
 
 def _control(coordinator: str | None, ckpt_dir: Path) -> coord_client.CoordinatorClient:

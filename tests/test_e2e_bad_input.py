@@ -201,3 +201,17 @@ def test_inspect_shows_header_sizes_checksum_and_objects_and_flags_damage(ckpt_c
     image.write_bytes(bytes(data))
     _one_error_line(run("inspect", str(image)), "damaged")
     _one_error_line(run("inspect", str(ckpt_copy / "ckpt_heat_1.json")), "not a ckpt image")
+
+
+def test_a_changed_program_restarts_with_a_warning(start_job: Callable[..., Job], tmp_path: Path) -> None:
+    program = tmp_path / "heat.py"
+    shutil.copy(EXAMPLES / "heat.py", program)
+    ckpt_dir = tmp_path / "ckpt"
+    job = start_job("launch", "-n", "2", "--ckpt-dir", str(ckpt_dir), str(program), *HEAT[1:])
+    job.wait_step(5)
+    assert run("checkpoint", "--kill", "--ckpt-dir", str(ckpt_dir)).returncode == 0
+    assert job.wait() == 0
+    program.write_text(program.read_text() + "\n# edited after the checkpoint\n")
+    again = run("restart", "--ckpt-dir", str(ckpt_dir), timeout=120)
+    assert again.returncode == 0, again.stderr
+    assert f"warning: {program} changed since checkpoint 1" in again.stderr

@@ -96,3 +96,20 @@ def test_the_plugin_sees_every_event_in_order_across_resume_and_restart(
         assert tags == ["tag=blue", "tag=blue", "tag=green", "tag=green"], "plugin options reach every rank"
         refreshes = [e for e in events if e[1] == "refresh"]
         assert all(int(e[2]) == RANKS for e in refreshes)
+
+
+def test_a_restart_without_a_checkpointed_plugin_is_refused_unless_disabled(
+    start_job: Callable[..., Job], tmp_path: Path
+) -> None:
+    ckpt_dir = tmp_path / "ckpt"
+    job = start_job("launch", "-n", "2", "--ckpt-dir", str(ckpt_dir), *HEAT, extra_env=_env(tmp_path))
+    job.wait_step(10)
+    assert run("checkpoint", "--kill", "--ckpt-dir", str(ckpt_dir)).returncode == 0
+    assert job.wait() == 0
+    refused = run("restart", "--ckpt-dir", str(ckpt_dir))  # the recorder is not installed here
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr
+    assert "plugin 'recorder_a' (1.2), which is not loaded now" in refused.stderr
+    dropped = run("restart", "--ckpt-dir", str(ckpt_dir), "--disable-plugin", "recorder_a",
+                  "--disable-plugin", "recorder_b", timeout=120)  # fmt: skip
+    assert dropped.returncode == 0, dropped.stderr
+    assert sorted(results(dropped.stdout)) == [0, 1]
