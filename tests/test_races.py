@@ -349,6 +349,13 @@ def test_a_checkpoint_requested_before_a_restarted_job_joins_does_not_reuse_an_o
     assert ranks[0].push("suspend")["number"] == 6
 
 
+def _until(condition: Callable[[], bool], timeout: float = WAIT) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "the coordinator never got there"
+        threading.Event().wait(0.005)
+
+
 def test_a_rank_finishing_while_others_wait_at_presuspend_triggers_the_stuck_check(
     coordinator: Coordinator, join: Callable[..., Rank], ctl: CoordinatorClient
 ) -> None:
@@ -358,7 +365,9 @@ def test_a_rank_finishing_while_others_wait_at_presuspend_triggers_the_stuck_che
     assert ctl.call("checkpoint", reply_timeout=WAIT)["number"] == 1
     all_at(ranks, "ckpt1:reach", reach)
     parked = ranks[0].barrier("ckpt1:PRESUSPEND", {"step": 1})
-    coll = ranks[2].send("collective", seq=1, kind="allgather", step=0, data=b"x")
+    _until(lambda: 0 in coordinator.job._barriers.get("ckpt1:PRESUSPEND", {}))  # three connections:
+    coll = ranks[2].send("collective", seq=1, kind="allgather", step=0, data=b"x")  # force the order
+    _until(lambda: 2 in coordinator.job._collectives.get(1, {}))
     ranks[1].call("finished", result="r1", step=1)
     assert "abort" in ranks[0].reply(parked)
     assert "error" in ranks[2].reply(coll)  # rank 1 finished without entering it: it can never complete
@@ -551,3 +560,17 @@ def wait_until(predicate: Callable[[], bool], what: str, timeout: float = WAIT) 
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         tick.wait(0.01)
+
+
+@pytest.mark.timeout(30)
+def test_a_restart_phase_that_takes_too_long_fails_the_job(
+    make_coordinator: Callable[..., Coordinator], join: Callable[..., Rank]
+) -> None:
+    coord = make_coordinator(phase_timeout=0.5)
+    restart = {"job": "j1", "generation": 0, "number": 1, "id_counters": {}}
+    ranks = [join(coord, r, 2, restart=restart, step=5) for r in range(2)]
+    ranks[0].barrier("gen1:RESTART")  # rank 1 never gets there (stuck loading its image, say)
+    assert coord.ended.wait(10), "the restart hung"
+    outcome = coord.outcome
+    assert outcome is not None and outcome["status"] == "failed"
+    assert "rank(s) [1] did not reach RESTART within 0.5 s" in outcome["message"]

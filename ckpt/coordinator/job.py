@@ -123,6 +123,7 @@ class Job:
         self._queued: _Checkpoint | None = None
         self._interval_timer: Timer | None = None
         self._complete_announced = False
+        self._restart_timer: Timer | None = None
         self._aborted: set[int] = set()
         #: rank -> (bytes loaded, bytes total) while a restart loads images
         self.progress: dict[int, tuple[int, int]] = {}
@@ -182,6 +183,7 @@ class Job:
         restart = hello.get("restart")
         if restart:
             self.restarting = True
+            self._arm_restart_timer("RESTART")
             self.job_id = str(restart["job"])
             self.generation = int(restart["generation"]) + 1
             self.kv.id_counters = {str(k): int(v) for k, v in restart.get("id_counters", {}).items()}
@@ -359,8 +361,12 @@ class Job:
     def _after_barrier(self, name: str) -> None:
         prefix, _, phase = name.partition(":")
         ckpt = self._ckpt
+        if prefix == f"gen{self.generation}" and self.restarting and phase in ("RESTART", "REFRESH"):
+            self._arm_restart_timer({"RESTART": "REFRESH", "REFRESH": "RESUME"}[phase])
         if prefix == f"gen{self.generation}" and phase == "RESUME" and self.restarting:
             self.restarting = False
+            if self._restart_timer:
+                self._restart_timer.cancel()
             self.message = f"restarted as generation {self.generation}"
             self._arm_interval()
             self._maybe_done()
@@ -560,6 +566,21 @@ class Job:
         if self.settings.keep:
             manifests.prune(self.settings.ckpt_dir, str(self.program.get("name", "")), self.settings.keep)
         return {"path": str(path)}
+
+    def _arm_restart_timer(self, phase: str) -> None:
+        """A restart that does not reach `phase` within the phase timeout fails (it cannot be aborted)."""
+        if self._restart_timer:
+            self._restart_timer.cancel()
+
+        def expired() -> None:
+            if self.restarting and self.outcome is None:
+                there = set(self._barriers.get(f"gen{self.generation}:{phase}", {}))
+                late = sorted(set(range(self.size)) - there)
+                self.fail(
+                    f"restart failed: rank(s) {late} did not reach {phase} within {self.settings.phase_timeout:g} s"
+                )
+
+        self._restart_timer = self._scheduler.call_at(time.monotonic() + self.settings.phase_timeout, expired)
 
     def _arm_interval(self) -> None:
         if self._interval_timer:
