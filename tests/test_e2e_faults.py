@@ -38,7 +38,12 @@ def _first_checkpoint(job: Job, ckpt_dir: Path) -> None:
 
 
 def _assert_failed_and_restartable(
-    job: Job, ckpt_dir: Path, expected: dict[int, str], start_job: Callable[..., Job], lost: int
+    job: Job,
+    ckpt_dir: Path,
+    expected: dict[int, str],
+    start_job: Callable[..., Job],
+    lost: int,
+    plugins: tuple[str, ...] = ("--with-plugin", "ckpt_faults"),
 ) -> None:
     assert job.wait() == 1
     (line,) = job.stderr.strip().splitlines()[-1:]
@@ -53,7 +58,7 @@ def _assert_failed_and_restartable(
     assert state["state"] == "failed" and f"rank {lost}" in state["message"]
     assert state["last_checkpoint"]["number"] == 1
     assert any(r["state"] == "lost" for r in state["ranks"])
-    again = start_job("restart", "--ckpt-dir", str(ckpt_dir))
+    again = start_job("restart", "--ckpt-dir", str(ckpt_dir), *plugins)  # the same plugins, unarmed now
     assert again.wait() == 0, again.stderr
     assert results(again.stdout) == expected
 
@@ -113,7 +118,7 @@ def test_a_rank_killed_while_running(start_job: Callable[..., Job], tmp_path: Pa
     job = start_job("launch", "-n", "3", "--ckpt-dir", str(ckpt_dir), *COUNTER)
     _first_checkpoint(job, ckpt_dir)
     os.kill(job.rank_pids()[0], signal.SIGKILL)
-    _assert_failed_and_restartable(job, ckpt_dir, expected, start_job, lost=0)
+    _assert_failed_and_restartable(job, ckpt_dir, expected, start_job, lost=0, plugins=())
 
 
 @pytest.mark.parametrize("point,hook", [("raise", "ckpt_precheckpoint"), ("barrier", "ckpt_drain")])
