@@ -58,7 +58,7 @@ from typing import Any
 import bench_image
 import numpy as np
 from bench_image import drop_cache, machine, make_state, raw_read, raw_write, timed, warm_memory
-from bench_overhead import Jobs
+from bench_overhead import Jobs, ckpt_cli, wait_stepping
 
 ROOT = Path(__file__).resolve().parent.parent
 BIGSTATE = ROOT / "benchmarks" / "programs" / "bigstate.py"
@@ -70,30 +70,9 @@ TARGETS = {
     ("restart", "mostly-zero"): ("<=", 1.25),
 }
 CLEAN_MIB = 64
+_SLOW = 300.0  # seconds a CLI step of a 1 GiB job may take
 _REPORTED = Path("/sys/module/page_reporting/parameters/reported_kib")
 _READ_LOG = re.compile(r"DEBUG ckpt\.runtime\.images: read \S+: (\d+) bytes \((\d+) raw\) in ([0-9.]+) s")
-
-
-def ckpt_cli(*args: str, timeout: float = 300.0) -> subprocess.CompletedProcess[str]:
-    """Run a short ckpt command (status, checkpoint, kill) to completion."""
-    return subprocess.run(
-        [*CKPT, *args], capture_output=True, text=True, timeout=timeout, start_new_session=True, check=False
-    )
-
-
-def wait_stepping(ckpt_dir: Path, job: subprocess.Popen[str], timeout: float = 300.0) -> None:
-    """Poll `ckpt status --json` until the rank has completed a step."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if job.poll() is not None:
-            raise RuntimeError(f"the job exited with status {job.returncode} before stepping")
-        answer = ckpt_cli("status", "--json", "--ckpt-dir", str(ckpt_dir))
-        if answer.returncode == 0:
-            status = json.loads(answer.stdout)
-            if status["ranks"] and all(r["step"] >= 1 for r in status["ranks"]):
-                return
-        time.sleep(0.1)
-    raise RuntimeError(f"the job in {ckpt_dir} did not start stepping within {timeout} s")
 
 
 def wait_file(path: Path, job: subprocess.Popen[str], timeout: float = 300.0) -> None:
@@ -141,12 +120,12 @@ def checkpoint_round(
     try:
         program = [str(BIGSTATE), str(args.size_mib), kind, str(args.step_ms), str(stamp)]
         launch = jobs.start(["launch", "--ckpt-dir", str(ckpt_dir), *program], directory / f"launch-{rnd}.out")
-        wait_stepping(ckpt_dir, launch)
+        wait_stepping(ckpt_dir, launch, timeout=_SLOW)
         if raw_first:
             write_raw()
         warm_memory(size)
         before, started = reported_mib(), time.perf_counter()
-        answer = ckpt_cli("checkpoint", "--kill", "--ckpt-dir", str(ckpt_dir))
+        answer = ckpt_cli("checkpoint", "--kill", "--ckpt-dir", str(ckpt_dir), timeout=_SLOW)
         row["checkpoint_cli_s"] = time.perf_counter() - started
         row["checkpoint_reported_mib"] = reported_mib() - before
         if answer.returncode != 0:

@@ -30,6 +30,13 @@ def expected(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
     return results(done.stdout)
 
 
+def _launch_with_faults(start_job: Callable[..., Job], ckpt_dir: Path, fault_env: dict[str, str]) -> Job:
+    """The counter program on 3 ranks with the fault-injecting plugin, armed by `fault_env`."""
+    return start_job(
+        "launch", "-n", "3", "--ckpt-dir", str(ckpt_dir), "--with-plugin", "ckpt_faults", *COUNTER, extra_env=fault_env
+    )
+
+
 def _first_checkpoint(job: Job, ckpt_dir: Path) -> None:
     job.wait_step(20)
     taken = run("checkpoint", "--wait", "--ckpt-dir", str(ckpt_dir))
@@ -68,17 +75,7 @@ def test_a_rank_killed_during_a_checkpoint_phase(
     point: str, start_job: Callable[..., Job], tmp_path: Path, expected: dict[int, str]
 ) -> None:
     ckpt_dir = tmp_path / "ckpt"
-    job = start_job(
-        "launch",
-        "-n",
-        "3",
-        "--ckpt-dir",
-        str(ckpt_dir),
-        "--with-plugin",
-        "ckpt_faults",
-        *COUNTER,
-        extra_env={"CKPT_TEST_FAULT": f"{point}:1:2"},
-    )
+    job = _launch_with_faults(start_job, ckpt_dir, {"CKPT_TEST_FAULT": f"{point}:1:2"})
     _first_checkpoint(job, ckpt_dir)
     second = run("checkpoint", "--wait", "--ckpt-dir", str(ckpt_dir))
     assert second.returncode == 1
@@ -91,17 +88,7 @@ def test_a_rank_killed_after_writing_its_image_before_the_manifest(
 ) -> None:
     ckpt_dir = tmp_path / "ckpt"
     gate = tmp_path / "gate"
-    job = start_job(
-        "launch",
-        "-n",
-        "3",
-        "--ckpt-dir",
-        str(ckpt_dir),
-        "--with-plugin",
-        "ckpt_faults",
-        *COUNTER,
-        extra_env={"CKPT_TEST_FAULT": "gate:0:2", "CKPT_TEST_GATE": str(gate)},
-    )
+    job = _launch_with_faults(start_job, ckpt_dir, {"CKPT_TEST_FAULT": "gate:0:2", "CKPT_TEST_GATE": str(gate)})
     _first_checkpoint(job, ckpt_dir)
     pids = job.rank_pids()
     second = start_job("checkpoint", "--wait", "--ckpt-dir", str(ckpt_dir))
@@ -126,8 +113,7 @@ def test_a_failing_plugin_aborts_the_checkpoint_and_the_job_goes_on(
     point: str, hook: str, start_job: Callable[..., Job], tmp_path: Path, expected: dict[int, str]
 ) -> None:
     ckpt_dir = tmp_path / "ckpt"
-    job = start_job("launch", "-n", "3", "--ckpt-dir", str(ckpt_dir), "--with-plugin", "ckpt_faults", *COUNTER,
-                    extra_env={"CKPT_TEST_FAULT": f"{point}:1:2"})  # fmt: skip
+    job = _launch_with_faults(start_job, ckpt_dir, {"CKPT_TEST_FAULT": f"{point}:1:2"})
     _first_checkpoint(job, ckpt_dir)
     second = run("checkpoint", "--wait", "--ckpt-dir", str(ckpt_dir), timeout=60)
     assert second.returncode == 1
