@@ -1,0 +1,483 @@
+"""The simulated HCA of one process: identities, memory regions, CQs, channels, SRQs, events, links, timers."""
+
+# One `Hca` per device name per process stands for the NIC.  It owns a TCP
+# listener (its endpoint, registered with the subnet manager next to the two
+# LIDs the SM assigns to its ports) and one reader thread per incoming
+# connection.  Those threads -- never the program's -- execute incoming RDMA
+# WRITE / READ / atomics on registered memory and produce completions, so a
+# program that is busy, asleep or parked at a checkpoint still has its memory
+# served.
+#
+# Identities (qp_num, lkey, rkey) start from random bases drawn per HCA and
+# LIDs come from the SM's randomised allocator: a new process never sees the
+# IDs an old one had, exactly the situation the virtualization plugin exists
+# for.  Nothing here may make them stable.
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import mmap
+import os
+import secrets
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ckpt.verbs import _enums as e
+from ckpt.verbs import _wire as w
+from ckpt.verbs._attrs import WC, AsyncEvent, SrqAttr
+from ckpt.verbs._errors import PyverbsRDMAError
+
+if TYPE_CHECKING:
+    from ckpt.verbs._qp import QPHandle
+
+log = logging.getLogger(__name__)
+
+EINVAL, ENOMEM, EACCES, EBUSY, ENOENT, EOPNOTSUPP = 22, 12, 13, 16, 2, 95
+
+#: Limits reported by query_device and enforced by the simulator.
+MAX_QP_WR, MAX_SGE, MAX_CQE, MAX_MR_SIZE, MAX_MSG = 16384, 32, 1 << 20, 1 << 40, 1 << 31
+MAX_RD_ATOMIC, MAX_INLINE = 16, 1024
+
+# A software NIC shares the CPU with its program: a peer's HCA thread can be
+# starved of the GIL for milliseconds, so a transmission is only counted as a
+# retry when the packet is known lost (link down, peer gone, dropped by the
+# responder) -- a late ACK alone never exhausts retry_cnt.
+LATE_ACK_RECHECK = 0.05
+
+
+class Timers:
+    """One thread running callbacks at deadlines (retransmission, RNR back-off, path arming)."""
+
+    def __init__(self, name: str) -> None:
+        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+        self._cond = threading.Condition()
+        threading.Thread(target=self._run, name=f"{name}-timers", daemon=True).start()
+
+    def at(self, deadline: float, fn: Callable[[], None]) -> None:
+        with self._cond:
+            heapq.heappush(self._heap, (deadline, next(self._seq), fn))
+            if self._heap[0][2] is fn:
+                self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._heap or self._heap[0][0] > time.monotonic():
+                    self._cond.wait(self._heap[0][0] - time.monotonic() if self._heap else None)
+                _, _, fn = heapq.heappop(self._heap)
+            try:
+                fn()
+            except Exception:  # a timer must never kill the NIC
+                log.exception("simib timer callback failed")
+
+
+class PDHandle:
+    __slots__ = ("handle", "hca")
+
+    def __init__(self, hca: Hca) -> None:
+        self.hca = hca
+        self.handle = next(hca.handles)
+
+
+class MRHandle:
+    """A registered memory region: a flat writable (or read-only) view of the program's buffer."""
+
+    __slots__ = ("access", "addr", "hca", "length", "lkey", "obj", "pd", "rkey", "valid", "view")
+
+    def __init__(self, pd: PDHandle, obj: Any, access: int) -> None:
+        try:
+            view = memoryview(obj).cast("B")
+        except TypeError as exc:
+            raise PyverbsRDMAError(f"cannot register {type(obj).__name__}: {exc}", EINVAL) from None
+        writes = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE | e.IBV_ACCESS_REMOTE_ATOMIC
+        if view.readonly and access & writes:
+            raise PyverbsRDMAError("cannot register read-only memory for local/remote write or atomic access", EACCES)
+        if access & (e.IBV_ACCESS_REMOTE_WRITE | e.IBV_ACCESS_REMOTE_ATOMIC) and not access & e.IBV_ACCESS_LOCAL_WRITE:
+            raise PyverbsRDMAError("REMOTE_WRITE and REMOTE_ATOMIC need LOCAL_WRITE too (ibv_reg_mr(3))", EINVAL)
+        if len(view) == 0:
+            raise PyverbsRDMAError("cannot register an empty buffer", EINVAL)
+        hca = pd.hca
+        self.hca, self.pd, self.view, self.obj, self.access = hca, pd, view, obj, access
+        self.addr = int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+        self.length = len(view)
+        self.lkey, self.rkey = hca.new_key(), hca.new_key()
+        self.valid = True
+
+
+def own_buffer(length: int) -> mmap.mmap:
+    """Page-aligned zeroed memory, as pyverbs' MR(pd, length, access) allocates."""
+    if length <= 0:
+        raise PyverbsRDMAError(f"MR length must be positive, got {length}", EINVAL)
+    return mmap.mmap(-1, length)
+
+
+class ChannelHandle:
+    """A completion channel: CQs that fired their one-shot notification."""
+
+    __slots__ = ("cond", "events", "hca")
+
+    def __init__(self, hca: Hca) -> None:
+        self.hca = hca
+        self.events: deque[CQHandle] = deque()
+        self.cond = threading.Condition()
+
+    def push(self, cq: CQHandle) -> None:
+        with self.cond:
+            self.events.append(cq)
+            self.cond.notify()
+
+    def get(self, timeout: float | None) -> CQHandle | None:
+        with self.cond:
+            if not self.cond.wait_for(lambda: self.events, timeout):
+                return None
+            cq = self.events.popleft()
+            cq.unacked_events += 1
+            return cq
+
+
+class CQHandle:
+    """A completion queue.  HCA threads push, the program polls; `req_notify` arms a one-shot event."""
+
+    __slots__ = ("armed", "channel", "cq_context", "cqe", "entries", "hca", "lock", "overrun", "unacked_events")
+
+    ARM_ALL, ARM_SOLICITED = 1, 2
+
+    def __init__(self, hca: Hca, cqe: int, channel: ChannelHandle | None, cq_context: Any) -> None:
+        if not 1 <= cqe <= MAX_CQE:
+            raise PyverbsRDMAError(f"CQ size {cqe} out of range 1..{MAX_CQE}", EINVAL)
+        self.hca, self.cqe, self.channel, self.cq_context = hca, cqe, channel, cq_context
+        self.entries: deque[WC] = deque()
+        self.lock = threading.Lock()
+        self.armed = 0
+        self.unacked_events = 0
+        self.overrun = False
+
+    def push(self, wc: WC, solicited: bool = False) -> None:
+        with self.lock:
+            if len(self.entries) >= self.cqe:
+                if not self.overrun:
+                    self.overrun = True
+                    log.warning("CQ overrun (%d entries): completion of wr_id %s lost", self.cqe, wc.wr_id)
+                    self.hca.event(e.IBV_EVENT_CQ_ERR, self)
+                return
+            self.entries.append(wc)
+            armed = self.armed
+            if armed and (armed == self.ARM_ALL or solicited or wc.status != e.IBV_WC_SUCCESS):
+                self.armed = 0
+                if self.channel is not None:
+                    self.channel.push(self)
+
+    def poll(self, n: int) -> list[WC]:
+        entries = self.entries
+        if not entries:
+            # Let the HCA threads run: a program spinning on an empty CQ would
+            # otherwise hold the GIL for a whole switch interval (5 ms).
+            time.sleep(0)
+            return []
+        if n == 1:
+            return [entries.popleft()]
+        out: list[WC] = []
+        while entries and len(out) < n:
+            out.append(entries.popleft())
+        return out
+
+    def req_notify(self, solicited_only: bool) -> None:
+        if self.channel is None:
+            raise PyverbsRDMAError("req_notify on a CQ without a completion channel", EINVAL)
+        with self.lock:
+            self.armed = self.ARM_SOLICITED if solicited_only else self.ARM_ALL
+
+
+class SRQHandle:
+    """A shared receive queue with its limit event."""
+
+    __slots__ = ("hca", "limit", "lock", "max_sge", "max_wr", "pd", "queue", "srq_context")
+
+    def __init__(self, pd: PDHandle, attr: SrqAttr, srq_context: Any) -> None:
+        if not 1 <= attr.max_wr <= MAX_QP_WR or not 1 <= attr.max_sge <= MAX_SGE:
+            raise PyverbsRDMAError(f"SRQ max_wr {attr.max_wr} / max_sge {attr.max_sge} out of range", EINVAL)
+        self.hca, self.pd, self.srq_context = pd.hca, pd, srq_context
+        self.max_wr, self.max_sge, self.limit = attr.max_wr, attr.max_sge, 0
+        self.queue: deque[Any] = deque()
+        self.lock = threading.Lock()
+
+    def post(self, wrs: list[Any]) -> None:
+        with self.lock:
+            for wr in wrs:
+                if len(wr.sg) > self.max_sge:
+                    raise PyverbsRDMAError(f"receive WR with {len(wr.sg)} SGEs, SRQ max_sge is {self.max_sge}", EINVAL)
+                if len(self.queue) >= self.max_wr:
+                    raise PyverbsRDMAError(f"SRQ full ({self.max_wr} WRs)", ENOMEM)
+                self.queue.append(wr)
+
+    def take(self) -> Any | None:
+        with self.lock:
+            if not self.queue:
+                return None
+            wr = self.queue.popleft()
+            if self.limit and len(self.queue) < self.limit:
+                self.limit = 0  # one-shot: software re-arms with modify_srq(IBV_SRQ_LIMIT)
+                fire = True
+            else:
+                fire = False
+        if fire:
+            self.hca.event(e.IBV_EVENT_SRQ_LIMIT_REACHED, self)
+        return wr
+
+    def modify(self, attr: SrqAttr, mask: int) -> None:
+        with self.lock:
+            if mask & e.IBV_SRQ_MAX_WR:
+                raise PyverbsRDMAError("resizing an SRQ is not supported by simib", EOPNOTSUPP)
+            if mask & e.IBV_SRQ_LIMIT:
+                if attr.srq_limit > self.max_wr:
+                    raise PyverbsRDMAError(f"srq_limit {attr.srq_limit} above max_wr {self.max_wr}", EINVAL)
+                self.limit = attr.srq_limit
+
+    def query(self) -> SrqAttr:
+        with self.lock:
+            return SrqAttr(max_wr=self.max_wr, max_sge=self.max_sge, srq_limit=self.limit)
+
+
+class AHHandle:
+    __slots__ = ("attr", "pd")
+
+    def __init__(self, pd: PDHandle, attr: Any) -> None:
+        self.pd, self.attr = pd, attr
+
+
+class Hca:
+    """The NIC of one device in this process."""
+
+    def __init__(self, name: str) -> None:
+        from ckpt.verbs import fabric
+
+        self.name = name
+        self.guid = secrets.randbits(63) | 1
+        self.handles = itertools.count(1)
+        self._qpn = itertools.count(secrets.randbelow(0xE00000) + 0x100)
+        self._key = itertools.count(secrets.randbits(31) + 0x1000, secrets.randbelow(64) * 2 + 3)
+        self.qps: dict[int, QPHandle] = {}
+        self.mrs_by_lkey: dict[int, MRHandle] = {}
+        self.mrs_by_rkey: dict[int, MRHandle] = {}
+        self.atomic_lock = threading.Lock()
+        self.timers = Timers(name)
+        self._events: deque[AsyncEvent] = deque()
+        self._events_cond = threading.Condition()
+        self._conns: dict[str, w.Connection] = {}
+        self._conns_lock = threading.Lock()
+        self._routes: dict[int, tuple[str, int]] = {}
+        self._busy_until = [0.0, 0.0, 0.0]
+
+        host = os.environ.get("CKPT_SIMIB_HOST", "127.0.0.1")
+        self._listener = socket.create_server((host, 0))
+        self.endpoint = f"{host}:{self._listener.getsockname()[1]}"
+        self.link_up: dict[int, bool] = {}
+        self.sm = fabric.connect_default(on_link=self._on_link)
+        reply = self.sm.register(guid=self.guid, name=name, endpoint=self.endpoint, pid=os.getpid(), host=host)
+        self.lids: list[int] = list(reply["lids"])
+        self.sm_lid = int(reply["sm_lid"])
+        self.latency = float(reply.get("latency") or 0.0)
+        self.bandwidth = float(reply.get("bandwidth") or 0.0)
+        for lid, up in dict(reply.get("links") or {}).items():
+            self.link_up.setdefault(int(lid), bool(up))
+        threading.Thread(target=self._accept_loop, name=f"{name}-accept", daemon=True).start()
+        log.debug("HCA %s: LIDs %s, endpoint %s", name, self.lids, self.endpoint)
+
+    # ------------------------------------------------------------------ identities
+    def new_qpn(self) -> int:
+        return next(self._qpn) & 0xFFFFFF
+
+    def new_key(self) -> int:
+        return next(self._key) & 0xFFFFFFFF
+
+    def port_of_lid(self, lid: int) -> int:
+        return self.lids.index(lid) + 1 if lid in self.lids else 0
+
+    # ------------------------------------------------------------------ events
+    def event(self, event_type: int, element: Any) -> None:
+        with self._events_cond:
+            self._events.append(AsyncEvent(event_type, element))
+            self._events_cond.notify_all()
+
+    def get_event(self, timeout: float | None) -> AsyncEvent | None:
+        with self._events_cond:
+            if not self._events_cond.wait_for(lambda: self._events, timeout):
+                return None
+            return self._events.popleft()
+
+    def _on_link(self, lid: int, up: bool) -> None:
+        self.link_up[lid] = up
+        if lid in self.lids:
+            self.event(e.IBV_EVENT_PORT_ACTIVE if up else e.IBV_EVENT_PORT_ERR, self.port_of_lid(lid))
+        if not up:
+            self._routes.pop(lid, None)
+
+    # ------------------------------------------------------------------ sending
+    def path_ok(self, port: int, dlid: int) -> bool:
+        """Can a packet leave `port` for `dlid` right now (links up, peer reachable)?"""
+        slid = self.lids[port - 1]
+        if not self.link_up.get(slid, True) or not self.link_up.get(dlid, True):
+            return False
+        route = self._resolve(dlid)
+        if route is None:
+            return False
+        conn = self._conns.get(route[0])
+        return conn is None or conn.alive
+
+    def transmit(self, port: int, dlid: int, header: tuple[Any, ...], payload: list[Any], blocking: bool) -> bool:
+        """Send one packet on the path (port, dlid); False if it is lost (link down, no route, peer gone).
+
+        `header` is every field of `_wire.HEADER` but slid, dlid and arrival, which the path decides.
+        """
+        slid = self.lids[port - 1]
+        if not self.link_up.get(slid, True) or not self.link_up.get(dlid, True):
+            log.debug("%s: packet %s to LID %d lost: link down", self.name, header[:2], dlid)
+            return False
+        route = self._resolve(dlid)
+        if route is None:
+            log.debug("%s: packet %s to LID %d lost: no route", self.name, header[:2], dlid)
+            return False
+        conn = self._connection(route[0])
+        if conn is None:
+            log.debug("%s: packet %s to LID %d lost: peer unreachable", self.name, header[:2], dlid)
+            return False
+        arrival = 0.0
+        if self.latency or self.bandwidth:
+            now = time.monotonic()
+            done = now
+            if self.bandwidth:
+                size = w.HEADER_SIZE + header[8]
+                done = max(now, self._busy_until[port]) + size / self.bandwidth
+                self._busy_until[port] = done
+            arrival = done + self.latency
+        head = w.HEADER.pack(*header[:11], slid, dlid, *header[11:], arrival)
+        return conn.send([head, *payload]) if blocking else conn.post([head, *payload])
+
+    def _resolve(self, lid: int) -> tuple[str, int] | None:
+        route = self._routes.get(lid)
+        if route is None:
+            try:
+                endpoint, port, up = self.sm.resolve(lid)
+            except Exception as exc:  # the SM went away: nothing new can be resolved
+                log.debug("resolve LID %d failed: %s", lid, exc)
+                return None
+            if endpoint is None or port is None:
+                return None
+            self.link_up.setdefault(lid, up)
+            route = self._routes[lid] = (endpoint, port)
+        return route
+
+    def _connection(self, endpoint: str) -> w.Connection | None:
+        conn = self._conns.get(endpoint)
+        if conn is not None:
+            return conn if conn.alive else None
+        with self._conns_lock:
+            conn = self._conns.get(endpoint)
+            if conn is None:
+                host, _, port = endpoint.rpartition(":")
+                try:
+                    sock = socket.create_connection((host, int(port)), timeout=5.0)
+                except OSError as exc:
+                    log.debug("cannot reach HCA at %s: %s", endpoint, exc)
+                    return None
+                sock.settimeout(None)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                conn = w.Connection(sock, endpoint, self._connection_broken)
+                self._conns[endpoint] = conn
+        return conn if conn.alive else None
+
+    def _connection_broken(self, conn: w.Connection) -> None:
+        for qp in list(self.qps.values()):
+            qp.path_broken()
+
+    # ------------------------------------------------------------------ receiving
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=self._serve, args=(sock,), name=f"{self.name}-rx", daemon=True).start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        """One incoming connection: the NIC's receive engine for packets from one peer HCA."""
+        reader = w.PacketReader(sock)
+        acks: dict[QPHandle, None] = {}
+        try:
+            while True:
+                if acks and not reader.staged():
+                    for due in acks:
+                        due.send_ack()
+                    acks.clear()
+                fields = reader.header()
+                if fields is None:
+                    return
+                arrival = fields[16]
+                if arrival:
+                    delay = arrival - time.monotonic()
+                    if delay > 0:
+                        time.sleep(delay)
+                dlid = fields[12]
+                qp: QPHandle | None = self.qps.get(fields[4])
+                if qp is None or not self.link_up.get(dlid, True) or not self.link_up.get(fields[11], True):
+                    reader.skip(fields[8])
+                    if qp is None and fields[0] == w.REQ:
+                        self.report_lost(fields)
+                    continue
+                if fields[0] == w.REQ:
+                    if qp.on_request(fields, reader):
+                        acks[qp] = None
+                else:
+                    qp.on_response(fields, reader)
+        except (OSError, EOFError) as exc:
+            log.debug("HCA %s: receive connection ended: %s", self.name, exc)
+        finally:
+            for due in acks:
+                due.send_ack()
+            sock.close()
+
+    def report_lost(self, fields: tuple[Any, ...]) -> None:
+        """Tell a requester its packet vanished (a simulation aid: it then counts a retry on timeout)."""
+        slid, dlid = fields[11], fields[12]
+        port = self.port_of_lid(dlid) or 1
+        self.transmit(port, slid, (w.LOST, 0, 0, 0, fields[5], fields[4], fields[6], 0, 0, 0, 0, 0, 0, 0), [], False)
+
+    # ------------------------------------------------------------------ memory
+    def register(self, mr: MRHandle) -> None:
+        self.mrs_by_lkey[mr.lkey] = mr
+        self.mrs_by_rkey[mr.rkey] = mr
+
+    def mr_containing(self, addr: int, length: int) -> MRHandle | None:
+        """The registered region holding [addr, addr + length) (inline data is found by address, not lkey)."""
+        for mr in self.mrs_by_lkey.values():
+            if mr.addr <= addr and addr + length <= mr.addr + mr.length:
+                return mr
+        return None
+
+    def deregister(self, mr: MRHandle) -> None:
+        mr.valid = False
+        self.mrs_by_lkey.pop(mr.lkey, None)
+        self.mrs_by_rkey.pop(mr.rkey, None)
+
+
+_hcas: dict[str, Hca] = {}
+_hcas_lock = threading.Lock()
+
+
+def hca(name: str) -> Hca:
+    """The process's HCA for device `name`, created (and registered with the SM) on first use."""
+    with _hcas_lock:
+        found = _hcas.get(name)
+        if found is None:
+            found = _hcas[name] = Hca(name)
+        return found
