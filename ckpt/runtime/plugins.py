@@ -138,6 +138,10 @@ class PluginHost:
         """Extra hookspecs (e.g. the DSM's) on the same manager."""
         self.pm.add_hookspecs(module)
 
+    def has_impl(self, hook: str) -> bool:
+        """Does any loaded plugin implement `hook`?"""
+        return bool(getattr(self.pm.hook, hook).get_hookimpls())
+
     def call(self, hook: str, **kwargs: Any) -> list[Any]:
         """Run `hook` on every plugin in its direction's order; a failure names the plugin."""
         caller = getattr(self.pm.hook, hook)

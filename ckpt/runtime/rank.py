@@ -124,7 +124,7 @@ class RankEngine:
             rank=self.rank,
             size=self.size,
             argv=list(spec.get("argv", [])),
-            device=str(spec.get("device") or "simib"),
+            device=str(spec.get("device") or spec.get("transport") or "simib"),
             options=dict(spec.get("options", {})),
             plugins=self.plugins,
         )
@@ -200,6 +200,7 @@ class RankEngine:
             else:
                 if self.plugins:
                     self.plugins.call("ckpt_init", rt=self.rt)
+                    self._install_verbs()
                 self.program = self.program_class()
             if not self.native:
                 threading.Thread(target=self._checkpoint_loop, name="ckpt-checkpoint", daemon=True).start()
@@ -298,6 +299,23 @@ class RankEngine:
         _exit(1)
 
     # ----------------------------------------------------------- restart
+    def _install_verbs(self) -> None:
+        """Register plugins' verbs providers and compose their ops-table wrappers, once, before any verbs call."""
+        assert self.plugins is not None
+        if not (self.plugins.has_impl("ckpt_verbs_providers") or self.plugins.has_impl("ckpt_wrap_verbs")):
+            return
+        from ckpt import verbs
+
+        for contributed in self.plugins.call("ckpt_verbs_providers"):
+            for name, factory in dict(contributed or {}).items():
+                verbs.register_provider(name, factory)
+        plugins, rt = self.plugins, self.rt
+
+        def wrap(ops: verbs.VerbsOps) -> None:
+            plugins.call("ckpt_wrap_verbs", rt=rt, ops=ops)
+
+        verbs.add_ops_wrapper(wrap)
+
     def _restart(self) -> None:
         restart = self.spec["restart"]
 
@@ -316,6 +334,7 @@ class RankEngine:
         self.barrier_scope = f"gen{generation}"
         if self.plugins:
             self.plugins.call("ckpt_init", rt=self.rt)
+            self._install_verbs()
             self.plugins.call("ckpt_restart", rt=self.rt, image=contents)
         self._phase(f"gen{generation}:RESTART")
         if self.plugins:

@@ -33,7 +33,7 @@ import numpy as np
 from ckpt.verbs import _enums as e
 from ckpt.verbs import _wire as w
 from ckpt.verbs._attrs import WC, AsyncEvent, SrqAttr
-from ckpt.verbs._errors import PyverbsRDMAError
+from ckpt.verbs._errors import PyverbsError, PyverbsRDMAError
 
 if TYPE_CHECKING:
     from ckpt.verbs._qp import QPHandle
@@ -80,7 +80,19 @@ class Timers:
                 log.exception("simib timer callback failed")
 
 
-class PDHandle:
+class NotCheckpointable:
+    """Real NIC resources cannot be pickled into an image: that is the virtualization plugin's job."""
+
+    __slots__ = ()
+
+    def __reduce__(self) -> Any:
+        raise PyverbsError(
+            f"a real simib {type(self).__name__.removesuffix('Handle')} cannot be checkpointed; "
+            "checkpointing verbs programs needs the verbs virtualization plugin (ckpt_ib)"
+        )
+
+
+class PDHandle(NotCheckpointable):
     __slots__ = ("handle", "hca")
 
     def __init__(self, hca: Hca) -> None:
@@ -88,7 +100,7 @@ class PDHandle:
         self.handle = next(hca.handles)
 
 
-class MRHandle:
+class MRHandle(NotCheckpointable):
     """A registered memory region: a flat writable (or read-only) view of the program's buffer."""
 
     __slots__ = ("access", "addr", "hca", "length", "lkey", "obj", "pd", "rkey", "valid", "view")
@@ -120,7 +132,7 @@ def own_buffer(length: int) -> mmap.mmap:
     return mmap.mmap(-1, length)
 
 
-class ChannelHandle:
+class ChannelHandle(NotCheckpointable):
     """A completion channel: CQs that fired their one-shot notification."""
 
     __slots__ = ("cond", "events", "hca")
@@ -144,7 +156,7 @@ class ChannelHandle:
             return cq
 
 
-class CQHandle:
+class CQHandle(NotCheckpointable):
     """A completion queue.  HCA threads push, the program polls; `req_notify` arms a one-shot event."""
 
     __slots__ = ("armed", "channel", "cq_context", "cqe", "entries", "hca", "lock", "overrun", "unacked_events")
@@ -197,7 +209,7 @@ class CQHandle:
             self.armed = self.ARM_SOLICITED if solicited_only else self.ARM_ALL
 
 
-class SRQHandle:
+class SRQHandle(NotCheckpointable):
     """A shared receive queue with its limit event."""
 
     __slots__ = ("hca", "limit", "lock", "max_sge", "max_wr", "pd", "queue", "srq_context")
@@ -247,7 +259,7 @@ class SRQHandle:
             return SrqAttr(max_wr=self.max_wr, max_sge=self.max_sge, srq_limit=self.limit)
 
 
-class AHHandle:
+class AHHandle(NotCheckpointable):
     __slots__ = ("attr", "pd")
 
     def __init__(self, pd: PDHandle, attr: Any) -> None:

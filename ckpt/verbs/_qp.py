@@ -44,7 +44,17 @@ from ckpt.verbs import _enums as e
 from ckpt.verbs import _wire as w
 from ckpt.verbs._attrs import WC, AHAttr, QPAttr, QPCap, QPInitAttr
 from ckpt.verbs._errors import PyverbsRDMAError
-from ckpt.verbs._hca import EINVAL, ENOMEM, EOPNOTSUPP, MAX_INLINE, MAX_RD_ATOMIC, MAX_SGE, CQHandle, PDHandle
+from ckpt.verbs._hca import (
+    EINVAL,
+    ENOMEM,
+    EOPNOTSUPP,
+    MAX_INLINE,
+    MAX_RD_ATOMIC,
+    MAX_SGE,
+    CQHandle,
+    NotCheckpointable,
+    PDHandle,
+)
 from ckpt.verbs._qpstate import check_modify
 
 log = logging.getLogger(__name__)
@@ -180,7 +190,7 @@ class SendEntry:
         self.dest: list[memoryview] | None = None
 
 
-class QPHandle:
+class QPHandle(NotCheckpointable):
     """The simulated QP.  Attribute names follow ibv_qp_attr."""
 
     def __init__(self, pd: PDHandle, init_attr: QPInitAttr) -> None:

@@ -12,7 +12,7 @@ from ckpt.verbs._provider import VerbsOps
 from ckpt.verbs._qp import QPHandle
 
 
-class DeviceHandle:
+class DeviceHandle(hw.NotCheckpointable):
     """An open device: the process's HCA for that name."""
 
     __slots__ = ("hca", "name")
