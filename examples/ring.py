@@ -1,0 +1,107 @@
+"""Pass values around a ring of ranks over RC queue pairs (SEND/RECV and RDMA WRITE WITH IMM).
+
+    ckpt launch -n 4 examples/ring.py [STEPS]
+
+Each rank connects one RC QP to its right neighbour and one to its left.  In
+every step a rank writes its running value into the right neighbour's slot
+with RDMA_WRITE_WITH_IMM (the step number as immediate data), mostly
+unsignaled, and receives the left neighbour's value the same way; values mix
+deterministically, so the result is the same for every run with the same
+STEPS and ranks.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+import ckpt
+from ckpt import verbs
+
+ACCESS = verbs.IBV_ACCESS_LOCAL_WRITE | verbs.IBV_ACCESS_REMOTE_WRITE
+SIGNAL_EVERY = 16
+
+
+class Ring(ckpt.Program):
+    def setup(self, rt: ckpt.Runtime) -> None:
+        self.steps = int(rt.argv[0]) if rt.argv else 200
+        self.ctx = verbs.Context(name=rt.device)
+        self.pd = verbs.PD(self.ctx)
+        self.cq = verbs.CQ(self.ctx, 256)
+        # slot 0: value sent to the right (local source), slot 1: value written by the left neighbour
+        self.buf = np.zeros(2, dtype=np.int64)
+        self.mr = verbs.MR(self.pd, self.buf, ACCESS)
+        cap = verbs.QPCap(max_send_wr=64, max_recv_wr=64)
+        init = verbs.QPInitAttr(qp_type=verbs.IBV_QPT_RC, scq=self.cq, rcq=self.cq, cap=cap, sq_sig_all=0)
+        self.qp_right = verbs.QP(self.pd, init)  # sends to the right neighbour's qp_left
+        self.qp_left = verbs.QP(self.pd, init)  # receives from the left neighbour's qp_right
+        me = {
+            "lid": self.ctx.query_port(1).lid,
+            "right": self.qp_right.qp_num,
+            "left": self.qp_left.qp_num,
+            "rkey": self.mr.rkey,
+            "addr": self.mr.buf,
+        }
+        peers = rt.allgather(me)
+        right, left = peers[(rt.rank + 1) % rt.size], peers[(rt.rank - 1) % rt.size]
+        self.right = {"rkey": right["rkey"], "addr": right["addr"]}
+        _connect(self.qp_right, right["lid"], right["left"])
+        _connect(self.qp_left, left["lid"], left["right"])
+        for i in range(32):
+            self.qp_left.post_recv(verbs.RecvWR(wr_id=i))
+        self.value = rt.rank + 1
+        self.i = 0
+        rt.barrier()
+
+    def step(self, rt: ckpt.Runtime) -> bool:
+        self.buf[0] = self.value
+        wr = verbs.SendWR(
+            wr_id=self.i,
+            opcode=verbs.IBV_WR_RDMA_WRITE_WITH_IMM,
+            num_sge=1,
+            sg=[verbs.SGE(self.mr.buf, 8, self.mr.lkey)],
+            imm_data=self.i,
+            send_flags=verbs.IBV_SEND_SIGNALED if self.i % SIGNAL_EVERY == SIGNAL_EVERY - 1 else 0,
+        )
+        wr.set_wr_rdma(self.right["rkey"], self.right["addr"] + 8)
+        self.qp_right.post_send(wr)
+        received = None
+        deadline = time.monotonic() + 60
+        while received is None:
+            _, wcs = self.cq.poll(8)
+            for wc in wcs:
+                if wc.status != verbs.IBV_WC_SUCCESS:
+                    raise RuntimeError(f"work completion failed: {verbs.ibv_wc_status(wc.status).name}")
+                if wc.opcode == verbs.IBV_WC_RECV_RDMA_WITH_IMM:
+                    if wc.imm_data != self.i:
+                        raise RuntimeError(f"step {self.i}: got the value of step {wc.imm_data}")
+                    received = int(self.buf[1])
+                    self.qp_left.post_recv(verbs.RecvWR(wr_id=self.i))
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"step {self.i}: nothing from the left neighbour for 60 s")
+        self.value = (self.value * 31 + received + self.i) % 1_000_003
+        self.i += 1
+        # the neighbour must not overwrite slot 1 before we read it: one write in flight per step,
+        # so wait for the step's exchange on both sides (collectives are step-aligned)
+        rt.barrier()
+        return self.i < self.steps
+
+    def result(self) -> int:
+        return self.value
+
+
+def _connect(qp: verbs.QP, dlid: int, dest_qpn: int) -> None:
+    """RESET -> INIT -> RTR -> RTS towards (dlid, dest_qpn), as every verbs program does."""
+    attr = verbs.QPAttr(port_num=1)
+    attr.qp_access_flags = ACCESS
+    qp.to_init(attr)
+    attr = verbs.QPAttr(path_mtu=verbs.IBV_MTU_1024)
+    attr.dest_qp_num = dest_qpn
+    attr.ah_attr = verbs.AHAttr(dlid=dlid, port_num=1)
+    attr.max_dest_rd_atomic = 1
+    attr.min_rnr_timer = 12
+    qp.to_rtr(attr)
+    attr = verbs.QPAttr()
+    attr.timeout, attr.retry_cnt, attr.rnr_retry, attr.max_rd_atomic = 14, 7, 7, 1
+    qp.to_rts(attr)

@@ -1,0 +1,58 @@
+"""End-to-end: a verbs program under `ckpt launch` (its fabric started by the launcher), plugin verbs hooks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from harness import EXAMPLES, Job, results, run
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
+
+RING = str(EXAMPLES / "ring.py")
+
+
+def expected_ring(ranks: int, steps: int) -> dict[int, str]:
+    """What examples/ring.py computes, without verbs: each rank mixes in its left neighbour's value."""
+    values = [rank + 1 for rank in range(ranks)]
+    for i in range(steps):
+        values = [(values[r] * 31 + values[(r - 1) % ranks] + i) % 1_000_003 for r in range(ranks)]
+    return {rank: str(v) for rank, v in enumerate(values)}
+
+
+@pytest.mark.parametrize("ranks", [1, 3])
+def test_ring_over_the_launchers_fabric_gives_the_plain_python_answer(tmp_path: Path, ranks: int) -> None:
+    launched = run("launch", "-n", str(ranks), "--ckpt-dir", str(tmp_path), RING, "150", timeout=120)
+    assert launched.returncode == 0, launched.stderr
+    assert results(launched.stdout) == expected_ring(ranks, 150)
+    native = run("launch", "-n", str(ranks), "--native", "--ckpt-dir", str(tmp_path), RING, "150", timeout=120)
+    assert native.returncode == 0, native.stderr
+    assert results(native.stdout) == results(launched.stdout)
+
+
+def test_plugin_wraps_the_ops_table_and_contributes_a_provider(tmp_path: Path) -> None:
+    steps = 40
+    launched = run(
+        "launch", "-n", "2", "--with-plugin", "ckpt_verbscount", "--ckpt-dir", str(tmp_path), RING, str(steps)
+    )
+    assert launched.returncode == 0, launched.stderr
+    for rank in range(2):
+        posts, providers = (tmp_path / f"verbscount.{rank}").read_text().split()
+        assert int(posts) == steps  # one RDMA_WRITE_WITH_IMM per step, each seen by the wrapper
+        assert providers.split(",") == ["countib", "simib"]
+
+
+def test_checkpointing_verbs_without_the_virtualization_plugin_is_refused_clearly(
+    tmp_path: Path, start_job: Callable[..., Job]
+) -> None:
+    job = start_job("launch", "-n", "2", "--ckpt-dir", str(tmp_path), RING, "1000000", ckpt_dir=tmp_path)
+    job.wait_step(5)
+    taken = run("checkpoint", "--wait", "--ckpt-dir", str(tmp_path))
+    assert taken.returncode == 1
+    assert "cannot be checkpointed" in taken.stderr and "ckpt_ib" in taken.stderr
+    assert "Traceback" not in taken.stderr
+    assert not list(tmp_path.glob("*.ckpt")) and not list(tmp_path.glob("ckpt_*.json"))
+    step = job.status()["ranks"][0]["step"]  # type: ignore[index]
+    job.wait_step(step + 5)  # the job keeps running
