@@ -15,6 +15,16 @@ from ckpt.runtime.vid import VirtualIdTable
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str) -> object:
+    # `ckpt.verbs` is public but imported on first use: the CLI and the coordinator never need it.
+    if name == "verbs":
+        import ckpt.verbs
+
+        return ckpt.verbs
+    raise AttributeError(f"module 'ckpt' has no attribute {name!r}")
+
+
 __all__ = [
     "CKPT_PLUGIN_API",
     "CheckpointAborted",
@@ -30,4 +40,5 @@ __all__ = [
     "VirtualIdTable",
     "__version__",
     "hookimpl",
+    "verbs",
 ]
