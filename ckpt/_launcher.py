@@ -21,6 +21,7 @@ from ckpt.coordinator.server import Coordinator
 from ckpt.runtime import images
 from ckpt.runtime import manifest as manifests
 from ckpt.runtime.rank import SPEC_ENV
+from ckpt.verbs import fabric
 
 #: Exit statuses of `ckpt launch` / `ckpt restart`.
 EXIT_OK, EXIT_FAILED = 0, 1
@@ -55,6 +56,9 @@ class JobOptions:
     phase_timeout: float = 300.0
     token: str | None = None
     restart: dict[str, Any] | None = None  # the manifest to restart from
+    fabric: str | None = None  # an existing simulated fabric; None: the job starts its own (simib only)
+    fabric_latency: float = 0.0  # link model of the job's own fabric (seconds, bytes/s; 0 = ideal)
+    fabric_bandwidth: float = 0.0
 
 
 def external_rank() -> tuple[int, int | None] | None:
@@ -154,6 +158,7 @@ class _Job:
             raise CoordinatorError(f"no token for the coordinator at {opts.coordinator}: set CKPT_TOKEN")
         self.token = given or existing.get("token") or protocol.new_token()
         self.job_id = restart["job"] if restart else uuid.uuid4().hex[:12]
+        self._refuse_standalone_fabric()
         self.coordinator: Coordinator | None = None
         if opts.coordinator is None:
             self.coordinator = Coordinator(
@@ -170,6 +175,41 @@ class _Job:
             write_job_file(opts.ckpt_dir, address=self.address, token=self.token, job=self.job_id, pid=os.getpid())
         else:
             self.address = opts.coordinator  # its own coordinator.json stays as `ckpt coordinator` wrote it
+        self.fabric: fabric.SubnetManager | None = None
+        self.fabric_env = self._start_fabric()
+
+    def _start_fabric(self) -> dict[str, str]:
+        """The ranks' simulated fabric: --fabric, or a subnet manager of the job's own (a fresh one, with
+        new LIDs, for every launch and restart), recorded in the ckpt dir for `ckpt fabric`."""
+        opts = self.opts
+        if opts.transport != "simib":
+            return {}
+        if opts.fabric is not None:
+            address, token = fabric.locate(opts.fabric, opts.ckpt_dir)
+        else:
+            model = fabric.LinkModel(opts.fabric_latency, opts.fabric_bandwidth)
+            self.fabric = fabric.SubnetManager(host=opts.host, link_model=model).start()
+            fabric.write_fabric_file(opts.ckpt_dir, self.fabric, job=self.job_id)
+            address, token = self.fabric.address, self.fabric.token
+        return {fabric.ENV_ADDRESS: address, fabric.ENV_TOKEN: token}
+
+    def _refuse_standalone_fabric(self) -> None:
+        """The job would hide a fabric that `ckpt fabric start` recorded in its ckpt dir: say so instead."""
+        opts = self.opts
+        if opts.transport != "simib" or opts.fabric is not None:
+            return
+        standalone = fabric.running_fabric(opts.ckpt_dir)
+        if standalone is not None and standalone.get("job") is None:
+            raise fabric.FabricError(
+                f"a fabric started by `ckpt fabric start` is running for {opts.ckpt_dir} at "
+                f"{standalone['address']}: pass --fabric {standalone['address']} to run on it, "
+                f"or stop it with: ckpt fabric stop --dir {opts.ckpt_dir}"
+            )
+
+    def _stop_fabric(self) -> None:
+        if self.fabric is not None:
+            self.fabric.stop()
+            fabric.remove_fabric_file(self.opts.ckpt_dir, self.fabric.address)
 
     def _watch_coordinator(self) -> None:
         assert self.coordinator is not None
@@ -181,7 +221,7 @@ class _Job:
         for rank in range(self.opts.ranks):
             spec = rank_spec(self.opts, rank, self.address, self.token, self.job_id)
             spec["print_result"] = self.coordinator is None
-            env = dict(os.environ, **{SPEC_ENV: json.dumps(spec)})
+            env = dict(os.environ, **self.fabric_env, **{SPEC_ENV: json.dumps(spec)})
             process = subprocess.Popen([sys.executable, "-P", "-m", "ckpt.runtime.rank"], env=env)
             self.processes.append(process)
             threading.Thread(target=self._reap, args=(rank, process), daemon=True).start()
@@ -231,6 +271,7 @@ class _Job:
             self.coordinator.stop()
             # a rank still writing when its checkpoint was aborted may have left its image behind
             self.coordinator.remove_aborted_images()
+        self._stop_fabric()
 
     def terminate(self) -> None:
         for process in self.processes:

@@ -1,0 +1,333 @@
+"""The simulated fabric's subnet manager and client: LIDs, routing, link pushes, authentication, parsing."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import queue
+import random
+import socket
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckpt import CkptError
+from ckpt.verbs import fabric
+from ckpt.verbs.fabric import (
+    FabricClient,
+    FabricError,
+    LinkModel,
+    SubnetManager,
+    parse_bandwidth,
+    parse_latency,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+PUSH_TIMEOUT = 10.0
+StartSM = Callable[..., SubnetManager]
+Connect = Callable[..., FabricClient]
+
+
+@pytest.fixture
+def start_sm() -> Iterator[Callable[..., SubnetManager]]:
+    started: list[SubnetManager] = []
+
+    def start(**kwargs: object) -> SubnetManager:
+        sm = SubnetManager(**kwargs).start()
+        started.append(sm)
+        return sm
+
+    yield start
+    for sm in started:
+        sm.stop()
+
+
+@pytest.fixture
+def connect() -> Iterator[Callable[..., FabricClient]]:
+    clients: list[FabricClient] = []
+
+    def make(sm: SubnetManager, on_link: Callable[[int, bool], None] | None = None) -> FabricClient:
+        client = FabricClient(sm.address, sm.token, on_link)
+        clients.append(client)
+        return client
+
+    yield make
+    for client in clients:
+        client.close()
+
+
+class Pushes:
+    """Collects a client's link pushes; `next()` waits for one."""
+
+    def __init__(self) -> None:
+        self.queue: queue.Queue[tuple[int, bool]] = queue.Queue()
+
+    def __call__(self, lid: int, up: bool) -> None:
+        self.queue.put((lid, up))
+
+    def next(self) -> tuple[int, bool]:
+        return self.queue.get(timeout=PUSH_TIMEOUT)
+
+    def take(self, count: int) -> set[tuple[int, bool]]:
+        return {self.next() for _ in range(count)}
+
+
+def register(client: FabricClient, guid: int, port: int = 7000) -> dict[str, Any]:
+    return client.register(guid=guid, name="simib0", endpoint=f"127.0.0.1:{port + guid}", pid=os.getpid(), host="h")
+
+
+# ----------------------------------------------------------- LIDs
+def test_every_hca_gets_two_unique_unicast_lids(start_sm: StartSM, connect: Connect) -> None:
+    sm = start_sm()
+    client = connect(sm)
+    lids = [lid for guid in range(40) for lid in register(client, guid)["lids"]]
+    assert len(lids) == 80
+    assert len(set(lids) | {sm.sm_lid}) == 81
+    assert all(1 <= lid <= fabric.MAX_UNICAST_LID for lid in [*lids, sm.sm_lid])
+
+
+def test_lids_are_not_sequential_and_differ_between_fabrics(start_sm: StartSM, connect: Connect) -> None:
+    first, second = start_sm(), start_sm()
+    a = [lid for guid in range(5) for lid in register(connect(first), guid)["lids"]]
+    b = [lid for guid in range(5) for lid in register(connect(second), guid)["lids"]]
+    assert a != b
+    for lids in (a, b):
+        assert all(abs(y - x) != 1 for x, y in itertools.pairwise(lids)), lids
+
+
+def test_a_fabric_never_hands_out_a_lid_twice() -> None:
+    allocator = fabric._LidAllocator(random.Random(7))
+    lids = [allocator.allocate() for _ in range(fabric.MAX_UNICAST_LID)]
+    assert sorted(lids) == list(range(1, fabric.MAX_UNICAST_LID + 1))
+    with pytest.raises(FabricError, match="all 49151 unicast LIDs"):
+        allocator.allocate()
+
+
+# ----------------------------------------------------------- registration, routing
+def test_register_hands_out_the_link_model_and_every_known_link(start_sm: StartSM, connect: Connect) -> None:
+    sm = start_sm(link_model=LinkModel(latency=2e-6, bandwidth=4e9))
+    first = register(connect(sm), 1)
+    second = register(connect(sm), 2)
+    assert second["latency"] == 2e-6 and second["bandwidth"] == 4e9
+    assert second["sm_lid"] == sm.sm_lid and second["fabric"] == sm.fabric_id
+    assert second["links"] == {lid: True for lid in [*first["lids"], *second["lids"]]}
+
+
+def test_resolve_and_routes(start_sm: StartSM, connect: Connect) -> None:
+    sm = start_sm()
+    owner, other = connect(sm), connect(sm)
+    lid1, lid2 = register(owner, 1)["lids"]
+    assert other.resolve(lid1) == ("127.0.0.1:7001", 1, True)
+    assert other.resolve(lid2) == ("127.0.0.1:7001", 2, True)
+    assert other.resolve(sm.sm_lid) == (None, None, False)
+    routes = other.routes()
+    assert routes[lid2] == {"endpoint": "127.0.0.1:7001", "port": 2, "up": True, "name": "simib0", "pid": os.getpid()}
+    assert set(routes) == {lid1, lid2}
+    assert sm.statistics().resolves == 3
+
+
+def test_a_guid_registers_once(start_sm: StartSM, connect: Connect) -> None:
+    sm = start_sm()
+    register(connect(sm), 5)
+    with pytest.raises(FabricError, match="already registered"):
+        register(connect(sm), 5)
+
+
+def test_a_bad_endpoint_is_refused(start_sm: StartSM, connect: Connect) -> None:
+    client = connect(start_sm())
+    with pytest.raises(FabricError, match="bad HCA endpoint"):
+        client.register(guid=1, name="simib0", endpoint="nowhere", pid=1, host="h")
+
+
+# ----------------------------------------------------------- link faults
+def test_fail_and_restore_reach_every_hca(start_sm: StartSM, connect: Connect) -> None:
+    sm = start_sm()
+    owner_pushes, peer_pushes = Pushes(), Pushes()
+    owner, peer = connect(sm, owner_pushes), connect(sm, peer_pushes)
+    register(peer, 2)
+    lids = register(owner, 1)["lids"]
+    assert peer_pushes.take(2) == {(lid, True) for lid in lids}  # the new HCA's ports came up
+    lid = lids[0]
+    control = connect(sm)
+    control.fail_link(lid)
+    assert owner_pushes.next() == (lid, False)
+    assert peer_pushes.next() == (lid, False)
+    assert control.resolve(lid) == ("127.0.0.1:7001", 1, False)
+    control.fail_link(lid)  # already down: nothing changes, nothing is pushed
+    sm.restore_link(lid)  # in-process fault injection has the same effect as the request
+    assert owner_pushes.next() == (lid, True)
+    assert peer_pushes.next() == (lid, True)
+    stats = sm.statistics()
+    assert (stats.links_failed, stats.links_restored) == (1, 1)
+    assert owner_pushes.queue.empty() and peer_pushes.queue.empty()
+
+
+def test_an_unknown_lid_is_an_error_reply(start_sm: StartSM, connect: Connect) -> None:
+    sm = start_sm()
+    client = connect(sm)
+    unknown = 1 if sm.sm_lid != 1 else 2
+    with pytest.raises(FabricError, match=f"no HCA port has LID {unknown} on fabric {sm.fabric_id}"):
+        client.fail_link(unknown)
+    with pytest.raises(FabricError, match="subnet manager's own LID"):
+        client.restore_link(sm.sm_lid)
+    with pytest.raises(FabricError):
+        sm.fail_link(-1)
+    assert client.status()["fabric"] == sm.fabric_id  # the connection survives an error reply
+
+
+def test_a_dead_hca_leaves_the_fabric_and_its_links_go_down(start_sm: StartSM, connect: Connect) -> None:
+    sm = start_sm()
+    pushes = Pushes()
+    survivor = connect(sm, pushes)
+    register(survivor, 1)
+    dying = FabricClient(sm.address, sm.token)
+    lids = register(dying, 2)["lids"]
+    assert pushes.take(2) == {(lid, True) for lid in lids}
+    dying.close()
+    assert pushes.take(2) == {(lid, False) for lid in lids}
+    assert survivor.resolve(lids[0]) == (None, None, False)
+    assert set(survivor.routes()).isdisjoint(lids)
+    stats = sm.statistics()
+    assert (stats.hcas_registered, stats.hcas_present, stats.hcas_lost) == (2, 1, 1)
+    assert [h["name"] for h in sm.status()["hcas"]] == ["simib0"]
+
+
+def test_stop_closes_every_connection_without_link_pushes(start_sm: StartSM, connect: Connect) -> None:
+    sm = start_sm()
+    pushes, lost = Pushes(), queue.Queue[str]()
+    hca = FabricClient(sm.address, sm.token, pushes, on_lost=lost.put)
+    register(hca, 1)
+    connect(sm).stop()
+    assert sm.wait(PUSH_TIMEOUT)
+    assert "lost" in lost.get(timeout=PUSH_TIMEOUT)
+    assert pushes.queue.empty()
+    with pytest.raises(FabricError):
+        hca.resolve(1)
+    with pytest.raises(FabricError, match="cannot reach"):
+        FabricClient(sm.address, sm.token, timeout=5)
+    sm.stop()  # idempotent
+    hca.close()
+
+
+# ----------------------------------------------------------- security and errors
+def test_a_wrong_token_is_refused_and_the_fabric_keeps_serving(start_sm: StartSM, connect: Connect) -> None:
+    sm = start_sm()
+    with pytest.raises(FabricError, match="CKPT_FABRIC_TOKEN") as caught:
+        FabricClient(sm.address, "not-the-token")
+    assert isinstance(caught.value, CkptError) and "\n" not in str(caught.value)
+    host, port = sm.address.rsplit(":", 1)
+    with socket.create_connection((host, int(port))) as raw:
+        raw.sendall(b"\xff\xff\xff\xffgarbage")
+    assert register(connect(sm), 1)["fabric"] == sm.fabric_id
+
+
+def test_a_taken_port_is_one_clear_error(start_sm: StartSM) -> None:
+    sm = start_sm()
+    port = int(sm.address.rsplit(":", 1)[1])
+    with pytest.raises(FabricError, match=rf"cannot start a subnet manager on 127.0.0.1:{port}: .*in use"):
+        SubnetManager(port=port).start()
+
+
+def test_an_unreachable_fabric_is_one_clear_error() -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{probe.getsockname()[1]}"
+    with pytest.raises(FabricError, match=f"cannot reach the fabric at {address}"):
+        FabricClient(address, "token", timeout=5)
+    with pytest.raises(FabricError, match="bad fabric address"):
+        FabricClient("no-port", "token")
+
+
+# ----------------------------------------------------------- parsing the link model
+@pytest.mark.parametrize(
+    "text,seconds",
+    [("2us", 2e-6), ("1.5ms", 1.5e-3), ("0", 0.0), ("3e-6", 3e-6), ("10ns", 1e-8), ("1s", 1.0), ("5 µs", 5e-6)],
+)
+def test_parse_latency(text: str, seconds: float) -> None:
+    assert parse_latency(text) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize(
+    "text,rate",
+    [("4GB/s", 4e9), ("100MB/s", 1e8), ("10Gb/s", 1.25e9), ("1e9", 1e9), ("0", 0.0), ("2GiB/s", 2**31),
+     ("800Mbps", 1e8), ("512KiB/s", 512 * 1024)],
+)  # fmt: skip
+def test_parse_bandwidth(text: str, rate: float) -> None:
+    assert parse_bandwidth(text) == pytest.approx(rate)
+
+
+@pytest.mark.parametrize("text", ["", "fast", "-2us", "2 parsecs", "1e999", "2us3"])
+def test_bad_latency(text: str) -> None:
+    with pytest.raises(ValueError, match="bad latency") as caught:
+        parse_latency(text)
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("text", ["", "lots", "-1GB/s", "4GB/h", "4XB/s"])
+def test_bad_bandwidth(text: str) -> None:
+    with pytest.raises(ValueError, match="bad bandwidth"):
+        parse_bandwidth(text)
+
+
+def test_a_link_model_is_never_negative() -> None:
+    with pytest.raises(ValueError, match="latency"):
+        LinkModel(latency=-1.0)
+
+
+# ----------------------------------------------------------- finding a fabric
+def test_connect_default_without_environment_uses_one_private_fabric(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(fabric.ENV_ADDRESS, raising=False)
+    with fabric.connect_default() as first, fabric.connect_default() as second:
+        assert first.fabric == second.fabric
+        lids = register(first, 1)["lids"]
+        assert second.resolve(lids[0])[0] == "127.0.0.1:7001"
+
+
+def test_connect_default_follows_the_environment(start_sm: StartSM, monkeypatch: pytest.MonkeyPatch) -> None:
+    sm = start_sm()
+    monkeypatch.setenv(fabric.ENV_ADDRESS, sm.address)
+    monkeypatch.setenv(fabric.ENV_TOKEN, sm.token)
+    with fabric.connect_default() as client:
+        assert client.fabric == sm.fabric_id
+    monkeypatch.setenv(fabric.ENV_TOKEN, "wrong")
+    with pytest.raises(FabricError, match="CKPT_FABRIC_TOKEN"):
+        fabric.connect_default()
+    monkeypatch.delenv(fabric.ENV_TOKEN)
+    with pytest.raises(FabricError, match="CKPT_FABRIC_TOKEN is not"):
+        fabric.connect_default()
+
+
+def test_fabric_file_and_locate(start_sm: StartSM, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(fabric.ENV_TOKEN, raising=False)
+    sm = start_sm(link_model=LinkModel(1e-6, 1e9))
+    path = fabric.write_fabric_file(tmp_path, sm)
+    assert path.stat().st_mode & 0o777 == 0o600
+    record = fabric.read_fabric_file(tmp_path)
+    assert record is not None
+    assert {k: record[k] for k in ("address", "token", "pid", "fabric", "latency", "bandwidth")} == {
+        "address": sm.address,
+        "token": sm.token,
+        "pid": os.getpid(),
+        "fabric": sm.fabric_id,
+        "latency": 1e-6,
+        "bandwidth": 1e9,
+    }
+    assert fabric.locate(None, tmp_path) == (sm.address, sm.token)
+    assert fabric.locate(sm.address, tmp_path) == (sm.address, sm.token)
+    assert fabric.running_fabric(tmp_path) == record
+    with pytest.raises(FabricError, match="set CKPT_FABRIC_TOKEN"):
+        fabric.locate("127.0.0.1:1", tmp_path)
+    monkeypatch.setenv(fabric.ENV_TOKEN, "t")
+    assert fabric.locate("127.0.0.1:1", None) == ("127.0.0.1:1", "t")
+    with pytest.raises(FabricError, match=r"no fabric\.json in"):
+        fabric.locate(None, tmp_path / "empty")
+    fabric.remove_fabric_file(tmp_path, "127.0.0.1:1")  # names another fabric: kept
+    assert fabric.read_fabric_file(tmp_path) is not None
+    fabric.remove_fabric_file(tmp_path, sm.address)
+    assert fabric.read_fabric_file(tmp_path) is None
+    (tmp_path / fabric.FABRIC_FILE).write_text("[1, 2]")
+    with pytest.raises(FabricError, match="not a ckpt fabric file"):
+        fabric.read_fabric_file(tmp_path)
