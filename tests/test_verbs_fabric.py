@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from ckpt import CkptError
-from ckpt.verbs import fabric
+from ckpt.verbs import _subnet, fabric
 from ckpt.verbs.fabric import (
     FabricClient,
     FabricError,
@@ -99,7 +99,7 @@ def test_lids_are_not_sequential_and_differ_between_fabrics(start_sm: StartSM, c
 
 
 def test_a_fabric_never_hands_out_a_lid_twice() -> None:
-    allocator = fabric._LidAllocator(random.Random(7))
+    allocator = _subnet._LidAllocator(random.Random(7))
     lids = [allocator.allocate() for _ in range(fabric.MAX_UNICAST_LID)]
     assert sorted(lids) == list(range(1, fabric.MAX_UNICAST_LID + 1))
     with pytest.raises(FabricError, match="all 49151 unicast LIDs"):

@@ -1,0 +1,453 @@
+"""The subnet manager of the simulated fabric: LIDs, routes, link states, fault injection (served over TCP)."""
+
+# Why a subnet manager at all: on real InfiniBand a port has no address until
+# the SM gives it a LID, and a LID is only meaningful within one subnet's
+# lifetime.  ckpt's verbs virtualization exists because those real IDs change
+# when processes are restarted, so the simulation must make them change too:
+#
+# * LIDs come from a permutation of the unicast range 1..0xBFFF that is random
+#   per fabric (random start, random stride coprime with the range size), so a
+#   LID is never handed out twice by one fabric and two fabrics (before and
+#   after a restart) almost surely disagree on every LID;
+# * the SM is the only central piece: it assigns LIDs, keeps the LID -> HCA
+#   endpoint routing table and per-LID link state, and pushes every link change
+#   to every registered HCA.  Data never passes through it: HCAs talk to each
+#   other directly over TCP;
+# * an HCA's registration lives as long as its connection: when the process
+#   dies, its LIDs leave the routing table and the others see their links go
+#   down, as they would when a host drops off a real subnet;
+# * the link model (latency, bandwidth) is the fabric's, handed to each HCA at
+#   registration, so every process of a job simulates the same network.
+#
+# The framing and the challenge/response authentication are the coordinator's
+# (ckpt.coordinator.protocol); each fabric has a token of its own.
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import random
+import socket
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any, final
+
+from ckpt._errors import CkptError, ProtocolError
+from ckpt.coordinator import protocol
+
+log = logging.getLogger(__name__)
+
+#: Unicast LIDs are 1..0xBFFF: 0 is reserved, 0xC000 and up are multicast.
+MAX_UNICAST_LID = 0xBFFF
+PORTS_PER_HCA = 2
+
+_HANDSHAKE_TIMEOUT = 10.0
+
+
+class FabricError(CkptError):
+    """The fabric cannot be reached, refused a request (unknown LID ...), or was given bad input."""
+
+
+# ----------------------------------------------------------- link model
+@dataclass(frozen=True)
+class LinkModel:
+    """What every link of the fabric costs: `latency` in seconds, `bandwidth` in bytes/s (0 = unlimited)."""
+
+    latency: float = 0.0
+    bandwidth: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("latency", "bandwidth"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"link {name} must be a finite number >= 0, not {value!r}")
+
+
+# ----------------------------------------------------------- statistics and LIDs
+@dataclass(frozen=True)
+class FabricStatistics:
+    """Counters of one subnet manager since it started."""
+
+    hcas_registered: int  # registrations accepted, ever
+    hcas_present: int  # HCAs registered now
+    hcas_lost: int  # HCAs whose connection closed (their process ended or died)
+    resolves: int  # LID -> endpoint lookups answered
+    links_failed: int  # link failures injected (fail_link that took a link down)
+    links_restored: int  # restore_link that brought a link back up
+
+
+class _LidAllocator:
+    """Every unicast LID at most once, in an order that is different for every fabric."""
+
+    def __init__(self, rng: random.Random) -> None:
+        span = MAX_UNICAST_LID
+        self._next = rng.randrange(span)
+        # An odd stride far from +-1 and coprime with the span: a full-period walk that never looks sequential.
+        while True:
+            self._stride = rng.randrange(span // 16, span - span // 16) | 1
+            if math.gcd(self._stride, span) == 1:
+                break
+        self._left = span
+
+    def allocate(self) -> int:
+        if self._left == 0:
+            raise FabricError(f"the fabric has handed out all {MAX_UNICAST_LID} unicast LIDs; start a new fabric")
+        self._left -= 1
+        lid = self._next + 1
+        self._next = (self._next + self._stride) % MAX_UNICAST_LID
+        return lid
+
+
+# ----------------------------------------------------------- the subnet manager
+class _Connection:
+    """One authenticated peer of the SM; frames go out through an outbox so the SM never blocks on a peer."""
+
+    def __init__(self, sock: socket.socket, peer: str) -> None:
+        self.sock = sock
+        self.peer = peer
+        self.hcas: list[_Hca] = []
+        self.closed = False
+        self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._write_loop, name=f"ckpt-sm-w-{peer}", daemon=True)
+        self._writer.start()
+
+    def post(self, message: dict[str, Any]) -> None:
+        if not self.closed:
+            self._outbox.put(protocol.encode(message))
+
+    def _write_loop(self) -> None:
+        while True:
+            frame = self._outbox.get()
+            if frame is None:
+                break
+            try:
+                self.sock.sendall(frame)
+            except OSError:
+                break
+        self._shutdown()
+
+    def close(self) -> None:
+        """Close once what is already posted (e.g. the reply to `stop`) has been sent."""
+        if not self.closed:
+            self.closed = True
+            self._outbox.put(None)
+
+    def abort(self) -> None:
+        self.closed = True
+        self._outbox.put(None)
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+@dataclass
+class _Hca:
+    guid: int
+    name: str
+    endpoint: str
+    host: str
+    pid: int
+    conn: _Connection
+    lids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Route:
+    hca: _Hca
+    port: int
+    up: bool = True
+
+
+_Handler = Callable[["SubnetManager", _Connection, dict[str, Any]], dict[str, Any]]
+
+
+@final
+class SubnetManager:
+    """The fabric's SM: LID assignment, routing table, link states and fault injection, over TCP."""
+
+    def __init__(
+        self, host: str = "127.0.0.1", port: int = 0, token: str | None = None, link_model: LinkModel = LinkModel()
+    ) -> None:
+        self.host = host
+        self.port = port
+        self.token = token or protocol.new_token()
+        self.link_model = link_model
+        self.fabric_id = uuid.uuid4().hex[:12]
+        self.address = ""
+        self._lock = threading.Lock()
+        self._lids = _LidAllocator(random.SystemRandom())
+        self.sm_lid = self._lids.allocate()
+        self._routes: dict[int, _Route] = {}
+        self._connections: set[_Connection] = set()
+        self._sock: socket.socket | None = None
+        self._stopped = threading.Event()
+        self._counts = dict.fromkeys(("registered", "lost", "resolves", "failed", "restored"), 0)
+
+    def start(self) -> SubnetManager:
+        """Bind and serve in daemon threads; FabricError with one clear line if the address is taken."""
+        if self._sock is not None:
+            raise FabricError(f"the subnet manager of fabric {self.fabric_id} is already started")
+        self._sock = _listen(self.host, self.port)
+        bound_host, bound_port = self._sock.getsockname()[:2]
+        self.address = f"{bound_host}:{bound_port}"
+        threading.Thread(target=self._accept_loop, name="ckpt-sm-accept", daemon=True).start()
+        log.info("subnet manager of fabric %s listening on %s (SM LID %d)", self.fabric_id, self.address, self.sm_lid)
+        return self
+
+    def stop(self) -> None:
+        """Close every connection and stop listening (HCAs see the SM go away; no LID changes are pushed)."""
+        with self._lock:
+            if self._stopped.is_set():
+                return
+            self._stopped.set()
+            connections, self._connections = self._connections, set()
+        if self._sock is not None:
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread (close alone does not)
+            except OSError:
+                pass
+            self._sock.close()
+        for conn in connections:
+            conn.close()
+        log.info("subnet manager of fabric %s stopped", self.fabric_id)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the SM has stopped (stop(), or a `stop` request); False on timeout."""
+        return self._stopped.wait(timeout)
+
+    def fail_link(self, lid: int) -> None:
+        """Take the link of `lid` down, as if its cable were pulled; every HCA is told."""
+        with self._lock:
+            self._set_link(lid, False)
+
+    def restore_link(self, lid: int) -> None:
+        with self._lock:
+            self._set_link(lid, True)
+
+    def statistics(self) -> FabricStatistics:
+        with self._lock:
+            return self._statistics()
+
+    def status(self) -> dict[str, Any]:
+        """The fabric, its link model, its HCAs with their ports' LIDs and states, and its statistics."""
+        with self._lock:
+            return self._status()
+
+    def _status(self) -> dict[str, Any]:
+        hcas = {id(r.hca): r.hca for r in self._routes.values()}.values()
+        return {
+            "fabric": self.fabric_id,
+            "address": self.address,
+            "sm_lid": self.sm_lid,
+            "latency": self.link_model.latency,
+            "bandwidth": self.link_model.bandwidth,
+            "hcas": [
+                {
+                    "name": h.name,
+                    "guid": h.guid,
+                    "pid": h.pid,
+                    "host": h.host,
+                    "endpoint": h.endpoint,
+                    "lids": list(h.lids),
+                    "ports": [{"port": p, "lid": lid, "up": self._routes[lid].up} for p, lid in enumerate(h.lids, 1)],
+                }
+                for h in sorted(hcas, key=lambda h: (h.host, h.pid, h.name))
+            ],
+            "statistics": asdict(self._statistics()),
+        }
+
+    def _statistics(self) -> FabricStatistics:
+        c = self._counts
+        present = len({id(r.hca) for r in self._routes.values()})
+        return FabricStatistics(c["registered"], present, c["lost"], c["resolves"], c["failed"], c["restored"])
+
+    def _set_link(self, lid: int, up: bool) -> None:
+        route = self._routes.get(lid)
+        if route is None:
+            own = " (that is the subnet manager's own LID)" if lid == self.sm_lid else ""
+            raise FabricError(f"no HCA port has LID {lid} on fabric {self.fabric_id}{own}")
+        if route.up == up:
+            return
+        route.up = up
+        self._counts["restored" if up else "failed"] += 1
+        log.info("fabric %s: link of LID %d (%s port %d) %s", self.fabric_id, lid, route.hca.name, route.port,
+                 "restored" if up else "failed")  # fmt: skip
+        self._broadcast({"op": "link", "lid": lid, "up": up})
+
+    def _broadcast(self, message: dict[str, Any], skip: _Connection | None = None) -> None:
+        for conn in self._connections:
+            if conn.hcas and conn is not skip:
+                conn.post(message)
+
+    # ----------------------------------------------------------- connections
+    def _accept_loop(self) -> None:
+        assert self._sock is not None
+        while not self._stopped.is_set():
+            try:
+                sock, peer = self._sock.accept()
+            except OSError:
+                return
+            if self._stopped.is_set():
+                sock.close()
+                return
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn = _Connection(sock, f"{peer[0]}:{peer[1]}")
+            threading.Thread(target=self._serve, args=(conn,), name=f"ckpt-sm-r-{conn.peer}", daemon=True).start()
+
+    def _serve(self, conn: _Connection) -> None:
+        try:
+            self._handshake(conn)
+            while True:
+                message = protocol.recv(conn.sock)
+                if self._dispatch(conn, message):
+                    self.stop()
+                    return
+        except (EOFError, OSError):
+            pass
+        except ProtocolError as exc:
+            log.warning("fabric %s: closing connection from %s: %s", self.fabric_id, conn.peer, exc)
+        except Exception:  # a bug must cost one connection, never the fabric
+            log.exception("fabric %s: closing connection from %s after an internal error", self.fabric_id, conn.peer)
+        conn.abort()
+        self._forget(conn)
+
+    def _handshake(self, conn: _Connection) -> None:
+        nonce = protocol.new_nonce()
+        conn.sock.settimeout(_HANDSHAKE_TIMEOUT)
+        protocol.send(conn.sock, {"op": "challenge", "nonce": nonce})
+        hello = protocol.recv(conn.sock)
+        if hello["op"] != "hello" or not protocol.check_answer(self.token, nonce, hello.get("auth")):
+            protocol.send(conn.sock, {"op": "refused", "error": "authentication failed"})
+            raise ProtocolError("authentication failed (wrong CKPT_FABRIC_TOKEN?)")
+        conn.sock.settimeout(None)
+        with self._lock:
+            if self._stopped.is_set():
+                conn.post({"op": "refused", "error": "the subnet manager is stopping"})
+                conn.close()
+                return
+            self._connections.add(conn)
+            conn.post({"op": "welcome", "fabric": self.fabric_id, "sm_lid": self.sm_lid})
+
+    def _forget(self, conn: _Connection) -> None:
+        """A connection closed: its HCAs leave the fabric and everyone sees their links go down."""
+        with self._lock:
+            self._connections.discard(conn)
+            if self._stopped.is_set():
+                return
+            for hca in conn.hcas:
+                self._counts["lost"] += 1
+                log.info("fabric %s: HCA %s of pid %d left; LIDs %s removed", self.fabric_id, hca.name, hca.pid,
+                         hca.lids)  # fmt: skip
+                for lid in hca.lids:
+                    route = self._routes.pop(lid)
+                    if route.up:
+                        self._broadcast({"op": "link", "lid": lid, "up": False})
+
+    def _dispatch(self, conn: _Connection, message: dict[str, Any]) -> bool:
+        """Handle one request; True when it asked the SM to stop."""
+        op = message["op"]
+        handler = _OPS.get(op)
+        try:
+            if handler is None:
+                raise FabricError(f"unknown request {op!r}")
+            with self._lock:
+                answer = handler(self, conn, message)
+        except FabricError as exc:
+            answer = {"error": str(exc)}
+        conn.post({"op": "reply", "id": message.get("id"), **answer})
+        return op == "stop" and "error" not in answer
+
+    # ----------------------------------------------------------- requests (under the lock)
+    def _op_register(self, conn: _Connection, message: dict[str, Any]) -> dict[str, Any]:
+        guid = protocol.require(message, "guid", int)
+        endpoint = protocol.require(message, "endpoint", str)
+        try:
+            protocol.parse_address(endpoint)
+        except ProtocolError:
+            raise FabricError(f"bad HCA endpoint {endpoint!r}: expected HOST:PORT") from None
+        for route in self._routes.values():
+            if route.hca.guid == guid:
+                raise FabricError(f"GUID {guid:#x} is already registered ({route.hca.name} of pid {route.hca.pid})")
+        hca = _Hca(
+            guid=guid,
+            name=protocol.require(message, "name", str),
+            endpoint=endpoint,
+            host=protocol.require(message, "host", str),
+            pid=protocol.require(message, "pid", int),
+            conn=conn,
+        )
+        hca.lids = [self._lids.allocate() for _ in range(PORTS_PER_HCA)]
+        for port, lid in enumerate(hca.lids, 1):
+            self._routes[lid] = _Route(hca, port)
+            self._broadcast({"op": "link", "lid": lid, "up": True}, skip=conn)
+        conn.hcas.append(hca)
+        self._counts["registered"] += 1
+        log.debug("fabric %s: %s of pid %d at %s has LIDs %s", self.fabric_id, hca.name, hca.pid, endpoint, hca.lids)
+        return {
+            "lids": list(hca.lids),
+            "sm_lid": self.sm_lid,
+            "latency": self.link_model.latency,
+            "bandwidth": self.link_model.bandwidth,
+            "links": {lid: route.up for lid, route in self._routes.items()},
+            "fabric": self.fabric_id,
+        }
+
+    def _op_resolve(self, conn: _Connection, message: dict[str, Any]) -> dict[str, Any]:
+        route = self._routes.get(protocol.require(message, "lid", int))
+        self._counts["resolves"] += 1
+        if route is None:
+            return {"endpoint": None, "port": None, "up": False}
+        return {"endpoint": route.hca.endpoint, "port": route.port, "up": route.up}
+
+    def _op_routes(self, conn: _Connection, message: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "routes": {
+                lid: {"endpoint": r.hca.endpoint, "port": r.port, "up": r.up, "name": r.hca.name, "pid": r.hca.pid}
+                for lid, r in self._routes.items()
+            }
+        }
+
+    def _op_fail_link(self, conn: _Connection, message: dict[str, Any]) -> dict[str, Any]:
+        self._set_link(protocol.require(message, "lid", int), False)
+        return {"ok": True}
+
+    def _op_restore_link(self, conn: _Connection, message: dict[str, Any]) -> dict[str, Any]:
+        self._set_link(protocol.require(message, "lid", int), True)
+        return {"ok": True}
+
+    def _op_status(self, conn: _Connection, message: dict[str, Any]) -> dict[str, Any]:
+        return {"status": self._status()}
+
+    def _op_stop(self, conn: _Connection, message: dict[str, Any]) -> dict[str, Any]:
+        return {"ok": True}
+
+
+_OPS: dict[str, _Handler] = {
+    "register": SubnetManager._op_register,
+    "resolve": SubnetManager._op_resolve,
+    "routes": SubnetManager._op_routes,
+    "fail_link": SubnetManager._op_fail_link,
+    "restore_link": SubnetManager._op_restore_link,
+    "status": SubnetManager._op_status,
+    "stop": SubnetManager._op_stop,
+}
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+        sock.listen(128)
+    except OSError as exc:
+        raise FabricError(f"cannot start a subnet manager on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
