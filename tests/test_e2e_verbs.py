@@ -339,11 +339,6 @@ def test_wrs_in_flight_when_the_peer_dies_complete_with_retry_exceeded(
 
 
 # ----------------------------------------------------------------- 4. link failure and APM
-MIGRATION_BUG = (
-    "engine: ckpt/verbs/_qp.py QPHandle.on_request tests the PSN before the MigReq flag (F_MIGRATE): a "
-    "retransmission on the alternate path that is a duplicate at the responder does not migrate it, so its ACKs "
-    "keep leaving by the failed port, and the requester (no 'known loss' on its new path) retransmits forever"
-)
 
 
 def _stream_over_failing_link(fabric: Fabric, sink: Peer, requester: Peer) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -370,9 +365,6 @@ def _new_connection_on_port_1_works(fabric: Fabric, sink: Peer, requester: Peer)
     assert statuses(again["wcs"]) == [SUCCESS, SUCCESS], again["wcs"]
 
 
-# Not strict: the stream hits the bug only when every WR in flight had arrived before the link failed
-# (about one run in six); test_migration_when_only_the_ack_was_lost reproduces it every time.
-@pytest.mark.xfail(strict=False, reason=MIGRATION_BUG)
 def test_link_failure_migrates_to_the_alternate_path_without_losing_traffic(
     cli_fabric: Callable[..., Fabric], peers: Callable[..., Peer]
 ) -> None:
@@ -397,7 +389,6 @@ def test_link_failure_migrates_to_the_alternate_path_without_losing_traffic(
     _new_connection_on_port_1_works(fabric, sink, requester)
 
 
-@pytest.mark.xfail(strict=True, reason=MIGRATION_BUG)
 def test_migration_when_only_the_ack_was_lost(sm_fabric: Callable[..., Fabric], peers: Callable[..., Peer]) -> None:
     """The request arrived, its ACK is lost with the link: the retransmission on the alternate path is a
     duplicate at the responder, which must migrate on it and answer on the new path."""

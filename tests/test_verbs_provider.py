@@ -127,11 +127,6 @@ def test_wrapper_added_late_sees_posts_of_new_qps(restore_tables: None) -> None:
     assert ("simib", 41) in seen
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine: QP binds ops.post_send/post_recv at creation (_objects.py QP.__init__), so a wrapper "
-    "added later by add_ops_wrapper never sees the posts of a QP that already exists",
-)
 def test_wrapper_added_late_sees_posts_of_existing_qps(restore_tables: None) -> None:
     seen: list[tuple[str, int]] = []
     with v.Context(name="simib0") as ca, v.Context(name="simib1") as cb:
@@ -144,6 +139,6 @@ def test_wrapper_added_late_sees_posts_of_existing_qps(restore_tables: None) -> 
 
 
 def test_restore_tables_leaves_no_wrapper_behind() -> None:
-    with v.Context(name="simib0") as ctx:
-        ep = make_endpoint(ctx)
-        assert ep.qp._post_send is v.get_ops("simib").post_send
+    from ckpt.verbs._qp import QPHandle
+
+    assert v.get_ops("simib").post_send is QPHandle.post_send  # the engine's own entry, unwrapped

@@ -404,12 +404,6 @@ def test_zero_length_send(pair: tuple[Endpoint, Endpoint]) -> None:
     assert (swc.wr_id, swc.status, swc.byte_len) == (9, v.IBV_WC_SUCCESS, 0)
 
 
-@pytest.mark.xfail(
-    run=False,
-    strict=True,
-    reason="engine: a zero-length SGE hangs post_send: _wire.py _sendmsg_all loops forever on an empty "
-    "memoryview (sendmsg returns 0, the view is never popped)",
-)
 def test_send_with_a_zero_length_sge(ctxs: tuple[v.Context, ...]) -> None:
     a, b = rc_two(ctxs)
     post_recv(b, RECV_OFF, 64, wr_id=6)

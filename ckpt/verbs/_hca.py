@@ -46,11 +46,8 @@ EINVAL, ENOMEM, EACCES, EBUSY, ENOENT, EOPNOTSUPP = 22, 12, 13, 16, 2, 95
 MAX_QP_WR, MAX_SGE, MAX_CQE, MAX_MR_SIZE, MAX_MSG = 16384, 32, 1 << 20, 1 << 40, 1 << 31
 MAX_RD_ATOMIC, MAX_INLINE = 16, 1024
 
-# A software NIC shares the CPU with its program: a peer's HCA thread can be
-# starved of the GIL for milliseconds, so a transmission is only counted as a
-# retry when the packet is known lost (link down, peer gone, dropped by the
-# responder) -- a late ACK alone never exhausts retry_cnt.
-LATE_ACK_RECHECK = 0.05
+#: Longest an empty CQ.poll waits for a completion before returning none (seconds).
+POLL_WAIT = float(os.environ.get("CKPT_SIMIB_POLL_WAIT", "0.0005"))
 
 
 class Timers:
@@ -182,6 +179,8 @@ class CQHandle(NotCheckpointable):
                     self.hca.event(e.IBV_EVENT_CQ_ERR, self)
                 return
             self.entries.append(wc)
+            if self.hca.poll_waiters:
+                self.hca.wake_pollers()
             armed = self.armed
             if armed and (armed == self.ARM_ALL or solicited or wc.status != e.IBV_WC_SUCCESS):
                 self.armed = 0
@@ -191,10 +190,9 @@ class CQHandle(NotCheckpointable):
     def poll(self, n: int) -> list[WC]:
         entries = self.entries
         if not entries:
-            # Let the HCA threads run: a program spinning on an empty CQ would
-            # otherwise hold the GIL for a whole switch interval (5 ms).
-            time.sleep(0)
-            return []
+            self.hca.wait_for_completion(entries)
+            if not entries:
+                return []
         if n == 1:
             return [entries.popleft()]
         out: list[WC] = []
@@ -282,6 +280,8 @@ class Hca:
         self.mrs_by_rkey: dict[int, MRHandle] = {}
         self.atomic_lock = threading.Lock()
         self.timers = Timers(name)
+        self._completion = threading.Condition()
+        self.poll_waiters = 0
         self._events: deque[AsyncEvent] = deque()
         self._events_cond = threading.Condition()
         self._conns: dict[str, w.Connection] = {}
@@ -293,9 +293,10 @@ class Hca:
         self._listener = socket.create_server((host, 0))
         self.endpoint = f"{host}:{self._listener.getsockname()[1]}"
         self.link_up: dict[int, bool] = {}
+        self.lids: list[int] = []  # the SM may push link states before register() returns
         self.sm = fabric.connect_default(on_link=self._on_link)
         reply = self.sm.register(guid=self.guid, name=name, endpoint=self.endpoint, pid=os.getpid(), host=host)
-        self.lids: list[int] = list(reply["lids"])
+        self.lids = list(reply["lids"])
         self.sm_lid = int(reply["sm_lid"])
         self.latency = float(reply.get("latency") or 0.0)
         self.bandwidth = float(reply.get("bandwidth") or 0.0)
@@ -313,6 +314,29 @@ class Hca:
 
     def port_of_lid(self, lid: int) -> int:
         return self.lids.index(lid) + 1 if lid in self.lids else 0
+
+    # ------------------------------------------------------------------ polling
+    def wait_for_completion(self, entries: deque[WC]) -> None:
+        """An empty poll: let the NIC threads run, and come back as soon as a completion lands.
+
+        A program spinning on an empty CQ would otherwise hold the GIL for a
+        whole switch interval (5 ms) while its own NIC's thread waits to
+        deliver the completion it is polling for; and two spinning programs on
+        two cores leave no core for the NIC threads.  So an empty poll blocks
+        (releasing the GIL and the core) for at most POLL_WAIT, and any
+        completion on this HCA ends the wait at once.
+        """
+        with self._completion:
+            self.poll_waiters += 1
+            try:
+                if not entries:
+                    self._completion.wait(POLL_WAIT)
+            finally:
+                self.poll_waiters -= 1
+
+    def wake_pollers(self) -> None:
+        with self._completion:
+            self._completion.notify_all()
 
     # ------------------------------------------------------------------ events
     def event(self, event_type: int, element: Any) -> None:
@@ -350,29 +374,41 @@ class Hca:
 
         `header` is every field of `_wire.HEADER` but slid, dlid and arrival, which the path decides.
         """
+        return self.transmit_many(port, dlid, [(header, payload)], blocking)
+
+    def transmit_many(
+        self, port: int, dlid: int, packets: list[tuple[tuple[Any, ...], list[Any]]], blocking: bool
+    ) -> bool:
+        """Send packets on one path with one write (a doorbell for a chain of WRs); False if they are lost."""
         slid = self.lids[port - 1]
         if not self.link_up.get(slid, True) or not self.link_up.get(dlid, True):
-            log.debug("%s: packet %s to LID %d lost: link down", self.name, header[:2], dlid)
+            log.debug("%s: %d packet(s) to LID %d lost: link down", self.name, len(packets), dlid)
             return False
         route = self._resolve(dlid)
         if route is None:
-            log.debug("%s: packet %s to LID %d lost: no route", self.name, header[:2], dlid)
+            log.debug("%s: %d packet(s) to LID %d lost: no route", self.name, len(packets), dlid)
             return False
         conn = self._connection(route[0])
         if conn is None:
-            log.debug("%s: packet %s to LID %d lost: peer unreachable", self.name, header[:2], dlid)
+            log.debug("%s: %d packet(s) to LID %d lost: peer unreachable", self.name, len(packets), dlid)
             return False
-        arrival = 0.0
-        if self.latency or self.bandwidth:
-            now = time.monotonic()
-            done = now
-            if self.bandwidth:
-                size = w.HEADER_SIZE + header[8]
-                done = max(now, self._busy_until[port]) + size / self.bandwidth
-                self._busy_until[port] = done
-            arrival = done + self.latency
-        head = w.HEADER.pack(*header[:11], slid, dlid, *header[11:], arrival)
-        return conn.send([head, *payload]) if blocking else conn.post([head, *payload])
+        buffers: list[Any] = []
+        pack = w.HEADER.pack
+        modelled = self.latency or self.bandwidth
+        for header, payload in packets:
+            arrival = self._arrival(port, w.HEADER_SIZE + header[8]) if modelled else 0.0
+            buffers.append(pack(*header[:11], slid, dlid, *header[11:], arrival))
+            buffers.extend(payload)
+        return conn.send(buffers) if blocking else conn.post(buffers)
+
+    def _arrival(self, port: int, size: int) -> float:
+        """When a packet of `size` bytes leaving `port` now arrives under the link model."""
+        now = time.monotonic()
+        done = now
+        if self.bandwidth:
+            done = max(now, self._busy_until[port]) + size / self.bandwidth
+            self._busy_until[port] = done
+        return done + self.latency
 
     def _resolve(self, lid: int) -> tuple[str, int] | None:
         route = self._routes.get(lid)

@@ -30,12 +30,16 @@ class VerbsObject:
 
     def __init__(self, parent: VerbsObject | None) -> None:
         self._children: list[VerbsObject] = []
-        self._closed = False
+        self._closed = True  # until _adopted(): a creation the provider refuses leaves nothing to close
         self._parent = parent
-        if parent is not None:
-            if parent._closed:
-                raise PyverbsUserError(f"cannot create a {self._kind} under a closed {parent._kind}")
-            parent._children.append(self)
+        if parent is not None and parent._closed:
+            raise PyverbsUserError(f"cannot create a {self._kind} under a closed {parent._kind}")
+
+    def _adopted(self) -> None:
+        """The provider created the object: it is open and its parent will close it."""
+        self._closed = False
+        if self._parent is not None:
+            self._parent._children.append(self)
 
     def close(self) -> None:
         if self._closed:
@@ -79,6 +83,7 @@ class Context(VerbsObject):
         self.ops: VerbsOps = get_ops(provider)
         self.name = device
         self.handle = self.ops.open_device(device)
+        self._adopted()
         self._objects: dict[int, Any] = {}  # id(handle) -> object, to name the element of async events
 
     def _track(self, handle: Any, obj: Any) -> None:
@@ -126,6 +131,7 @@ class PD(VerbsObject):
         super().__init__(creator)
         self.ctx = creator
         self.handle = creator.ops.alloc_pd(creator.handle)
+        self._adopted()
 
     def _release(self) -> None:
         self.ctx.ops.dealloc_pd(self.handle)
@@ -153,6 +159,7 @@ class MR(VerbsObject):
         self._view = memoryview(self.memory).cast("B")
         ops = creator.ctx.ops
         self.handle = ops.reg_mr(creator.handle, self.memory, self.access)
+        self._adopted()
 
     def _release(self) -> None:
         self.pd.ctx.ops.dereg_mr(self.handle)
@@ -200,6 +207,7 @@ class CompChannel(VerbsObject):
         super().__init__(creator)
         self.ctx = creator
         self.handle = creator.ops.create_comp_channel(creator.handle)
+        self._adopted()
 
     def _release(self) -> None:
         self.ctx.ops.destroy_comp_channel(self.handle)
@@ -237,8 +245,8 @@ class CQ(VerbsObject):
         self.cqe = cqe
         ops = creator.ops
         self.handle = ops.create_cq(creator.handle, cqe, channel.handle if channel else None, cq_context)
-        self._poll = ops.poll_cq
         creator._track(self.handle, self)
+        self._adopted()
 
     def _release(self) -> None:
         self.ctx._untrack(self.handle)
@@ -246,14 +254,18 @@ class CQ(VerbsObject):
 
     def poll(self, num_entries: int = 1) -> tuple[int, list[Any]]:
         """Up to `num_entries` completions: ``(count, [WC, ...])``; never blocks."""
-        wcs = self._poll(self.handle, num_entries)
+        if self._closed:
+            raise PyverbsUserError("CQ is closed")
+        wcs = self.ctx.ops.poll_cq(self.handle, num_entries)
         return len(wcs), wcs
 
     def req_notify(self, solicited_only: bool = False) -> None:
         """Arm a one-shot event on the channel for the next (solicited) completion."""
+        self._check_open()
         self.ctx.ops.req_notify_cq(self.handle, solicited_only)
 
     def ack_events(self, num_events: int) -> None:
+        self._check_open()
         self.ctx.ops.ack_cq_events(self.handle, num_events)
 
 
@@ -267,17 +279,19 @@ class SRQ(VerbsObject):
         self.pd = creator
         ctx = creator.ctx
         self.handle = ctx.ops.create_srq(creator.handle, attr.attr, attr.srq_context)
-        self._post = ctx.ops.post_srq_recv
         ctx._track(self.handle, self)
+        self._adopted()
 
     def _release(self) -> None:
         self.pd.ctx._untrack(self.handle)
         self.pd.ctx.ops.destroy_srq(self.handle)
 
     def post_recv(self, wr: Any, bad_wr: Any = None) -> None:
-        self._post(self.handle, wr)
+        self._check_open()
+        self.pd.ctx.ops.post_srq_recv(self.handle, wr)
 
     def modify(self, attr: SrqAttr, attr_mask: int) -> None:
+        self._check_open()
         self.pd.ctx.ops.modify_srq(self.handle, attr, attr_mask)
 
     def arm(self, srq_limit: int) -> None:
@@ -285,6 +299,7 @@ class SRQ(VerbsObject):
         self.modify(SrqAttr(srq_limit=srq_limit), e.IBV_SRQ_LIMIT)
 
     def query(self) -> SrqAttr:
+        self._check_open()
         attr: SrqAttr = self.pd.ctx.ops.query_srq(self.handle)
         return attr
 
@@ -298,6 +313,7 @@ class AH(VerbsObject):
         super().__init__(creator)
         self.pd = creator
         self.handle = creator.ctx.ops.create_ah(creator.handle, attr)
+        self._adopted()
 
     def _release(self) -> None:
         self.pd.ctx.ops.destroy_ah(self.handle)
@@ -328,10 +344,9 @@ class QP(VerbsObject):
         )
         ops = ctx.ops
         self.handle = ops.create_qp(creator.handle, provider_attr)
-        self._post_send = ops.post_send
-        self._post_recv = ops.post_recv
-        self._modify = ops.modify_qp
+        self._ops = ops
         ctx._track(self.handle, self)
+        self._adopted()
         self.qp_type = int(init_attr.qp_type)
         if qp_attr is not None:
             self.to_init(qp_attr)
@@ -350,7 +365,8 @@ class QP(VerbsObject):
 
     def modify(self, qp_attr: QPAttr, attr_mask: int) -> None:
         """``ibv_modify_qp``: apply the attributes named by `attr_mask` (an invalid modify changes nothing)."""
-        self._modify(self.handle, qp_attr, attr_mask)
+        self._check_open()
+        self._ops.modify_qp(self.handle, qp_attr, attr_mask)
 
     def _to(self, qp_attr: QPAttr, target: e.ibv_qp_state, extra: int) -> None:
         cur = self.qp_state
@@ -372,12 +388,19 @@ class QP(VerbsObject):
 
     def query(self, attr_mask: int = 0) -> tuple[QPAttr, QPInitAttr]:
         """``ibv_query_qp``: the current attributes (every field is filled whatever `attr_mask` says)."""
+        self._check_open()
         attr, init = self.pd.ctx.ops.query_qp(self.handle, attr_mask)
         init.scq, init.rcq, init.srq = self.init_attr.scq, self.init_attr.rcq, self.init_attr.srq
         return attr, init
 
+    # The table is looked up on every call (not bound at creation) so that a wrapper added later
+    # -- a plugin loaded after the program built its QPs -- still sees every post.
     def post_send(self, send_wr: Any, bad_wr: Any = None) -> None:
-        self._post_send(self.handle, send_wr)
+        if self._closed:
+            raise PyverbsUserError("QP is closed")
+        self._ops.post_send(self.handle, send_wr)
 
     def post_recv(self, recv_wr: Any, bad_wr: Any = None) -> None:
-        self._post_recv(self.handle, recv_wr)
+        if self._closed:
+            raise PyverbsUserError("QP is closed")
+        self._ops.post_recv(self.handle, recv_wr)

@@ -107,6 +107,9 @@ _U64 = (1 << 64) - 1
 _MIN_TIMER = 0.002  # a software NIC does not wake for every 4 us timeout
 _ATOMIC_CACHE = 64
 SQ_FULL_GRACE = 0.2  # seconds post_send waits for a full send queue to drain before ENOMEM
+ACK_EVERY = 16  # a requester asks for an ACK at least every this many packets (or half its send queue)
+LATE_ACK_LIMIT = 1.0  # seconds of silence from a reachable peer after which timeouts count as retries
+DELAYED_ACK = 0.001  # seconds a responder may sit on an ACK nobody asked for
 
 
 def psn_diff(a: int, b: int) -> int:
@@ -176,10 +179,10 @@ class SendEntry:
         self.signaled = signaled
         self.sg = [(s.addr, s.length, s.lkey) for s in wr.sg[: wr.num_sge or len(wr.sg)]]
         self.inline: bytes | None = None
-        self.rkey = int(getattr(wr, "rkey", 0) or 0)
-        self.raddr = int(getattr(wr, "remote_addr", 0) or 0)
-        self.compare_add = int(getattr(wr, "compare_add", 0) or 0) & _U64
-        self.swap = int(getattr(wr, "swap", 0) or 0) & _U64
+        self.rkey = wr.rkey or 0
+        self.raddr = wr.remote_addr or 0
+        self.compare_add = (wr.compare_add or 0) & _U64
+        self.swap = (wr.swap or 0) & _U64
         self.imm = int(wr.imm_data or 0) & 0xFFFFFFFF
         self.length = length
         self.psn = 0
@@ -217,6 +220,7 @@ class QPHandle(NotCheckpointable):
             max_inline_data=cap.max_inline_data,
         )
         self.sq_sig_all = bool(init_attr.sq_sig_all)
+        self.ack_every = max(1, min(ACK_EVERY, self.cap.max_send_wr // 2))
         self.qp_context = init_attr.qp_context
         self.lock = threading.RLock()
         self.retired = threading.Condition(self.lock)
@@ -247,12 +251,14 @@ class QPHandle(NotCheckpointable):
         self.sq: deque[SendEntry] = deque()
         self.next_send = 0
         self.rd_outstanding = 0
+        self.unrequested = 0
         self.sq_psn = 0
         self.retries = 0
         self.rnr_retries = 0
         self.backoff = False
         self.lost = False
         self.last_progress = 0.0
+        self.progress_at = 0.0  # the last time the peer acknowledged anything
         self.timer_armed = False
         # responder
         self.rq: deque[Any] = deque()
@@ -260,6 +266,7 @@ class QPHandle(NotCheckpointable):
         self.rnr_pending = False
         self.nak_seq_sent = False
         self.comm_est = False
+        self.delayed_ack = False
         self.atomic_cache: dict[int, int] = {}
 
     # ------------------------------------------------------------------ paths
@@ -533,17 +540,39 @@ class QPHandle(NotCheckpointable):
 
     # ------------------------------------------------------------------ requester
     def _pump(self, blocking: bool) -> None:
-        """Transmit queued WRs in order as far as fences, rd/atomic credits and back-off allow (lock held)."""
+        """Transmit queued WRs in order as far as fences, rd/atomic credits and back-off allow (lock held).
+
+        Everything one call can send goes out in one write: a chain of WRs
+        posted together costs one doorbell, not one per WR.
+        """
         sq = self.sq
+        packets: list[tuple[tuple[Any, ...], list[Any]]] = []
+        sent: list[SendEntry] = []
         while self.next_send < len(sq) and self.state == _RTS and not self.backoff:
             entry = sq[self.next_send]
             if entry.opcode in _RD_ATOMIC and self.rd_outstanding >= max(1, self.max_rd_atomic):
-                return
+                break
             if entry.flags & _FENCE and self.rd_outstanding:
-                return
-            if not self._transmit(entry, blocking):
-                return
+                break
+            packet = self._packet(entry)
+            if packet is None:
+                break
+            packets.append(packet)
+            sent.append(entry)
             self.next_send += 1
+        if packets:
+            port, dlid = self._path()
+            if not self.hca.transmit_many(port, dlid, packets, blocking):
+                self.lost = True
+            for entry in sent:
+                entry.sent = True
+            if self.qp_type == _UC:
+                for entry in sent:
+                    entry.done = True
+                self._retire()
+            elif not self.timer_armed:
+                self.last_progress = self.progress_at = time.monotonic()
+                self._arm_timer()
         if self.state == _SQD:
             self._check_drained()
 
@@ -561,21 +590,19 @@ class QPHandle(NotCheckpointable):
             views.append(mr.view[off : off + length])
         return views
 
-    def _transmit(self, entry: SendEntry, blocking: bool) -> bool:
-        """Send one WR (lock held); False if it failed locally (the QP is now in ERR)."""
+    def _packet(self, entry: SendEntry) -> tuple[tuple[Any, ...], list[Any]] | None:
+        """The request packet of one WR (lock held); None if it failed locally (the QP is now in ERR)."""
         op = entry.opcode
         payload: list[Any]
         if op in _RD_ATOMIC:
             views = self._local_views(entry, write=True)
             if isinstance(views, int):
                 self._fail(entry, views)
-                return False
+                return None
             entry.dest = views
             payload = []
             length = 0
             arg1 = entry.length if op == _READ else entry.compare_add
-            if op != _READ and entry.raddr % 8:
-                pass  # the responder rejects it, as on hardware
             self.rd_outstanding += 1
         else:
             if entry.inline is not None:
@@ -584,14 +611,19 @@ class QPHandle(NotCheckpointable):
                 views = self._local_views(entry, write=False)
                 if isinstance(views, int):
                     self._fail(entry, views)
-                    return False
+                    return None
                 payload = views
             length = entry.length
             arg1 = 0
         flags = (w.F_SOLICITED if entry.flags & _SOLICITED else 0) | (w.F_IMM if op in (_SEND_IMM, _WRITE_IMM) else 0)
         if self.mig_announce:
             flags |= w.F_MIGRATE
-        port, dlid = self._path()
+        # Ask for an ACK when the program will want to know (a signaled WR), when the send queue
+        # is getting full, or every ACK_EVERY packets; otherwise the responder may delay it.
+        self.unrequested += 1
+        if entry.signaled or self.unrequested >= self.ack_every or op in _RD_ATOMIC:
+            flags |= w.F_ACKREQ
+            self.unrequested = 0
         header = (
             w.REQ,
             op,
@@ -608,17 +640,7 @@ class QPHandle(NotCheckpointable):
             arg1,
             entry.swap,
         )
-        if not self.hca.transmit(port, dlid, header, payload, blocking):
-            self.lost = True
-        entry.sent = True
-        if self.qp_type == _UC:
-            entry.done = True
-            self._retire()
-            return True
-        if not self.timer_armed:
-            self.last_progress = time.monotonic()
-            self._arm_timer()
-        return True
+        return header, payload
 
     def _arm_timer(self) -> None:
         period = ack_timeout(self.timeout)
@@ -638,7 +660,10 @@ class QPHandle(NotCheckpointable):
                 self.hca.timers.at(self.last_progress + period, self._on_timer)
                 return
             port, dlid = self._path()
-            known_loss = self.lost or not self.hca.path_ok(port, dlid)
+            # A peer that is reachable but has not acknowledged anything for LATE_ACK_LIMIT is treated
+            # as losing packets too (a stopped process, a responder answering on a dead path).
+            silent = now - self.progress_at > max(LATE_ACK_LIMIT, 2 * period)
+            known_loss = self.lost or silent or not self.hca.path_ok(port, dlid)
             self.lost = False
             # Late but not known lost: retransmit anyway (an ACK may have been lost on the way back)
             # without counting a retry -- a peer NIC starved of the CPU is not a lossy link.
@@ -659,6 +684,7 @@ class QPHandle(NotCheckpointable):
         """Retransmit from the oldest unfinished WR (go-back-N)."""
         self.next_send = 0
         self.rd_outstanding = 0
+        self.unrequested = self.ack_every  # the retransmission asks for an ACK at once
         for entry in self.sq:
             entry.sent = False
 
@@ -727,12 +753,13 @@ class QPHandle(NotCheckpointable):
 
     def _progress(self) -> None:
         self.retries = 0
-        self.last_progress = time.monotonic()
+        self.last_progress = self.progress_at = time.monotonic()
         self.mig_announce = False
         self._retire()
         self._pump(blocking=False)
 
     def _nak(self, syndrome: int, psn: int, delay_ns: int) -> None:
+        self.progress_at = time.monotonic()  # a NAK is an answer: the peer is alive
         entry = self._acknowledge(psn, inclusive=False)
         if entry is None or entry.psn != psn:
             return
@@ -773,7 +800,6 @@ class QPHandle(NotCheckpointable):
             opcode=_WC_OPCODE[entry.opcode],
             byte_len=entry.length,
             qp_num=self.qp_num,
-            src_qp=self.dest_qp_num,
         )
 
     def _fail(self, entry: SendEntry, status: int) -> None:
@@ -814,6 +840,19 @@ class QPHandle(NotCheckpointable):
         with self.lock:
             if self.state in (_RTR, _RTS, _SQD, _SQE):
                 self._respond(w.ACK, 0, (self.epsn - 1) & PSN_MASK, 0, [])
+
+    def _ack_due(self, flags: int) -> bool:
+        """ACK now if the requester asked; otherwise at most DELAYED_ACK later (coalesced with others)."""
+        if flags & w.F_ACKREQ:
+            return True
+        if not self.delayed_ack:
+            self.delayed_ack = True
+            self.hca.timers.at(time.monotonic() + DELAYED_ACK, self._send_delayed_ack)
+        return False
+
+    def _send_delayed_ack(self) -> None:
+        self.delayed_ack = False
+        self.send_ack()
 
     def _respond(self, kind: int, syndrome: int, psn: int, arg1: int, payload: list[Any]) -> None:
         port, dlid = self._path()
@@ -873,6 +912,11 @@ class QPHandle(NotCheckpointable):
             reader.skip(length)
             self.hca.report_lost(fields)
             return False
+        if flags & w.F_MIGRATE and self.mig_state == _ARMED:
+            # before the PSN check: the requester may have migrated to resend something we already
+            # executed, whose ACK was lost on the old path -- answering it there again would loop
+            with self.lock:
+                self._migrate(initiated_here=False)
         rc = self.qp_type == _RC
         if rc:
             d = psn_diff(psn, self.epsn)
@@ -885,9 +929,6 @@ class QPHandle(NotCheckpointable):
                     with self.lock:
                         self._respond(w.NAK, w.NAK_SEQ, self.epsn, 0, [])
                 return False
-        if flags & w.F_MIGRATE and self.mig_state == _ARMED:
-            with self.lock:
-                self._migrate(initiated_here=False)
         if state == _RTR and not self.comm_est:
             self.comm_est = True
             self.hca.event(e.IBV_EVENT_COMM_EST, self)
@@ -933,14 +974,14 @@ class QPHandle(NotCheckpointable):
                 slid=slid,
             )
             self.rcq.push(wc, solicited=bool(flags & w.F_SOLICITED))
-            return rc
+            return rc and self._ack_due(flags)
         if op == _WRITE:
             view = self._remote_view(rkey, raddr, length, _REMOTE_WRITE) if length else memoryview(b"")
             if view is None:
                 return self._refuse(rc, reader, length, w.NAK_ACCESS, psn, e.IBV_EVENT_QP_ACCESS_ERR)
             reader.take_into(view)
             self.epsn = (psn + npkts) & PSN_MASK
-            return rc
+            return rc and self._ack_due(flags)
         if op == _READ:
             reader.skip(length)
             view = self._remote_view(rkey, raddr, arg1, _REMOTE_READ) if arg1 else memoryview(b"")

@@ -36,7 +36,7 @@ REQ, ACK, NAK, READ_RESP, ATOMIC_RESP, LOST = 1, 2, 3, 4, 5, 6
 NAK_RNR, NAK_SEQ, NAK_ACCESS, NAK_INV_REQ, NAK_OP = 1, 2, 3, 4, 5
 
 # Header flags.
-F_SOLICITED, F_MIGRATE, F_IMM = 1, 2, 4
+F_SOLICITED, F_MIGRATE, F_IMM, F_ACKREQ = 1, 2, 4, 8
 
 #: kind, opcode/syndrome, flags, spare, dqpn, sqpn, psn, npkts, length, imm, rkey, slid, dlid,
 #: raddr, arg1 (compare_add / atomic result / rnr delay ns), arg2 (swap), arrival (monotonic seconds, 0 = now)
@@ -130,7 +130,7 @@ class Connection:
         with self._lock:
             try:
                 self._flush(blocking=True)
-                _sendmsg_all(self.sock, [memoryview(b).cast("B") for b in buffers])
+                _sendmsg_all(self.sock, buffers)
             except OSError as exc:
                 self._broken(exc)
                 return False
@@ -141,7 +141,7 @@ class Connection:
         """Queue `buffers` and send what can be sent without blocking; never waits."""
         if not self.alive:
             return False
-        self._outbox.extend(memoryview(b).cast("B") for b in buffers)
+        self._outbox.extend(memoryview(b).cast("B") for b in buffers if len(b))
         if self._lock.acquire(blocking=False):
             try:
                 self._flush(blocking=False)
@@ -203,9 +203,14 @@ class Connection:
             self._on_broken(self)
 
 
-def _sendmsg_all(sock: socket.socket, views: list[memoryview]) -> None:
+def _sendmsg_all(sock: socket.socket, buffers: Sequence[Any]) -> None:
+    """sendmsg until every byte of `buffers` (bytes or byte-format memoryviews) is written."""
+    total = sum(len(b) for b in buffers)
+    sent = sock.sendmsg(buffers)
+    if sent == total:
+        return
+    views = [memoryview(b).cast("B") for b in buffers if len(b)]
     while views:
-        sent = sock.sendmsg(views[:64])
         while sent:
             if sent >= len(views[0]):
                 sent -= len(views[0])
@@ -213,3 +218,5 @@ def _sendmsg_all(sock: socket.socket, views: list[memoryview]) -> None:
             else:
                 views[0] = views[0][sent:]
                 sent = 0
+        if views:
+            sent = sock.sendmsg(views[:64])
