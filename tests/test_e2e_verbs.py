@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from ckpt.verbs import _enums as e
-from ckpt.verbs._qp import ack_timeout
+from ckpt.verbs._qpbase import ack_timeout
 from ckpt.verbs.fabric import ENV_ADDRESS, ENV_TOKEN, FABRIC_FILE, LinkModel, SubnetManager
 from harness import PROGRAMS, env, run
 
