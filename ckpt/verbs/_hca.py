@@ -444,8 +444,9 @@ class Hca:
         return conn if conn.alive else None
 
     def _connection_broken(self, conn: w.Connection) -> None:
-        for qp in list(self.qps.values()):
-            qp.path_broken()
+        # Nothing to do at once: the QPs' retransmission timers find the path dead (path_ok) and
+        # count their retries, so a dead peer gives RETRY_EXC_ERR after timeout * (retry_cnt + 1).
+        log.debug("HCA %s: the connection to %s broke", self.name, conn.endpoint)
 
     # ------------------------------------------------------------------ receiving
     def _accept_loop(self) -> None:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from ckpt.verbs import _enums as e
-from ckpt.verbs._attrs import QPAttr, QPCap, QPInitAttr
+from ckpt.verbs._attrs import QPAttr, QPInitAttr
 from ckpt.verbs._errors import PyverbsRDMAError
 from ckpt.verbs._hca import (
     EINVAL,
@@ -147,13 +148,7 @@ class QPHandle(Requester, Responder):
             attr.sq_psn = self.sq_psn
             attr.dest_qp_num = self.dest_qp_num
             attr.qp_access_flags = self.access
-            attr.cap = QPCap(
-                max_send_wr=self.cap.max_send_wr,
-                max_recv_wr=self.cap.max_recv_wr,
-                max_send_sge=self.cap.max_send_sge,
-                max_recv_sge=self.cap.max_recv_sge,
-                max_inline_data=self.cap.max_inline_data,
-            )
+            attr.cap = replace(self.cap)
             attr.ah_attr = _copy_ah(self.ah)
             attr.alt_ah_attr = _copy_ah(self.alt_ah)
             attr.pkey_index = self.pkey_index

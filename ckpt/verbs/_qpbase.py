@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
+from dataclasses import replace
 from typing import Any
 
 from ckpt.verbs import _enums as e
@@ -188,13 +189,7 @@ class QPState(NotCheckpointable):
         self.scq: CQHandle = init_attr.scq
         self.rcq: CQHandle = init_attr.rcq
         self.srq = init_attr.srq
-        self.cap = QPCap(
-            max_send_wr=cap.max_send_wr,
-            max_recv_wr=cap.max_recv_wr,
-            max_send_sge=cap.max_send_sge,
-            max_recv_sge=cap.max_recv_sge,
-            max_inline_data=cap.max_inline_data,
-        )
+        self.cap = replace(cap)
         self.sq_sig_all = bool(init_attr.sq_sig_all)
         self.ack_every = max(1, min(ACK_EVERY, self.cap.max_send_wr // 2))
         self.qp_context = init_attr.qp_context
@@ -268,9 +263,6 @@ class QPState(NotCheckpointable):
             if self.mig_state == _REARM and self.alt_ah.dlid and self.state in (_RTR, _RTS, _SQD):
                 self.mig_state = _ARMED
 
-    def path_broken(self) -> None:
-        """A connection to some peer broke; the timer decides whether it concerned this QP."""
-
     def _send_wc(self, entry: SendEntry, status: int) -> WC:
         return WC(
             wr_id=entry.wr_id,
@@ -306,14 +298,4 @@ class QPState(NotCheckpointable):
 
 
 def _copy_ah(ah: AHAttr | None) -> AHAttr:
-    if ah is None:
-        return AHAttr()
-    return AHAttr(
-        gr=ah.gr,
-        is_global=ah.is_global,
-        dlid=ah.dlid,
-        sl=ah.sl,
-        src_path_bits=ah.src_path_bits,
-        static_rate=ah.static_rate,
-        port_num=ah.port_num,
-    )
+    return AHAttr() if ah is None else replace(ah)
