@@ -26,6 +26,7 @@ from verbs_util import (
     recv_wr,
     send_wr,
     wait_event,
+    wait_for,
     wait_state,
 )
 
@@ -322,3 +323,26 @@ def test_one_sided_completes_while_program_thread_is_blocked(ctxs: tuple[v.Conte
     else:
         assert a.buf[256:264].view(np.uint64)[0] == 40
         assert b.buf[64:72].view(np.uint64)[0] == 42
+
+
+# ====================================================================== statistics
+def test_statistics_count_packets_bytes_and_rnr_naks(ctxs: tuple[v.Context, ...]) -> None:
+    a, b = connect_rc(*ctxs)
+    before_a, before_b = ctxs[0].statistics(), ctxs[1].statistics()
+    a.qp.post_send(rdma_wr(v.IBV_WR_RDMA_WRITE, a.sge(0, 1000), b.mr.rkey, b.addr(0), wr_id=1))
+    assert poll_one(a.scq).status == v.IBV_WC_SUCCESS
+    a.qp.post_send(send_wr([a.sge(0, 8)], wr_id=2))  # no receive posted yet: RNR NAK, then retried
+    wait_for_stat(ctxs[0], "rnr_naks_received", before_a.rnr_naks_received + 1)
+    post_recv(b)
+    assert poll_one(a.scq).status == v.IBV_WC_SUCCESS
+    after_a, after_b = ctxs[0].statistics(), ctxs[1].statistics()
+    assert after_a.payload_bytes_sent - before_a.payload_bytes_sent >= 1008
+    assert after_b.payload_bytes_received - before_b.payload_bytes_received >= 1008
+    assert after_a.packets_sent - before_a.packets_sent >= 3  # WRITE, SEND, its retry
+    assert after_b.packets_sent > before_b.packets_sent  # ACKs and the NAK
+    assert after_a.retransmissions > before_a.retransmissions
+    assert after_a.packets_lost == before_a.packets_lost
+
+
+def wait_for_stat(ctx: v.Context, name: str, at_least: int) -> None:
+    wait_for(lambda: getattr(ctx.statistics(), name) >= at_least, what=f"{name} >= {at_least}")

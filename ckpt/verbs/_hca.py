@@ -26,6 +26,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -48,6 +49,20 @@ MAX_RD_ATOMIC, MAX_INLINE = 16, 1024
 
 #: Longest an empty CQ.poll waits for a completion before returning none (seconds).
 POLL_WAIT = float(os.environ.get("CKPT_SIMIB_POLL_WAIT", "0.0005"))
+
+
+@dataclass(frozen=True)
+class HcaStatistics:
+    """Counters of one simulated HCA (``Context.statistics()``)."""
+
+    packets_sent: int  # every packet handed to a link: requests, ACKs, NAKs, responses
+    packets_received: int
+    payload_bytes_sent: int
+    payload_bytes_received: int
+    packets_lost: int  # dropped at this HCA: link down, no route, peer gone
+    retransmissions: int  # go-back-N restarts (timeouts, sequence NAKs, RNR back-offs)
+    rnr_naks_received: int
+    path_migrations: int
 
 
 class Timers:
@@ -288,6 +303,7 @@ class Hca:
         self._conns_lock = threading.Lock()
         self._routes: dict[int, tuple[str, int]] = {}
         self._busy_until = [0.0, 0.0, 0.0]
+        self.counts = dict.fromkeys(HcaStatistics.__dataclass_fields__, 0)
 
         host = os.environ.get("CKPT_SIMIB_HOST", "127.0.0.1")
         self._listener = socket.create_server((host, 0))
@@ -314,6 +330,10 @@ class Hca:
 
     def port_of_lid(self, lid: int) -> int:
         return self.lids.index(lid) + 1 if lid in self.lids else 0
+
+    def statistics(self) -> HcaStatistics:
+        """What this HCA has sent and received since the process opened it."""
+        return HcaStatistics(**self.counts)
 
     # ------------------------------------------------------------------ polling
     def wait_for_completion(self, entries: deque[WC]) -> None:
@@ -381,21 +401,21 @@ class Hca:
     ) -> bool:
         """Send packets on one path with one write (a doorbell for a chain of WRs); False if they are lost."""
         slid = self.lids[port - 1]
-        if not self.link_up.get(slid, True) or not self.link_up.get(dlid, True):
-            log.debug("%s: %d packet(s) to LID %d lost: link down", self.name, len(packets), dlid)
-            return False
-        route = self._resolve(dlid)
-        if route is None:
-            log.debug("%s: %d packet(s) to LID %d lost: no route", self.name, len(packets), dlid)
-            return False
-        conn = self._connection(route[0])
+        links_up = self.link_up.get(slid, True) and self.link_up.get(dlid, True)
+        route = self._resolve(dlid) if links_up else None
+        conn = self._connection(route[0]) if route is not None else None
         if conn is None:
-            log.debug("%s: %d packet(s) to LID %d lost: peer unreachable", self.name, len(packets), dlid)
+            why = "no route or peer gone" if links_up else "link down"
+            log.debug("%s: %d packet(s) to LID %d lost: %s", self.name, len(packets), dlid, why)
+            self.counts["packets_lost"] += len(packets)
             return False
+        counts = self.counts
+        counts["packets_sent"] += len(packets)
         buffers: list[Any] = []
         pack = w.HEADER.pack
         modelled = self.latency or self.bandwidth
         for header, payload in packets:
+            counts["payload_bytes_sent"] += header[8]
             arrival = self._arrival(port, w.HEADER_SIZE + header[8]) if modelled else 0.0
             buffers.append(pack(*header[:11], slid, dlid, *header[11:], arrival))
             buffers.extend(payload)
@@ -471,6 +491,8 @@ class Hca:
                 fields = reader.header()
                 if fields is None:
                     return
+                self.counts["packets_received"] += 1
+                self.counts["payload_bytes_received"] += fields[8]
                 arrival = fields[16]
                 if arrival:
                     delay = arrival - time.monotonic()

@@ -113,6 +113,11 @@ class Context(VerbsObject):
         gid: GID = self.ops.query_gid(self.handle, port_num, index)
         return gid
 
+    def statistics(self) -> Any:
+        """The device's counters (an extension; simib: packets, bytes, losses, retransmissions, migrations)."""
+        self._check_open()
+        return self.ops.device_statistics(self.handle)
+
     def get_async_event(self, timeout: float | None = None) -> AsyncEvent:
         """Block until the device reports an asynchronous event (a `timeout` in seconds is an extension)."""
         self._check_open()

@@ -65,6 +65,7 @@ OPERATIONS = (
     "post_recv",
     "create_ah",
     "destroy_ah",
+    "device_statistics",  # an extension: the provider's counters for a device (a frozen dataclass)
 )
 
 

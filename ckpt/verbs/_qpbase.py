@@ -254,6 +254,7 @@ class QPState(NotCheckpointable):
         self.pkey_index, self.alt_pkey_index = self.alt_pkey_index, self.pkey_index
         self.mig_state = _MIGRATED
         self.mig_announce = initiated_here
+        self.hca.counts["path_migrations"] += 1
         self.hca.event(e.IBV_EVENT_PATH_MIG, self)
         log.debug("QP %#x migrated to port %d -> LID %d", self.qp_num, self.port_num, self.ah.dlid)
 

@@ -284,6 +284,7 @@ class Requester(QPState):
 
     def _go_back(self) -> None:
         """Retransmit from the oldest unfinished WR (go-back-N)."""
+        self.hca.counts["retransmissions"] += 1
         self.next_send = 0
         self.rd_outstanding = 0
         self.unrequested = self.ack_every  # the retransmission asks for an ACK at once
@@ -366,6 +367,7 @@ class Requester(QPState):
         if entry is None or entry.psn != psn:
             return
         if syndrome == w.NAK_RNR:
+            self.hca.counts["rnr_naks_received"] += 1
             self.rnr_retries += 1
             if self.rnr_retry != 7 and self.rnr_retries > self.rnr_retry:
                 self._fail(entry, int(e.IBV_WC_RNR_RETRY_EXC_ERR))

@@ -203,6 +203,10 @@ def destroy_ah(ah: hw.AHHandle) -> None:
     """Nothing to release."""
 
 
+def device_statistics(dev: DeviceHandle) -> hw.HcaStatistics:
+    return dev.hca.statistics()
+
+
 def make_ops() -> VerbsOps:
     """The simib operations table (a fresh one: wrappers modify it in place)."""
     names = [n for n in globals() if not n.startswith("_")]
