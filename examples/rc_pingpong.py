@@ -21,49 +21,39 @@ all of that in one command.
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import socket
-import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ckpt import verbs as v
-from ckpt.verbs import fabric
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # so that `python -P` finds the shared module too
+import _verbs_example as ex
 
 RECV_WRID, SEND_WRID = 1, 2
-MTUS = {256: v.IBV_MTU_256, 512: v.IBV_MTU_512, 1024: v.IBV_MTU_1024, 2048: v.IBV_MTU_2048, 4096: v.IBV_MTU_4096}
 #: The address message of ibv_rc_pingpong: sizeof "0000:000000:000000:" + 32 hex GID digits + NUL.
 MSG_SIZE = 52
-LISTEN_HOST = "127.0.0.1"
 PAIR_TIMEOUT = 120.0
 
 
-class PingPongError(Exception):
+class PingPongError(ex.ExampleError):
     """A step of the test failed; the message says which."""
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    number = lambda text: int(text, 0)  # noqa: E731  (strtoul(..., 0): 0x.. and 0.. too)
-    parser.add_argument("host", nargs="?", help="server to connect to (none: be the server)")
-    parser.add_argument("-p", "--port", type=number, default=18515, help="listen on / connect to PORT")
-    parser.add_argument("-d", "--ib-dev", default="simib0", help="device name (default simib0)")
-    parser.add_argument("-i", "--ib-port", type=number, default=1, help="port of the device (default 1)")
-    parser.add_argument("-s", "--size", type=number, default=4096, help="size of message to exchange")
-    parser.add_argument("-m", "--mtu", type=number, default=1024, choices=sorted(MTUS), help="path MTU")
-    parser.add_argument("-r", "--rx-depth", type=number, default=500, help="receives to post at a time")
-    parser.add_argument("-n", "--iters", type=number, default=1000, help="number of exchanges")
+    parser = ex.new_parser(__doc__)
+    parser.add_argument("-s", "--size", type=ex.number, default=4096, help="size of message to exchange")
+    parser.add_argument("-r", "--rx-depth", type=ex.number, default=500, help="receives to post at a time")
+    parser.add_argument("-n", "--iters", type=ex.number, default=1000, help="number of exchanges")
     parser.add_argument("-e", "--events", action="store_true", help="sleep on CQ events (default poll)")
-    parser.add_argument("--pair", action="store_true", help="fork the server as a child and be its client")
-    args = parser.parse_args(argv)
-    if not 0 <= args.port <= 65535 or args.ib_port < 1 or args.size < 1 or args.iters < 1 or args.rx_depth < 2:
-        parser.error("out-of-range option (port 0..65535, ib-port >= 1, size >= 1, iters >= 1, rx-depth >= 2)")
-    if args.pair and args.host:
-        parser.error("--pair runs both sides on this host: give no HOST")
+    args = ex.parse(parser, argv)
+    if args.size < 1 or args.iters < 1 or args.rx_depth < 2:
+        parser.error("out-of-range option (size >= 1, iters >= 1, rx-depth >= 2)")
     return args
 
 
@@ -102,23 +92,8 @@ class PingPongContext:
         return n
 
     def connect(self, my_psn: int, mtu: int, dest: tuple[int, int, int]) -> None:
-        """INIT -> RTR -> RTS towards `dest` (lid, qpn, psn), with pp_connect_ctx's attributes."""
-        lid, qpn, psn = dest
-        attr = v.QPAttr()
-        attr.path_mtu = MTUS[mtu]
-        attr.dest_qp_num = qpn
-        attr.rq_psn = psn
-        attr.max_dest_rd_atomic = 1
-        attr.min_rnr_timer = 12
-        attr.ah_attr = v.AHAttr(dlid=lid, sl=0, src_path_bits=0, port_num=self.ib_port, is_global=0)
-        self.qp.to_rtr(attr)
-        attr = v.QPAttr()
-        attr.timeout = 14
-        attr.retry_cnt = 7
-        attr.rnr_retry = 7
-        attr.sq_psn = my_psn
-        attr.max_rd_atomic = 1
-        self.qp.to_rts(attr)
+        """INIT -> RTR -> RTS towards `dest` (lid, qpn, psn)."""
+        ex.connect_rc(self.qp, self.ib_port, mtu, my_psn, *dest)
 
     def close(self) -> None:
         self.ctx.close()
@@ -138,24 +113,10 @@ def decode_dest(msg: bytes) -> tuple[int, int, int]:
         raise PingPongError(f"bad address message from the peer: {msg!r}") from None
 
 
-def recv_exactly(sock: socket.socket, n: int) -> bytes:
-    data = bytearray()
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        if not chunk:
-            raise PingPongError(f"the peer closed the connection after {len(data)} of {n} bytes")
-        data += chunk
-    return bytes(data)
-
-
 def client_exchange(host: str, port: int, mine: bytes) -> tuple[int, int, int]:
-    try:
-        sock = socket.create_connection((host, port), timeout=30)
-    except OSError as exc:
-        raise PingPongError(f"Couldn't connect to {host}:{port}: {exc}") from None
-    with sock:
+    with ex.connect_to_server(host, port) as sock:
         sock.sendall(mine)
-        dest = decode_dest(recv_exactly(sock, MSG_SIZE))
+        dest = decode_dest(ex.recv_exactly(sock, MSG_SIZE))
         sock.sendall(b"done\0")
     return dest
 
@@ -166,10 +127,10 @@ def server_exchange(listener: socket.socket, pp: PingPongContext, my_psn: int, m
     listener.close()
     with conn:
         conn.settimeout(30)
-        dest = decode_dest(recv_exactly(conn, MSG_SIZE))
+        dest = decode_dest(ex.recv_exactly(conn, MSG_SIZE))
         pp.connect(my_psn, mtu, dest)
         conn.sendall(mine)
-        recv_exactly(conn, len(b"done\0"))
+        ex.recv_exactly(conn, len(b"done\0"))
     return dest
 
 
@@ -227,7 +188,7 @@ def report(size: int, iters: int, seconds: float) -> None:
 def run(args: argparse.Namespace) -> None:
     listener = None
     if args.host is None:  # bind before the QP exists, so a taken port fails first and cheaply
-        listener = socket.create_server((LISTEN_HOST, args.port), reuse_port=False)
+        listener = socket.create_server((ex.LISTEN_HOST, args.port), reuse_port=False)
     pp = PingPongContext(args)
     try:
         routs = pp.post_recv(pp.rx_depth)
@@ -240,7 +201,7 @@ def run(args: argparse.Namespace) -> None:
         print(f"  local address:  LID 0x{port_attr.lid:04x}, QPN 0x{qpn:06x}, PSN 0x{psn:06x}, GID ::")
         mine = encode_dest(port_attr.lid, qpn, psn)
         if listener is not None:
-            print(f"waiting for a client on {LISTEN_HOST} port {listener.getsockname()[1]}", flush=True)
+            print(f"{ex.LISTENING}{ex.LISTEN_HOST} port {listener.getsockname()[1]}", flush=True)
             dest = server_exchange(listener, pp, psn, args.mtu, mine)
         else:
             dest = client_exchange(args.host, args.port, mine)
@@ -254,76 +215,8 @@ def run(args: argparse.Namespace) -> None:
             listener.close()
 
 
-# ----------------------------------------------------------- the fabric, and --pair
-def own_fabric() -> fabric.SubnetManager:
-    """Start a subnet manager in this process and point this process (and its children) at it."""
-    sm = fabric.SubnetManager().start()
-    os.environ[fabric.ENV_ADDRESS], os.environ[fabric.ENV_TOKEN] = sm.address, sm.token
-    return sm
-
-
-def run_pair(args: argparse.Namespace, argv: list[str]) -> int:
-    """Start a fabric, fork the server on a free port, run the client against it, relay the server's output."""
-    sm = own_fabric()
-    server_argv = [a for a in argv if a != "--pair"] + ["-p", "0"]  # the last -p wins
-    server = subprocess.Popen(
-        [sys.executable, os.path.abspath(__file__), *server_argv], stdout=subprocess.PIPE, text=True
-    )
-    try:
-        assert server.stdout is not None
-        lines = []
-        for line in server.stdout:
-            lines.append(line)
-            if line.startswith("waiting for a client on "):
-                args.port = int(line.split()[-1])
-                break
-        else:
-            server.wait(timeout=10)
-            sys.stdout.write("".join(f"server: {line}" for line in lines))
-            print(f"the server exited ({server.returncode}) before listening", file=sys.stderr)
-            return 1
-        args.host = LISTEN_HOST
-        status = 0
-        try:
-            run(args)
-        except (PingPongError, v.PyverbsError, OSError) as exc:
-            print(exc, file=sys.stderr)
-            status = 1
-        rest, _ = server.communicate(timeout=PAIR_TIMEOUT)
-        sys.stdout.write("".join(f"server: {line}" for line in [*lines, *rest.splitlines(True)]))
-        return status or (1 if server.returncode else 0)
-    finally:
-        if server.poll() is None:
-            server.kill()
-            server.wait()
-        sm.stop()
-
-
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
-    if args.pair:
-        return run_pair(args, argv)
-    sm = None
-    if not os.environ.get(fabric.ENV_ADDRESS):
-        if args.host is not None:
-            print(
-                f"no fabric: set {fabric.ENV_ADDRESS} and {fabric.ENV_TOKEN} to the server's fabric "
-                "(the server prints them), or use --pair",
-                file=sys.stderr,
-            )
-            return 1
-        sm = own_fabric()
-        print(f"fabric: {fabric.ENV_ADDRESS}={sm.address} {fabric.ENV_TOKEN}={sm.token}")
-    try:
-        run(args)
-    except (PingPongError, v.PyverbsError, OSError) as exc:
-        print(exc, file=sys.stderr)
-        return 1
-    finally:
-        if sm is not None:
-            sm.stop()
-    return 0
+    return ex.main(__file__, parse_args, run, argv, pair_timeout=PAIR_TIMEOUT)
 
 
 if __name__ == "__main__":

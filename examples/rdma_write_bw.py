@@ -22,48 +22,38 @@ server starts a subnet manager and prints them for the client; `--pair` does it 
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import socket
-import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
 from ckpt import verbs as v
-from ckpt.verbs import fabric
 
-MTUS = {256: v.IBV_MTU_256, 512: v.IBV_MTU_512, 1024: v.IBV_MTU_1024, 2048: v.IBV_MTU_2048, 4096: v.IBV_MTU_4096}
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # so that `python -P` finds the shared module too
+import _verbs_example as ex
+
 #: "LLLL:QQQQQQ:PPPPPP:RRRRRRRR:VVVVVVVVVVVVVVVV" and a NUL.
 MSG_SIZE = 4 + 1 + 6 + 1 + 6 + 1 + 8 + 1 + 16 + 1
-LISTEN_HOST = "127.0.0.1"
 RULE = "-" * 87
 PAIR_TIMEOUT = 300.0
 
 
-class WriteBwError(Exception):
+class WriteBwError(ex.ExampleError):
     """A step of the test failed; the message says which."""
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    number = lambda text: int(text, 0)  # noqa: E731
-    parser.add_argument("host", nargs="?", help="server to connect to (none: be the server)")
-    parser.add_argument("-p", "--port", type=number, default=18515, help="listen on / connect to PORT")
-    parser.add_argument("-d", "--ib-dev", default="simib0", help="device name (default simib0)")
-    parser.add_argument("-i", "--ib-port", type=number, default=1, help="port of the device (default 1)")
-    parser.add_argument("-s", "--size", type=number, default=65536, help="bytes per RDMA WRITE")
-    parser.add_argument("-n", "--iters", type=number, default=5000, help="number of WRITEs")
-    parser.add_argument("-t", "--tx-depth", type=number, default=128, help="WRITEs in flight")
-    parser.add_argument("-Q", "--cq-mod", type=number, default=100, help="a signaled WRITE every CQ_MOD")
-    parser.add_argument("-m", "--mtu", type=number, default=1024, choices=sorted(MTUS), help="path MTU")
-    parser.add_argument("--pair", action="store_true", help="fork the server as a child and be its client")
-    args = parser.parse_args(argv)
-    if not 0 <= args.port <= 65535 or min(args.ib_port, args.size, args.iters, args.tx_depth, args.cq_mod) < 1:
-        parser.error("out-of-range option (port 0..65535; ib-port, size, iters, tx-depth, cq-mod >= 1)")
-    if args.pair and args.host:
-        parser.error("--pair runs both sides on this host: give no HOST")
+    parser = ex.new_parser(__doc__)
+    parser.add_argument("-s", "--size", type=ex.number, default=65536, help="bytes per RDMA WRITE")
+    parser.add_argument("-n", "--iters", type=ex.number, default=5000, help="number of WRITEs")
+    parser.add_argument("-t", "--tx-depth", type=ex.number, default=128, help="WRITEs in flight")
+    parser.add_argument("-Q", "--cq-mod", type=ex.number, default=100, help="a signaled WRITE every CQ_MOD")
+    args = ex.parse(parser, argv)
+    if min(args.size, args.iters, args.tx_depth, args.cq_mod) < 1:
+        parser.error("out-of-range option (size, iters, tx-depth, cq-mod >= 1)")
     args.cq_mod = min(args.cq_mod, args.tx_depth)  # as perftest: otherwise the queue fills before a signal
     return args
 
@@ -93,22 +83,8 @@ class WriteBwContext:
         self.qp.to_init(attr)
 
     def connect(self, my_psn: int, dest: tuple[int, ...]) -> None:
-        lid, qpn, psn = dest[:3]
-        attr = v.QPAttr()
-        attr.path_mtu = MTUS[self.args.mtu]
-        attr.dest_qp_num = qpn
-        attr.rq_psn = psn
-        attr.max_dest_rd_atomic = 1
-        attr.min_rnr_timer = 12
-        attr.ah_attr = v.AHAttr(dlid=lid, port_num=self.args.ib_port)
-        self.qp.to_rtr(attr)
-        attr = v.QPAttr()
-        attr.timeout = 14
-        attr.retry_cnt = 7
-        attr.rnr_retry = 7
-        attr.sq_psn = my_psn
-        attr.max_rd_atomic = 1
-        self.qp.to_rts(attr)
+        """INIT -> RTR -> RTS towards `dest` (lid, qpn, psn, rkey, vaddr)."""
+        ex.connect_rc(self.qp, self.args.ib_port, self.args.mtu, my_psn, *dest[:3])
 
     def close(self) -> None:
         self.ctx.close()
@@ -132,16 +108,6 @@ def decode_dest(msg: bytes) -> tuple[int, ...]:
     if len(fields) != 5:
         raise WriteBwError(f"bad address message from the peer: {msg!r}")
     return fields
-
-
-def recv_exactly(sock: socket.socket, n: int) -> bytes:
-    data = bytearray()
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        if not chunk:
-            raise WriteBwError(f"the peer closed the connection after {len(data)} of {n} bytes")
-        data += chunk
-    return bytes(data)
 
 
 def print_header(args: argparse.Namespace) -> None:
@@ -192,19 +158,15 @@ def run_client(args: argparse.Namespace) -> None:
         mine = (lid, wb.qp.qp_num, psn, wb.mr.rkey, wb.mr.buf)
         print_header(args)
         print_dest("local", mine)
-        try:
-            sock = socket.create_connection((args.host, args.port), timeout=30)
-        except OSError as exc:
-            raise WriteBwError(f"Couldn't connect to {args.host}:{args.port}: {exc}") from None
-        with sock:
+        with ex.connect_to_server(args.host, args.port) as sock:
             sock.sendall(encode_dest(*mine))
-            dest = decode_dest(recv_exactly(sock, MSG_SIZE))
+            dest = decode_dest(ex.recv_exactly(sock, MSG_SIZE))
             print_dest("remote", dest)
             print(RULE)
             wb.connect(psn, dest)
             seconds = write_bw(wb, rkey=dest[3], raddr=dest[4])
             sock.sendall(b"done\0")
-            recv_exactly(sock, len(b"done\0"))  # the server has checked its buffer
+            ex.recv_exactly(sock, len(b"done\0"))  # the server has checked its buffer
         print(" #bytes     #iterations    BW average[MB/sec]   MsgRate[Mpps]")
         mbs = args.size * args.iters / seconds / 2**20
         print(f" {args.size:<10} {args.iters:<14} {mbs:<20.2f} {args.iters / seconds / 1e6:.6f}")
@@ -214,25 +176,25 @@ def run_client(args: argparse.Namespace) -> None:
 
 
 def run_server(args: argparse.Namespace) -> None:
-    listener = socket.create_server((LISTEN_HOST, args.port))
+    listener = socket.create_server((ex.LISTEN_HOST, args.port))
     wb = WriteBwContext(args, server=True)
     try:
         lid, psn = wb.ctx.query_port(args.ib_port).lid, random.getrandbits(24)
         mine = (lid, wb.qp.qp_num, psn, wb.mr.rkey, wb.mr.buf)
         print_header(args)
         print_dest("local", mine)
-        print(f"waiting for a client on {LISTEN_HOST} port {listener.getsockname()[1]}", flush=True)
+        print(f"{ex.LISTENING}{ex.LISTEN_HOST} port {listener.getsockname()[1]}", flush=True)
         conn, _ = listener.accept()
         listener.close()
         with conn:
             conn.settimeout(30)
-            dest = decode_dest(recv_exactly(conn, MSG_SIZE))
+            dest = decode_dest(ex.recv_exactly(conn, MSG_SIZE))
             wb.connect(psn, dest)
             conn.sendall(encode_dest(*mine))
             print_dest("remote", dest)
             print(RULE, flush=True)
             conn.settimeout(None)  # the client writes for as long as ITERS takes
-            recv_exactly(conn, len(b"done\0"))
+            ex.recv_exactly(conn, len(b"done\0"))
             intact = np.array_equal(wb.buf, pattern(args.size))
             conn.sendall(b"done\0")
         if not intact:
@@ -243,79 +205,15 @@ def run_server(args: argparse.Namespace) -> None:
         listener.close()
 
 
-# ----------------------------------------------------------- the fabric, and --pair
-def own_fabric() -> fabric.SubnetManager:
-    """Start a subnet manager in this process and point this process (and its children) at it."""
-    sm = fabric.SubnetManager().start()
-    os.environ[fabric.ENV_ADDRESS], os.environ[fabric.ENV_TOKEN] = sm.address, sm.token
-    return sm
-
-
-def run_pair(args: argparse.Namespace, argv: list[str]) -> int:
-    """Start a fabric, fork the server on a free port, run the client against it, relay the server's output."""
-    sm = own_fabric()
-    server_argv = [a for a in argv if a != "--pair"] + ["-p", "0"]  # the last -p wins
-    server = subprocess.Popen(
-        [sys.executable, os.path.abspath(__file__), *server_argv], stdout=subprocess.PIPE, text=True
-    )
-    try:
-        assert server.stdout is not None
-        lines = []
-        for line in server.stdout:
-            lines.append(line)
-            if line.startswith("waiting for a client on "):
-                args.port = int(line.split()[-1])
-                break
-        else:
-            server.wait(timeout=10)
-            sys.stdout.write("".join(f"server: {line}" for line in lines))
-            print(f"the server exited ({server.returncode}) before listening", file=sys.stderr)
-            return 1
-        args.host = LISTEN_HOST
-        status = 0
-        try:
-            run_client(args)
-        except (WriteBwError, v.PyverbsError, OSError) as exc:
-            print(exc, file=sys.stderr)
-            status = 1
-        rest, _ = server.communicate(timeout=PAIR_TIMEOUT)
-        sys.stdout.write("".join(f"server: {line}" for line in [*lines, *rest.splitlines(True)]))
-        return status or (1 if server.returncode else 0)
-    finally:
-        if server.poll() is None:
-            server.kill()
-            server.wait()
-        sm.stop()
+def run(args: argparse.Namespace) -> None:
+    if args.host is None:
+        run_server(args)
+    else:
+        run_client(args)
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
-    if args.pair:
-        return run_pair(args, argv)
-    sm = None
-    if not os.environ.get(fabric.ENV_ADDRESS):
-        if args.host is not None:
-            print(
-                f"no fabric: set {fabric.ENV_ADDRESS} and {fabric.ENV_TOKEN} to the server's fabric "
-                "(the server prints them), or use --pair",
-                file=sys.stderr,
-            )
-            return 1
-        sm = own_fabric()
-        print(f"fabric: {fabric.ENV_ADDRESS}={sm.address} {fabric.ENV_TOKEN}={sm.token}")
-    try:
-        if args.host is None:
-            run_server(args)
-        else:
-            run_client(args)
-    except (WriteBwError, v.PyverbsError, OSError) as exc:
-        print(exc, file=sys.stderr)
-        return 1
-    finally:
-        if sm is not None:
-            sm.stop()
-    return 0
+    return ex.main(__file__, parse_args, run, argv, pair_timeout=PAIR_TIMEOUT)
 
 
 if __name__ == "__main__":

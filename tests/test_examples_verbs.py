@@ -30,7 +30,7 @@ def env_without_fabric() -> dict[str, str]:
 def run_example(name: str, *args: str) -> str:
     """Run examples/NAME with ARGS to completion (killed by PID after TIMEOUT); its stdout. Fails on non-zero exit."""
     proc = subprocess.Popen(
-        [sys.executable, str(EXAMPLES / name), *args],
+        [sys.executable, "-P", str(EXAMPLES / name), *args],  # -P: the example finds its shared module on its own
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
