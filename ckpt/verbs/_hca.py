@@ -295,7 +295,8 @@ class Hca:
         self.mrs_by_rkey: dict[int, MRHandle] = {}
         self.atomic_lock = threading.Lock()
         self.timers = Timers(name)
-        self._completion = threading.Condition()
+        self._doorbell = threading.Lock()
+        self._doorbell.acquire()  # rung (released) by a completion while a poller waits on it
         self.poll_waiters = 0
         self._events: deque[AsyncEvent] = deque()
         self._events_cond = threading.Condition()
@@ -344,19 +345,21 @@ class Hca:
         deliver the completion it is polling for; and two spinning programs on
         two cores leave no core for the NIC threads.  So an empty poll blocks
         (releasing the GIL and the core) for at most POLL_WAIT, and any
-        completion on this HCA ends the wait at once.
+        completion on this HCA ends the wait at once.  The doorbell is a bare
+        lock, the cheapest thing a thread can block on and be woken from.
         """
-        with self._completion:
-            self.poll_waiters += 1
-            try:
-                if not entries:
-                    self._completion.wait(POLL_WAIT)
-            finally:
-                self.poll_waiters -= 1
+        self.poll_waiters += 1
+        try:
+            if not entries:
+                self._doorbell.acquire(timeout=POLL_WAIT)
+        finally:
+            self.poll_waiters -= 1
 
     def wake_pollers(self) -> None:
-        with self._completion:
-            self._completion.notify_all()
+        try:
+            self._doorbell.release()
+        except RuntimeError:  # already rung and not yet answered
+            pass
 
     # ------------------------------------------------------------------ events
     def event(self, event_type: int, element: Any) -> None:
