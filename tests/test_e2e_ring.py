@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -56,3 +57,20 @@ def test_checkpointing_verbs_without_the_virtualization_plugin_is_refused_clearl
     assert not list(tmp_path.glob("*.ckpt")) and not list(tmp_path.glob("ckpt_*.json"))
     step = job.status()["ranks"][0]["step"]  # type: ignore[index]
     job.wait_step(step + 5)  # the job keeps running
+
+
+def test_fail_link_on_the_jobs_fabric_fails_the_ring_with_retry_exceeded(
+    tmp_path: Path, start_job: Callable[..., Job]
+) -> None:
+    """`ckpt fabric fail-link --dir <the job's ckpt dir>` reaches the fabric the launcher started."""
+    job = start_job("launch", "-n", "2", "--ckpt-dir", str(tmp_path), RING, "1000000", ckpt_dir=tmp_path)
+    job.wait_step(5)
+    shown = run("fabric", "status", "--dir", str(tmp_path), "--json")
+    assert shown.returncode == 0, shown.stderr
+    pids = job.rank_pids()
+    (rank1,) = [h for h in json.loads(shown.stdout)["hcas"] if h["pid"] == pids[1]]
+    failed = run("fabric", "fail-link", str(rank1["lids"][0]), "--dir", str(tmp_path))
+    assert failed.returncode == 0, failed.stderr
+    assert job.wait(timeout=60) == 1  # no alternate path: RETRY_EXC_ERR, the rank fails, so does the job
+    assert "IBV_WC_RETRY_EXC_ERR" in job.stderr, job.stderr
+    assert not (tmp_path / "fabric.json").exists()  # the launcher stopped its fabric
