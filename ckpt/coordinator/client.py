@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import socket
-import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,12 +13,6 @@ from ckpt._errors import CoordinatorError, ProtocolError
 from ckpt.coordinator import protocol
 
 JOB_FILE = "coordinator.json"
-
-
-@dataclass
-class _Pending:
-    event: threading.Event
-    answer: dict[str, Any] | None = None
 
 
 class CoordinatorClient:
@@ -41,114 +32,53 @@ class CoordinatorClient:
         self.address = address
         host, port = _parse(address)
         try:
-            self._sock = socket.create_connection((host, port), timeout=connect_timeout)
+            sock = socket.create_connection((host, port), timeout=connect_timeout)
         except OSError as exc:
             raise CoordinatorError(
                 f"cannot reach the coordinator at {address} ({exc.strerror or exc}); is the job running?"
             ) from None
-        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
-            challenge = protocol.recv(self._sock)
-            nonce = challenge.get("nonce")
-            if challenge["op"] != "challenge" or not isinstance(nonce, bytes):
-                raise ProtocolError("the peer is not a ckpt coordinator")
-            protocol.send(self._sock, {"op": "hello", "auth": protocol.auth_answer(token, nonce), **hello})
-            welcome = protocol.recv(self._sock)
+            welcome = protocol.client_handshake(sock, token, hello, "coordinator")
         except (EOFError, OSError) as exc:
-            self._sock.close()
+            sock.close()
             raise CoordinatorError(
                 f"the coordinator at {address} closed the connection (wrong CKPT_TOKEN?): {exc}"
             ) from None
         except ProtocolError as exc:
-            self._sock.close()
+            sock.close()
             raise CoordinatorError(f"coordinator at {address}: {exc}") from None
         if welcome["op"] == "refused":
-            self._sock.close()
+            sock.close()
             raise CoordinatorError(f"the coordinator refused this rank: {welcome.get('error')}")
-        self._sock.settimeout(None)
         self.welcome = welcome
         self._on_push = on_push
-        self._on_lost = on_lost
-        self._ids = itertools.count(1)
-        self._pending: dict[int, _Pending] = {}
-        self._lock = threading.Lock()
-        self._send_lock = threading.Lock()
-        self._lost: str | None = None
-        self._closing = False
-        self._reader = threading.Thread(target=self._read_loop, name="ckpt-coord-client", daemon=True)
-        self._reader.start()
+        self._connection = protocol.ClientConnection(
+            sock,
+            error=CoordinatorError,
+            peer="coordinator",
+            lost=f"connection to the coordinator at {address} lost",
+            on_message=self._push,
+            on_lost=on_lost,
+            thread_name="ckpt-coord-client",
+        )
 
     # ----------------------------------------------------------- requests
     def call(self, op: str, reply_timeout: float | None = None, **fields: Any) -> dict[str, Any]:
         """Send a request and wait (up to `reply_timeout` s) for its reply; CoordinatorError on an error
         reply or a lost link."""
-        rid = next(self._ids)
-        pending = _Pending(threading.Event())
-        with self._lock:
-            if self._lost is not None:
-                raise CoordinatorError(self._lost)
-            self._pending[rid] = pending
-        self._send({"op": op, "id": rid, **fields})
-        if not pending.event.wait(reply_timeout):
-            with self._lock:
-                self._pending.pop(rid, None)
-            raise CoordinatorError(f"no answer from the coordinator to {op!r} within {reply_timeout} s")
-        answer = pending.answer
-        if answer is None:
-            raise CoordinatorError(self._lost or "connection to the coordinator lost")
-        if "error" in answer:
-            raise CoordinatorError(str(answer["error"]))
-        return answer
+        return self._connection.call(op, reply_timeout, **fields)
 
     def notify(self, op: str, **fields: Any) -> None:
         """Send a message that has no reply."""
-        self._send({"op": op, **fields})
+        self._connection.send({"op": op, **fields})
 
-    def _send(self, message: dict[str, Any]) -> None:
-        frame = protocol.encode(message)
-        try:
-            with self._send_lock:
-                self._sock.sendall(frame)
-        except OSError as exc:
-            self._fail_all(f"connection to the coordinator at {self.address} lost: {exc}")
-            raise CoordinatorError(self._lost or str(exc)) from None
-
-    def _read_loop(self) -> None:
-        reason = f"connection to the coordinator at {self.address} lost"
-        try:
-            while True:
-                message = protocol.recv(self._sock)
-                if message["op"] == "reply":
-                    with self._lock:
-                        pending = self._pending.pop(message.get("id", -1), None)
-                    if pending is not None:
-                        pending.answer = message
-                        pending.event.set()
-                elif self._on_push is not None:
-                    self._on_push(message)
-        except (EOFError, OSError):
-            pass
-        except ProtocolError as exc:
-            reason += f": {exc}"
-        self._fail_all(reason)
-        if self._on_lost is not None and not self._closing:
-            self._on_lost(reason)
-
-    def _fail_all(self, reason: str) -> None:
-        with self._lock:
-            if self._lost is None:
-                self._lost = reason
-            pending, self._pending = self._pending, {}
-        for item in pending.values():
-            item.event.set()
+    def _push(self, message: dict[str, Any]) -> None:
+        if self._on_push is not None:
+            self._on_push(message)
 
     def close(self) -> None:
-        self._closing = True
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._sock.close()
+        self._connection.close()
 
 
 def _parse(address: str) -> tuple[str, int]:

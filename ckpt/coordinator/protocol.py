@@ -1,4 +1,4 @@
-"""The coordinator wire protocol: framing, versioning, authentication and message shapes."""
+"""The coordinator wire protocol: framing, versioning, authentication, message shapes, the client's connection."""
 
 # Why a module of its own: the coordinator is reachable over TCP, possibly from
 # other hosts, and an image is code (pickle).  Everything that crosses the wire
@@ -13,15 +13,23 @@
 #   HMAC-SHA256(token, nonce), so the job token never travels in clear;
 # * anything malformed raises ProtocolError, and the caller closes that one
 #   connection and nothing else.
+#
+# The subnet manager of ckpt.verbs speaks the same protocol, so both clients
+# (CoordinatorClient, FabricClient) share the client side below: the handshake
+# and a connection that matches replies to requests by id.
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import itertools
 import os
 import secrets
 import socket
 import struct
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -122,3 +130,129 @@ def parse_address(address: str) -> tuple[str, int]:
     if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
         raise ProtocolError(f"bad coordinator address {address!r}: expected HOST:PORT")
     return host.strip("[]"), int(port)
+
+
+# ----------------------------------------------------------- the client side
+def client_handshake(sock: socket.socket, token: str, hello: Message, server: str) -> Message:
+    """Answer the challenge on a new connection with a hello carrying `hello`; the server's answer to it.
+
+    ProtocolError if the peer does not challenge as a ckpt `server` does; EOFError or OSError if it closes.
+    """
+    challenge = recv(sock)
+    nonce = challenge.get("nonce")
+    if challenge["op"] != "challenge" or not isinstance(nonce, bytes):
+        raise ProtocolError(f"the peer is not a ckpt {server}")
+    send(sock, {"op": "hello", "auth": auth_answer(token, nonce), **hello})
+    return recv(sock)
+
+
+@dataclass
+class _Pending:
+    event: threading.Event
+    answer: Message | None = None
+
+
+class ClientConnection:
+    """An authenticated connection after its handshake: requests carry an id, and a daemon reader thread
+    matches each reply to its caller and hands every other message to `on_message`.
+
+    Every failure raises `error`. `peer` names the server in a missing answer ("no answer from the
+    {peer} to ..."); `lost` is what a lost connection says, with `lost_hint` added by the reader.
+    """
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        *,
+        error: type[Exception],
+        peer: str,
+        lost: str,
+        lost_hint: str = "",
+        on_message: Callable[[Message], None],
+        on_lost: Callable[[str], None] | None,
+        thread_name: str,
+    ) -> None:
+        self._sock = sock
+        self._error = error
+        self._peer = peer
+        self._lost_text = lost
+        self._lost_hint = lost_hint
+        self._on_message = on_message
+        self._on_lost = on_lost
+        self._ids = itertools.count(1)
+        self._pending: dict[int, _Pending] = {}
+        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._lost: str | None = None
+        self._closing = False
+        self._sock.settimeout(None)
+        self._reader = threading.Thread(target=self._read_loop, name=thread_name, daemon=True)
+        self._reader.start()
+
+    def call(self, op: str, reply_timeout: float | None, /, **fields: Any) -> Message:
+        """Send a request and wait (up to `reply_timeout` s) for its reply; `error` on an error reply or a lost
+        link. Positional-only, so that a request may have a field named "timeout" (subscribe has)."""
+        rid = next(self._ids)
+        pending = _Pending(threading.Event())
+        with self._lock:
+            if self._lost is not None:
+                raise self._error(self._lost)
+            self._pending[rid] = pending
+        self.send({"op": op, "id": rid, **fields})
+        if not pending.event.wait(reply_timeout):
+            with self._lock:
+                self._pending.pop(rid, None)
+            raise self._error(f"no answer from the {self._peer} to {op!r} within {reply_timeout} s")
+        answer = pending.answer
+        if answer is None:
+            raise self._error(self._lost or self._lost_text)
+        if "error" in answer:
+            raise self._error(str(answer["error"]))
+        return answer
+
+    def send(self, message: Message) -> None:
+        """Send one message (thread-safe); `error` if the connection is lost."""
+        frame = encode(message)
+        try:
+            with self._send_lock:
+                self._sock.sendall(frame)
+        except OSError as exc:
+            self._fail_all(f"{self._lost_text}: {exc}")
+            raise self._error(self._lost or str(exc)) from None
+
+    def _read_loop(self) -> None:
+        reason = self._lost_text + self._lost_hint
+        try:
+            while True:
+                message = recv(self._sock)
+                if message["op"] == "reply":
+                    with self._lock:
+                        pending = self._pending.pop(message.get("id", -1), None)
+                    if pending is not None:
+                        pending.answer = message
+                        pending.event.set()
+                else:
+                    self._on_message(message)
+        except (EOFError, OSError):
+            pass
+        except ProtocolError as exc:
+            reason += f": {exc}"
+        self._fail_all(reason)
+        if self._on_lost is not None and not self._closing:
+            self._on_lost(reason)
+
+    def _fail_all(self, reason: str) -> None:
+        with self._lock:
+            if self._lost is None:
+                self._lost = reason
+            pending, self._pending = self._pending, {}
+        for item in pending.values():
+            item.event.set()
+
+    def close(self) -> None:
+        self._closing = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()

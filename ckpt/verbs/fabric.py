@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import math
@@ -13,7 +12,6 @@ import re
 import socket
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, final
 
@@ -96,12 +94,6 @@ def parse_bandwidth(text: str) -> float:
 
 
 # ----------------------------------------------------------- the client
-@dataclass
-class _Pending:
-    event: threading.Event
-    answer: dict[str, Any] | None = None
-
-
 @final
 class FabricClient:
     """An HCA's (or the CLI's) connection to the SM.
@@ -126,41 +118,38 @@ class FabricClient:
         except ProtocolError:
             raise FabricError(f"bad fabric address {address!r}: expected HOST:PORT") from None
         try:
-            self._sock = socket.create_connection((host, port), timeout=timeout)
+            sock = socket.create_connection((host, port), timeout=timeout)
         except OSError as exc:
             raise FabricError(
                 f"cannot reach the fabric at {address} ({exc.strerror or exc}); is its subnet manager running?"
             ) from None
-        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
-            challenge = protocol.recv(self._sock)
-            if challenge["op"] != "challenge" or not isinstance(challenge.get("nonce"), bytes):
-                raise ProtocolError("the peer is not a ckpt subnet manager")
-            protocol.send(self._sock, {"op": "hello", "auth": protocol.auth_answer(token, challenge["nonce"])})
-            welcome = protocol.recv(self._sock)
+            welcome = protocol.client_handshake(sock, token, {}, "subnet manager")
         except (EOFError, OSError) as exc:
-            self._sock.close()
+            sock.close()
             raise FabricError(f"the fabric at {address} closed the connection (wrong {ENV_TOKEN}?): {exc}") from None
         except ProtocolError as exc:
-            self._sock.close()
+            sock.close()
             raise FabricError(f"fabric at {address}: {exc}") from None
         if welcome["op"] != "welcome":
-            self._sock.close()
+            sock.close()
             raise FabricError(
                 f"the fabric at {address} refused the connection: {welcome.get('error')} (wrong {ENV_TOKEN}?)"
             )
-        self._sock.settimeout(None)
         self.fabric: str = str(welcome.get("fabric"))
         self.sm_lid: int = int(welcome.get("sm_lid", 0))
         self._on_link = on_link
-        self._on_lost = on_lost
-        self._ids = itertools.count(1)
-        self._pending: dict[int, _Pending] = {}
-        self._lock = threading.Lock()
-        self._send_lock = threading.Lock()
-        self._lost: str | None = None
-        self._closing = False
-        threading.Thread(target=self._read_loop, name="ckpt-fabric-client", daemon=True).start()
+        self._connection = protocol.ClientConnection(
+            sock,
+            error=FabricError,
+            peer=f"fabric at {address}",
+            lost=f"connection to the fabric at {address} lost",
+            lost_hint=" (its subnet manager stopped?)",
+            on_message=self._push,
+            on_lost=on_lost,
+            thread_name="ckpt-fabric-client",
+        )
 
     def __enter__(self) -> FabricClient:
         return self
@@ -199,69 +188,18 @@ class FabricClient:
         self._call("stop")
 
     def _call(self, op: str, **fields: Any) -> dict[str, Any]:
-        rid = next(self._ids)
-        pending = _Pending(threading.Event())
-        with self._lock:
-            if self._lost is not None:
-                raise FabricError(self._lost)
-            self._pending[rid] = pending
-        frame = protocol.encode({"op": op, "id": rid, **fields})
-        try:
-            with self._send_lock:
-                self._sock.sendall(frame)
-        except OSError as exc:
-            self._fail_all(f"connection to the fabric at {self.address} lost: {exc}")
-        if not pending.event.wait(self.timeout):
-            with self._lock:
-                self._pending.pop(rid, None)
-            raise FabricError(f"no answer from the fabric at {self.address} to {op!r} within {self.timeout} s")
-        answer = pending.answer
-        if answer is None:
-            raise FabricError(self._lost or f"connection to the fabric at {self.address} lost")
-        if "error" in answer:
-            raise FabricError(str(answer["error"]))
-        return answer
+        return self._connection.call(op, self.timeout, **fields)
 
-    def _read_loop(self) -> None:
-        reason = f"connection to the fabric at {self.address} lost (its subnet manager stopped?)"
-        try:
-            while True:
-                message = protocol.recv(self._sock)
-                if message["op"] == "reply":
-                    with self._lock:
-                        pending = self._pending.pop(message.get("id", -1), None)
-                    if pending is not None:
-                        pending.answer = message
-                        pending.event.set()
-                elif message["op"] == "link" and self._on_link is not None:
-                    try:
-                        self._on_link(int(message["lid"]), bool(message["up"]))
-                    except Exception:  # the HCA's bug must not silence every later push
-                        log.exception("on_link(%s, %s) failed", message.get("lid"), message.get("up"))
-        except (EOFError, OSError):
-            pass
-        except ProtocolError as exc:
-            reason += f": {exc}"
-        self._fail_all(reason)
-        if self._on_lost is not None and not self._closing:
-            self._on_lost(reason)
-
-    def _fail_all(self, reason: str) -> None:
-        with self._lock:
-            if self._lost is None:
-                self._lost = reason
-            pending, self._pending = self._pending, {}
-        for item in pending.values():
-            item.event.set()
+    def _push(self, message: dict[str, Any]) -> None:
+        if message["op"] == "link" and self._on_link is not None:
+            try:
+                self._on_link(int(message["lid"]), bool(message["up"]))
+            except Exception:  # the HCA's bug must not silence every later push
+                log.exception("on_link(%s, %s) failed", message.get("lid"), message.get("up"))
 
     def close(self) -> None:
         """Disconnect; the HCAs registered through this client leave the fabric."""
-        self._closing = True
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._sock.close()
+        self._connection.close()
 
 
 # ----------------------------------------------------------- finding a fabric
