@@ -13,10 +13,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from ckpt.verbs.fabric import FABRIC_FILE
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -48,6 +50,24 @@ def run(
         cwd=cwd,
         start_new_session=True,
     )
+
+
+def start_fabric(directory: Path, *args: str) -> tuple[dict[str, Any], str]:
+    """`ckpt fabric start --dir DIRECTORY ARGS`: (its fabric.json, its stdout). The fabric outlives the
+    command: kill its record["pid"] (kill_pids) when done."""
+    done = run("fabric", "start", "--dir", str(directory), *args, timeout=60)
+    assert done.returncode == 0, done.stderr
+    record: dict[str, Any] = json.loads((directory / FABRIC_FILE).read_text())
+    return record, done.stdout
+
+
+def kill_pids(pids: Iterable[int]) -> None:
+    """SIGKILL each of `pids` that is still there."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def wait_for(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:

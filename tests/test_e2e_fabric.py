@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from ckpt.verbs.fabric import FABRIC_FILE, FabricClient
-from harness import Job, results, run, wait_for
+from harness import Job, kill_pids, results, run, start_fabric, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
@@ -45,21 +45,14 @@ def fabric_start(tmp_path: Path) -> Iterator[FabricStart]:
     pids: list[int] = []
 
     def start(*args: str, directory: Path | None = None) -> dict[str, Any]:
-        directory = directory or tmp_path / "ckpt"
-        done = run("fabric", "start", "--dir", str(directory), *args, timeout=60)
-        assert done.returncode == 0, done.stderr
-        record: dict[str, Any] = json.loads((directory / FABRIC_FILE).read_text())
+        record, stdout = start_fabric(directory or tmp_path / "ckpt", *args)
         pids.append(record["pid"])
-        lines = dict(line.split("=", 1) for line in done.stdout.splitlines())
+        lines = dict(line.split("=", 1) for line in stdout.splitlines())
         assert lines == {"CKPT_FABRIC": record["address"], "CKPT_FABRIC_TOKEN": record["token"]}
         return record
 
     yield start
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    kill_pids(pids)
 
 
 def _status(directory: Path) -> dict[str, Any]:

@@ -26,8 +26,8 @@ import pytest
 
 from ckpt.verbs import _enums as e
 from ckpt.verbs._qpbase import ack_timeout
-from ckpt.verbs.fabric import ENV_ADDRESS, ENV_TOKEN, FABRIC_FILE, LinkModel, SubnetManager
-from harness import PROGRAMS, env, run
+from ckpt.verbs.fabric import ENV_ADDRESS, ENV_TOKEN, LinkModel, SubnetManager
+from harness import PROGRAMS, env, kill_pids, run, start_fabric
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
@@ -90,18 +90,12 @@ def cli_fabric(tmp_path: Path) -> Iterator[Callable[..., Fabric]]:
 
     def start(*args: str) -> Fabric:
         directory = tmp_path / f"fabric{len(pids)}"
-        done = run("fabric", "start", "--dir", str(directory), *args, timeout=60)
-        assert done.returncode == 0, done.stderr
-        record = json.loads((directory / FABRIC_FILE).read_text())
+        record, _ = start_fabric(directory, *args)
         pids.append(record["pid"])
         return Fabric(record["address"], record["token"], directory)
 
     yield start
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    kill_pids(pids)
 
 
 # ----------------------------------------------------------------- peers

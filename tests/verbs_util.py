@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+import harness
 from ckpt import verbs as v
 from ckpt.verbs import _hca, fabric
 
@@ -195,15 +196,8 @@ def connect_self(ctx: v.Context, **opts: Any) -> Endpoint:
 
 # ---------------------------------------------------------------- waiting
 def wait_for(predicate: Callable[[], Any], timeout: float = WAIT, what: str = "condition") -> Any:
-    """Poll `predicate` until it returns something true; fail after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = predicate()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.001)
+    """harness.wait_for with this module's default timeout, polling every millisecond (in-process verbs are fast)."""
+    return harness.wait_for(predicate, timeout, what, interval=0.001)
 
 
 def poll_until(cq: v.CQ, n: int = 1, timeout: float = WAIT) -> list[v.WC]:
