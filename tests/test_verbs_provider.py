@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from verbs_util import connect_rc, make_endpoint, poll_one, post_recv, send_wr
+from verbs_util import connect_rc, poll_one, post_recv, send_wr
 
 from ckpt import verbs as v
 from ckpt.verbs import _provider
