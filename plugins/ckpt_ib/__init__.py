@@ -1,0 +1,131 @@
+"""ckpt_ib: transparent checkpoint, resume and restart of verbs programs (the DMTCP InfiniBand plugin's principles)."""
+
+# The six principles of the DMTCP InfiniBand plugin (Cao, Kerr, Arya,
+# Cooperman), and where each lives:
+#
+# 1. The program never holds a real object: shadows with virtual IDs
+#    (_shadows.py).
+# 2. Interpose on the provider's operations table (_virtual.py, installed by
+#    ckpt_wrap_verbs once at start-up; the hot path never goes through pluggy).
+# 3. Log posted WRs until their completion is polled, and every modify-QP /
+#    modify-SRQ (_shadows.py, _virtual.py).  Every real WR is posted signaled
+#    under the plugin's own wr_id, so "completed" is exact even for WRs the
+#    program posted unsignaled.
+# 4. At DRAIN, drain every CQ into a private queue (_drain.py) -- and, beyond
+#    the paper, keep draining until every message sent has landed or is known
+#    not to have (PSN counts exchanged through the coordinator).
+# 5. After resume or restart the program's polls are served from that queue
+#    first (_virtual.py poll_cq).
+# 6. What had not landed is re-posted after a restart -- exactly that, so
+#    nothing is delivered twice and nothing is lost (_rebuild.py).
+#
+# Beyond the paper as well: addresses are virtual (a registered buffer may
+# live elsewhere after a restart), virtual IDs come from the coordinator in
+# every generation (they can never collide), and completion-channel events
+# and armed notifications survive.
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import ckpt
+from ckpt import verbs
+from ckpt_ib._drain import drain
+from ckpt_ib._rebuild import rebuild, reconnect, repost_sends
+from ckpt_ib._virtual import Virtualizer
+
+__version__ = "0.1.0"
+CKPT_PLUGIN_API = 1
+#: When set, each rank writes the real IDs of each generation to <dir>/ib.<rank>.<generation>.json (for tests).
+TRACE_ENV = "CKPT_IB_TRACE_DIR"
+
+log = logging.getLogger(__name__)
+_vz: Virtualizer | None = None
+_restarted = False
+
+
+def _virtualizer(rt: Any) -> Virtualizer:
+    global _vz
+    if _vz is None:
+        _vz = Virtualizer(rt)
+    return _vz
+
+
+@ckpt.hookimpl
+def ckpt_init(rt: ckpt.Runtime) -> None:
+    _virtualizer(rt)
+
+
+@ckpt.hookimpl
+def ckpt_wrap_verbs(rt: ckpt.Runtime, ops: verbs.VerbsOps) -> None:
+    vz = _virtualizer(rt)
+    if vz.inner is not None:
+        log.warning("ckpt_ib virtualizes one provider per process; %s is left as it is", ops.provider)
+        return
+    vz.install(ops)
+
+
+@ckpt.hookimpl
+def ckpt_drain(rt: ckpt.Runtime) -> None:
+    vz = _virtualizer(rt)
+    if vz.inner is not None:
+        rounds = drain(vz, rt)
+        log.debug("verbs drained in %d round(s)", rounds)
+
+
+@ckpt.hookimpl
+def ckpt_precheckpoint(rt: ckpt.Runtime, image: Any) -> None:
+    image.add("ib", _virtualizer(rt).registry)
+
+
+@ckpt.hookimpl
+def ckpt_restart(rt: ckpt.Runtime, image: Any) -> None:
+    global _restarted
+    registry = image.get("ib")
+    vz = _virtualizer(rt)
+    if registry is not None and vz.inner is not None:
+        vz.registry = registry
+        rebuild(vz)
+        _restarted = True
+
+
+@ckpt.hookimpl
+def ckpt_refresh(rt: ckpt.Runtime) -> None:
+    if _restarted and _vz is not None:
+        reconnect(_vz)
+
+
+@ckpt.hookimpl
+def ckpt_resume(rt: ckpt.Runtime, restarted: bool, aborted: bool) -> None:
+    global _restarted
+    vz = _virtualizer(rt)
+    if restarted and _restarted:
+        _restarted = False
+        reposted = repost_sends(vz)
+        log.debug("restart: %d send WR(s) that had not landed re-posted", reposted)
+    _trace(rt, vz)
+
+
+@ckpt.hookimpl
+def ckpt_exit(rt: ckpt.Runtime) -> None:
+    _trace(rt, _virtualizer(rt))
+
+
+def _trace(rt: ckpt.Runtime, vz: Virtualizer) -> None:
+    directory = os.environ.get(TRACE_ENV)
+    if not directory or vz.inner is None:
+        return
+    reg = vz.registry
+    ids = {
+        "qp_num": [int(qp.real.qp_num) for qp in reg.qps if qp.real is not None],
+        "lkey": [int(mr.real.lkey) for mr in reg.mrs if mr.real is not None],
+        "rkey": [int(mr.real.rkey) for mr in reg.mrs if mr.real is not None],
+        "lid": [int(vz.inner.query_port(dev.real, p).lid) for dev in reg.devices for p in (1, 2)],
+        "virtual_qp_num": [qp.qp_num for qp in reg.qps],
+    }
+    path = Path(directory, f"ib.{rt.rank}.{rt.generation}.json")
+    path.write_text(json.dumps(ids))

@@ -1,0 +1,103 @@
+"""DRAIN: empty the network exactly, by counting PSNs with the peers, before the image is written."""
+
+# Principles 4 and 6, made exact.  When DRAIN starts every program thread is
+# parked, so nothing new is posted, but the NICs keep working: sends land,
+# ACKs and READ/atomic responses come back, completions pile up.  Each round:
+#
+# 1. every CQ is polled into its shadow's private queue (principle 4) and
+#    every completion-channel event is taken into the channel's shadow;
+# 2. each rank publishes, per QP, what is still pending in its send log (the
+#    first pending WR's PSN, computed the way the wire assigns PSNs, and
+#    whether it needs a receive) and, as a responder, its rq_psn and how many
+#    receives it still has posted -- one coordinator barrier gathers them all;
+# 3. a QP is settled when its send log is empty (everything landed and was
+#    acknowledged: every real WR is signaled, so the log is exact), or when
+#    it is blocked: its first pending WR needs a receive, the peer has none
+#    left, and the peer's rq_psn is exactly that WR's PSN (it never landed,
+#    and nothing after it can land before the program runs again).
+#
+# Every rank evaluates the same predicate on the same gathered states, so all
+# leave the loop in the same round.  A blocked state must also be seen
+# unchanged in two consecutive rounds.  What is still in a send log after
+# the drain did not land -- exactly that is re-posted after a restart, and
+# nothing else: no duplicate, no gap.
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any
+
+from ckpt import verbs as v
+from ckpt_ib._shadows import ShadowQP
+from ckpt_ib._virtual import Virtualizer
+
+#: How long a round waits for progress before gathering again (seconds).
+ROUND_WAIT = 0.005
+_ACTIVE = (int(v.IBV_QPS_RTR), int(v.IBV_QPS_RTS), int(v.IBV_QPS_SQD))
+
+
+def drain(vz: Virtualizer, rt: Any) -> int:
+    """Drain until every QP of the job is settled; returns the number of rounds."""
+    previous: dict[str, Any] | None = None
+    for round_no in itertools.count():
+        collect(vz)
+        mine = {str(qp.qp_num): _state(vz, qp) for qp in vz.registry.qps}
+        gathered: dict[str, Any] = {}
+        for part in rt.coordinator_barrier(f"ib-drain-{round_no}", mine):
+            gathered.update(part)
+        pending = [s for s in gathered.values() if s["pending"]]
+        if all(_blocked(s, gathered) for s in pending) and (not pending or gathered == previous):
+            return round_no + 1
+        previous = gathered
+        _wait_for_progress(vz)
+    raise AssertionError("unreachable")
+
+
+def collect(vz: Virtualizer) -> int:
+    """Poll every real CQ into the shadows' private queues and take pending channel events; how many."""
+    found = 0
+    for cq in vz.registry.cqs:
+        while True:
+            wcs = vz.inner.poll_cq(cq.real, 64)
+            for wc in wcs:
+                seen = vz.translate(wc)
+                if seen is not None:
+                    cq.private.append(seen)
+            found += len(wcs)
+            if len(wcs) < 64:
+                break
+    for ch in vz.registry.channels:
+        while (cq := vz.take_cq_event(ch, 0)) is not None:
+            ch.pending.append(cq)
+            found += 1
+    return found
+
+
+def _state(vz: Virtualizer, qp: ShadowQP) -> dict[str, Any]:
+    first = qp.sends[0] if qp.sends else None
+    srq = qp.init.srq
+    rq_psn = None
+    if qp.state in _ACTIVE and qp.real is not None:
+        rq_psn = int(vz.inner.query_qp(qp.real, v.IBV_QP_RQ_PSN)[0].rq_psn)
+    return {
+        "dest": str(qp.dest_qp_num),
+        "pending": len(qp.sends),
+        "psn": first.psn if first is not None else None,
+        "needs_recv": bool(first is not None and first.needs_recv),
+        "rq_psn": rq_psn,
+        "avail": len(srq.recvs) if srq is not None else len(qp.recvs),
+    }
+
+
+def _blocked(state: dict[str, Any], gathered: dict[str, Any]) -> bool:
+    """The first pending WR waits for a receive the peer does not have (RNR): it has not landed."""
+    peer = gathered.get(state["dest"])
+    return bool(peer is not None and state["needs_recv"] and peer["avail"] == 0 and peer["rq_psn"] == state["psn"])
+
+
+def _wait_for_progress(vz: Virtualizer) -> None:
+    deadline = time.monotonic() + ROUND_WAIT
+    while time.monotonic() < deadline:
+        if collect(vz):
+            return

@@ -1,0 +1,101 @@
+"""RESTART and REFRESH: real objects again, in dependency order, with the peers' new IDs; the log re-posted."""
+
+# A restarted process has none of the real resources its shadows stood for,
+# and its HCA hands out new qp_nums, keys and LIDs (the fabric is new too).
+#
+# * RESTART (`rebuild`): create every real object in dependency order --
+#   device, PD, MR (the same program buffer, now at another address), channel,
+#   CQ (re-armed if the program had armed it), SRQ (limit re-armed), QP, AH --
+#   and publish the new real IDs under the old virtual ones.
+# * REFRESH (`reconnect`), after every rank has published: replay each QP's
+#   modify history with the peers' new qp_nums and LIDs (RESET -> INIT -> RTR
+#   -> RTS, and anything after), so both ends of a connection start again from
+#   the PSNs they were set up with; re-post the receives that had not
+#   completed.
+# * RESUME (`repost_sends`), after every rank has its receives posted again:
+#   re-post the send WRs that had not landed at DRAIN -- exactly those.
+
+from __future__ import annotations
+
+from typing import Any
+
+from ckpt import verbs as v
+from ckpt.verbs import SGE, SrqAttr
+from ckpt_ib._shadows import SendEntry, ShadowQP
+from ckpt_ib._virtual import Virtualizer
+
+
+def rebuild(vz: Virtualizer) -> None:
+    vz.reset_translations()
+    reg = vz.registry
+    for dev in reg.devices:
+        vz.attach_device(dev)
+    for pd in reg.pds:
+        pd.real = vz.inner.alloc_pd(pd.device.real)
+    for mr in reg.mrs:
+        vz.attach_mr(mr)
+    for ch in reg.channels:
+        ch.real = vz.inner.create_comp_channel(ch.device.real)
+    for cq in reg.cqs:
+        vz.attach_cq(cq)
+        if cq.armed:
+            vz.inner.req_notify_cq(cq.real, cq.armed == 2)
+    for srq in reg.srqs:
+        vz.attach_srq(srq)
+        if srq.limit:
+            vz.inner.modify_srq(srq.real, SrqAttr(srq_limit=srq.limit), v.IBV_SRQ_LIMIT)
+    for qp in reg.qps:
+        vz.attach_qp(qp)
+    for ah in reg.ahs:
+        ah.real = vz.inner.create_ah(ah.pd.real, ah.attr)
+
+
+def reconnect(vz: Virtualizer) -> None:
+    for qp in vz.registry.qps:
+        for attr, mask in list(qp.modifies):
+            vz.apply_modify(qp, attr, mask, record=False)
+        if qp.recvs:
+            vz.inner.post_recv(qp.real, vz.real_recv_chain(list(qp.recvs.values())))
+    for srq in vz.registry.srqs:
+        if srq.recvs:
+            vz.inner.post_srq_recv(srq.real, vz.real_recv_chain(list(srq.recvs.values())))
+
+
+def repost_sends(vz: Virtualizer) -> int:
+    """Re-post every send WR still in a log; how many."""
+    count = 0
+    for qp in vz.registry.qps:
+        pending = list(qp.sends)
+        if not pending:
+            continue
+        qp.sends.clear()
+        staged = _Scratch(vz, qp, pending) if any(e.inline is not None for e in pending) else None
+        if staged is not None:
+            vz.scratch[id(qp)] = staged
+        try:
+            vz.post_entries(qp, pending)
+        finally:
+            if staged is not None:
+                del vz.scratch[id(qp)]
+                staged.close()  # inline data is copied when posted
+        count += len(pending)
+    return count
+
+
+class _Scratch:
+    """Registered staging memory for re-posting inline WRs: their bytes as they were when first posted."""
+
+    def __init__(self, vz: Virtualizer, qp: ShadowQP, entries: list[SendEntry]) -> None:
+        self.vz = vz
+        self.buf = bytearray(max(1, sum(len(e.inline or b"") for e in entries)))
+        self.mr: Any = vz.inner.reg_mr(qp.pd.real, self.buf, v.IBV_ACCESS_LOCAL_WRITE)
+        self.offset = 0
+
+    def stage(self, data: bytes) -> SGE:
+        start = self.offset
+        self.buf[start : start + len(data)] = data
+        self.offset += len(data)
+        return SGE(int(self.mr.addr) + start, len(data), int(self.mr.lkey))
+
+    def close(self) -> None:
+        self.vz.inner.dereg_mr(self.mr)

@@ -1,0 +1,528 @@
+"""The wrapped operations table: shadows in, real handles out, virtual IDs and addresses translated both ways."""
+
+# Principle 2: interpose on the provider's operations table, not on
+# convenience functions -- so every Context, PD, MR, CQ, QP the program
+# creates, before or after a restart, is seen here.
+#
+# Virtual IDs are allocated by the coordinator (allocate_global), in every
+# generation, so an ID is unique across ranks and restarts and two objects can
+# never share one; the real ID behind each virtual one is published in the
+# key-value store (generation-scoped, so a restart never sees stale values):
+#
+#     ib/qpn/<vqpn>   -> real qp_num
+#     ib/lid/<vlid>   -> real LID
+#     ib/rkey/<vrkey> -> [real rkey, real address - virtual address]
+#
+# Addresses are virtual too: MR.buf is the address of the first registration;
+# after a restart the same buffer lives elsewhere, so local SGE addresses are
+# translated by lkey and remote addresses by rkey (DESIGN §5).
+#
+# Every real send WR is posted SIGNALED with the plugin's own wr_id (a
+# sequence number), whatever the program asked: the plugin then knows exactly
+# which WRs completed, and hides the completions the program did not ask for.
+# That is what makes the send log exact (principle 3) and the drain exact.
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ckpt import verbs as v
+from ckpt.verbs import SGE, WC, AsyncEvent, PyverbsRDMAError, QPAttr, QPInitAttr, RecvWR, SendWR
+from ckpt_ib._shadows import (
+    QPInit,
+    RecvEntry,
+    Registry,
+    SendEntry,
+    ShadowAH,
+    ShadowChannel,
+    ShadowCQ,
+    ShadowDevice,
+    ShadowMR,
+    ShadowPD,
+    ShadowQP,
+    ShadowSRQ,
+)
+
+log = logging.getLogger(__name__)
+
+NS = "ib"
+PSN_MASK = 0xFFFFFF
+EINVAL, EBUSY = 22, 16
+#: The real CQ holds the program's completions plus the ones it did not ask for (every real WR is signaled).
+REAL_CQE = 1 << 20
+_SIGNALED = int(v.IBV_SEND_SIGNALED)
+_INLINE = int(v.IBV_SEND_INLINE)
+_RECV = int(v.IBV_WC_RECV)
+_OK = int(v.IBV_WC_SUCCESS)
+_READ = int(v.IBV_WR_RDMA_READ)
+_ATOMICS = (int(v.IBV_WR_ATOMIC_CMP_AND_SWP), int(v.IBV_WR_ATOMIC_FETCH_AND_ADD))
+
+
+class Virtualizer:
+    """One per process: the registry of shadows, the translations of this generation, the wrapped entries."""
+
+    def __init__(self, rt: Any) -> None:
+        self.rt = rt
+        self.registry = Registry()
+        self.inner: Any = None  # the provider's table as it was before wrapping (a plain namespace of entries)
+        self.reset_translations()
+
+    def reset_translations(self) -> None:
+        """Forget every real ID: a new generation publishes new ones."""
+        self.qp_by_real: dict[int, ShadowQP] = {}
+        self.shadow_of: dict[int, Any] = {}  # id(real handle) -> shadow, for CQ events and async events
+        self.mr_by_lkey: dict[int, ShadowMR] = {}
+        self.remote_qpn: dict[int, int] = {}
+        self.remote_lid: dict[int, int] = {}
+        self.remote_key: dict[int, tuple[int, int]] = {}
+        self.scratch: dict[int, Any] = {}  # id(shadow QP) -> staging memory for re-posting inline WRs
+
+    # ------------------------------------------------------------------ IDs
+    def _alloc(self, kind: str, count: int = 1) -> int:
+        return int(self.rt.allocate_global(f"ib.{kind}", count))
+
+    def _publish(self, kind: str, virtual: int, real: Any) -> None:
+        self.rt.kv.publish(NS, f"{kind}/{virtual}", real)
+
+    def _lookup(self, cache: dict[int, Any], kind: str, virtual: int) -> Any:
+        real = cache.get(virtual)
+        if real is None:
+            real = self.rt.kv.get(NS, f"{kind}/{virtual}")
+            if real is None:
+                return None  # unknown: the caller passes something invalid, as hardware would see it
+            cache[virtual] = real = tuple(real) if isinstance(real, list) else real
+        return real
+
+    def real_qpn(self, vqpn: int) -> int:
+        found = self._lookup(self.remote_qpn, "qpn", vqpn)
+        return int(found) if found is not None else vqpn
+
+    def real_lid(self, vlid: int) -> int:
+        if not vlid:
+            return 0
+        found = self._lookup(self.remote_lid, "lid", vlid)
+        return int(found) if found is not None else vlid
+
+    def real_key(self, vrkey: int) -> tuple[int, int]:
+        found = self._lookup(self.remote_key, "rkey", vrkey)
+        return (int(found[0]), int(found[1])) if found is not None else (0, 0)
+
+    # ------------------------------------------------------------------ install
+    def install(self, ops: v.VerbsOps) -> None:
+        """Replace the table's entries by the virtualizing ones (ckpt_wrap_verbs)."""
+
+        class Inner:
+            pass
+
+        inner = Inner()
+        for name in v.OPERATIONS:
+            setattr(inner, name, getattr(ops, name))
+        self.inner = inner
+        for name in v.OPERATIONS:
+            setattr(ops, name, getattr(self, name))
+
+    # ------------------------------------------------------------------ device
+    def attach_device(self, dev: ShadowDevice) -> None:
+        dev.real = self.inner.open_device(dev.name)
+        self.shadow_of[id(dev.real)] = dev
+        for port, vlid in enumerate(dev.vlids, start=1):
+            self._publish("lid", vlid, int(self.inner.query_port(dev.real, port).lid))
+
+    def open_device(self, name: str) -> ShadowDevice:
+        vlids = self.registry.vlids.get(name)
+        if vlids is None:
+            first = self._alloc("lid", 2)
+            vlids = self.registry.vlids[name] = [first, first + 1]
+        dev = ShadowDevice(name, vlids)
+        self.attach_device(dev)
+        self.registry.devices.append(dev)
+        return dev
+
+    def close_device(self, dev: ShadowDevice) -> None:
+        self.inner.close_device(dev.real)
+        self.registry.forget(dev)
+
+    def query_device(self, dev: ShadowDevice) -> Any:
+        return self.inner.query_device(dev.real)
+
+    def query_port(self, dev: ShadowDevice, port: int) -> Any:
+        attr = self.inner.query_port(dev.real, port)
+        attr.lid = dev.vlids[port - 1]
+        return attr
+
+    def query_gid(self, dev: ShadowDevice, port: int, index: int) -> Any:
+        return self.inner.query_gid(dev.real, port, index)
+
+    def device_statistics(self, dev: ShadowDevice) -> Any:
+        return self.inner.device_statistics(dev.real)
+
+    def get_async_event(self, dev: ShadowDevice, timeout: float | None) -> AsyncEvent | None:
+        event = self.inner.get_async_event(dev.real, timeout)
+        if event is None:
+            return None
+        element = event.element
+        if not isinstance(element, int):
+            element = self.shadow_of.get(id(element), element)
+        return AsyncEvent(event.event_type, element)
+
+    # ------------------------------------------------------------------ PD, MR
+    def alloc_pd(self, dev: ShadowDevice) -> ShadowPD:
+        pd = ShadowPD(dev)
+        pd.real = self.inner.alloc_pd(dev.real)
+        self.registry.pds.append(pd)
+        return pd
+
+    def dealloc_pd(self, pd: ShadowPD) -> None:
+        self.inner.dealloc_pd(pd.real)
+        self.registry.forget(pd)
+
+    def attach_mr(self, mr: ShadowMR) -> None:
+        real = self.inner.reg_mr(mr.pd.real, mr.obj, mr.access)
+        mr.attach(real)
+        self.mr_by_lkey[mr.lkey] = mr
+        self._publish("rkey", mr.rkey, [int(real.rkey), mr.delta])
+
+    def reg_mr(self, pd: ShadowPD, obj: Any, access: int) -> ShadowMR:
+        real = self.inner.reg_mr(pd.real, obj, access)
+        first = self._alloc("key", 2)
+        mr = ShadowMR(pd, obj, access, first, first + 1, int(real.addr), int(real.length))
+        mr.attach(real)
+        self.mr_by_lkey[mr.lkey] = mr
+        self._publish("rkey", mr.rkey, [int(real.rkey), 0])
+        self.registry.mrs.append(mr)
+        return mr
+
+    def dereg_mr(self, mr: ShadowMR) -> None:
+        self.inner.dereg_mr(mr.real)
+        self.mr_by_lkey.pop(mr.lkey, None)
+        self.registry.forget(mr)
+
+    def local_sge(self, sge: tuple[int, int, int]) -> SGE:
+        addr, length, lkey = sge
+        mr = self.mr_by_lkey.get(lkey)
+        if mr is None:
+            return SGE(addr, length, 0)  # an unknown lkey stays invalid: LOC_PROT_ERR, as on hardware
+        return SGE(addr + mr.delta, length, int(mr.real.lkey))
+
+    # ------------------------------------------------------------------ channels, CQs
+    def create_comp_channel(self, dev: ShadowDevice) -> ShadowChannel:
+        ch = ShadowChannel(dev)
+        ch.real = self.inner.create_comp_channel(dev.real)
+        self.registry.channels.append(ch)
+        return ch
+
+    def destroy_comp_channel(self, ch: ShadowChannel) -> None:
+        self.inner.destroy_comp_channel(ch.real)
+        self.registry.forget(ch)
+
+    def take_cq_event(self, ch: ShadowChannel, timeout: float | None) -> ShadowCQ | None:
+        """One event from the real channel, acknowledged there at once (the shadow counts it for the program)."""
+        real = self.inner.get_cq_event(ch.real, timeout)
+        if real is None:
+            return None
+        self.inner.ack_cq_events(real, 1)
+        cq: ShadowCQ = self.shadow_of[id(real)]
+        cq.armed = 0
+        return cq
+
+    def get_cq_event(self, ch: ShadowChannel, timeout: float | None) -> ShadowCQ | None:
+        cq = ch.pending.popleft() if ch.pending else self.take_cq_event(ch, timeout)
+        if cq is not None:
+            cq.unacked_events += 1
+        return cq
+
+    def attach_cq(self, cq: ShadowCQ) -> None:
+        channel = cq.channel.real if cq.channel is not None else None
+        cq.real = self.inner.create_cq(cq.device.real, max(cq.cqe, REAL_CQE), channel, cq.cq_context)
+        self.shadow_of[id(cq.real)] = cq
+
+    def create_cq(self, dev: ShadowDevice, cqe: int, channel: ShadowChannel | None, cq_context: Any) -> ShadowCQ:
+        if not 1 <= cqe <= REAL_CQE:
+            raise PyverbsRDMAError(f"CQ size {cqe} out of range 1..{REAL_CQE}", EINVAL)
+        cq = ShadowCQ(dev, cqe, channel, cq_context)
+        self.attach_cq(cq)
+        self.registry.cqs.append(cq)
+        return cq
+
+    def destroy_cq(self, cq: ShadowCQ) -> None:
+        if cq.unacked_events:
+            raise PyverbsRDMAError(f"CQ has {cq.unacked_events} completion events not acknowledged", EBUSY)
+        self.inner.destroy_cq(cq.real)
+        self.registry.forget(cq)
+
+    def poll_cq(self, cq: ShadowCQ, num_entries: int) -> list[WC]:
+        """Principle 5: drained completions first, then the real CQ's, without the ones nobody asked for."""
+        out: list[WC] = []
+        private = cq.private
+        while private and len(out) < num_entries:
+            out.append(private.popleft())
+        if len(out) < num_entries:
+            for wc in self.inner.poll_cq(cq.real, max(num_entries - len(out), 16)):
+                seen = self.translate(wc)
+                if seen is not None:
+                    (out if len(out) < num_entries else private).append(seen)
+        return out
+
+    def translate(self, wc: WC) -> WC | None:
+        """A real completion as the program sees it, or None for a WR it posted unsignaled."""
+        qp = self.qp_by_real.get(wc.qp_num)
+        if qp is None:
+            return wc
+        if wc.opcode & _RECV:
+            srq = qp.init.srq
+            recvs = srq.recvs if srq is not None else qp.recvs
+            recv = recvs.pop(wc.wr_id, None)
+            if recv is None:
+                return None
+            wc.wr_id, wc.qp_num, wc.src_qp, wc.slid = recv.wr_id, qp.qp_num, qp.dest_qp_num, qp.ah.dlid
+            return wc
+        sends = qp.sends
+        if sends and sends[0].seq == wc.wr_id:
+            send = sends.popleft()
+        else:
+            send = next((s for s in sends if s.seq == wc.wr_id), None)
+            if send is None:
+                return None
+            sends.remove(send)
+        if not send.signaled and wc.status == _OK:
+            return None
+        wc.wr_id, wc.qp_num, wc.src_qp = send.wr_id, qp.qp_num, 0
+        return wc
+
+    def req_notify_cq(self, cq: ShadowCQ, solicited_only: bool) -> None:
+        self.inner.req_notify_cq(cq.real, solicited_only)
+        cq.armed = 2 if solicited_only else 1
+
+    def ack_cq_events(self, cq: ShadowCQ, count: int) -> None:
+        if count > cq.unacked_events:
+            raise PyverbsRDMAError(f"acknowledging {count} CQ events, only {cq.unacked_events} were received", EINVAL)
+        cq.unacked_events -= count
+
+    # ------------------------------------------------------------------ SRQ
+    def attach_srq(self, srq: ShadowSRQ) -> None:
+        srq.real = self.inner.create_srq(srq.pd.real, srq.attr, srq.srq_context)
+        self.shadow_of[id(srq.real)] = srq
+
+    def create_srq(self, pd: ShadowPD, attr: Any, srq_context: Any) -> ShadowSRQ:
+        srq = ShadowSRQ(pd, attr, srq_context)
+        self.attach_srq(srq)
+        self.registry.srqs.append(srq)
+        return srq
+
+    def modify_srq(self, srq: ShadowSRQ, attr: Any, mask: int) -> None:
+        self.inner.modify_srq(srq.real, attr, mask)
+        if mask & v.IBV_SRQ_LIMIT:
+            srq.limit = attr.srq_limit
+
+    def query_srq(self, srq: ShadowSRQ) -> Any:
+        return self.inner.query_srq(srq.real)
+
+    def destroy_srq(self, srq: ShadowSRQ) -> None:
+        self.inner.destroy_srq(srq.real)
+        self.registry.forget(srq)
+
+    def post_srq_recv(self, srq: ShadowSRQ, wr: Any) -> None:
+        entries = []
+        while wr is not None:
+            srq.seq += 1
+            entries.append(RecvEntry(srq.seq, wr.wr_id, _sges(wr)))
+            wr = wr.next_wr
+        self.inner.post_srq_recv(srq.real, self.real_recv_chain(entries))
+        for entry in entries:
+            srq.recvs[entry.seq] = entry
+
+    def real_recv_chain(self, entries: list[RecvEntry]) -> RecvWR | None:
+        first = None
+        for entry in reversed(entries):
+            sg = [self.local_sge(s) for s in entry.sg]
+            first = RecvWR(wr_id=entry.seq, num_sge=len(sg), sg=sg, next_wr=first)
+        return first
+
+    # ------------------------------------------------------------------ QP
+    def attach_qp(self, qp: ShadowQP) -> None:
+        init = qp.init
+        real_init = QPInitAttr(
+            qp_type=init.qp_type,
+            qp_context=init.qp_context,
+            scq=init.scq.real,
+            rcq=init.rcq.real,
+            srq=init.srq.real if init.srq is not None else None,
+            cap=init.cap,
+            sq_sig_all=0,
+        )
+        qp.real = self.inner.create_qp(qp.pd.real, real_init)
+        self.qp_by_real[int(qp.real.qp_num)] = qp
+        self.shadow_of[id(qp.real)] = qp
+        self._publish("qpn", qp.qp_num, int(qp.real.qp_num))
+
+    def create_qp(self, pd: ShadowPD, init_attr: QPInitAttr) -> ShadowQP:
+        init = QPInit(
+            int(init_attr.qp_type),
+            init_attr.qp_context,
+            init_attr.scq,
+            init_attr.rcq,
+            init_attr.srq,
+            init_attr.cap,
+            int(init_attr.sq_sig_all),
+        )
+        qp = ShadowQP(pd, init, self._alloc("qpn") & PSN_MASK)
+        self.attach_qp(qp)
+        self.registry.qps.append(qp)
+        return qp
+
+    def destroy_qp(self, qp: ShadowQP) -> None:
+        self.inner.destroy_qp(qp.real)
+        self.qp_by_real.pop(int(qp.real.qp_num), None)
+        self.registry.forget(qp)
+
+    def real_qp_attr(self, attr: QPAttr, mask: int) -> QPAttr:
+        """A copy of `attr` with the peer's virtual qp_num and LIDs replaced by this generation's real ones."""
+        real = _copy_attr(attr)
+        if mask & v.IBV_QP_DEST_QPN:
+            real.dest_qp_num = self.real_qpn(attr.dest_qp_num)
+        if mask & v.IBV_QP_AV:
+            real.ah_attr.dlid = self.real_lid(attr.ah_attr.dlid)
+        if mask & v.IBV_QP_ALT_PATH:
+            real.alt_ah_attr.dlid = self.real_lid(attr.alt_ah_attr.dlid)
+        return real
+
+    def apply_modify(self, qp: ShadowQP, attr: QPAttr, mask: int, record: bool) -> None:
+        self.inner.modify_qp(qp.real, self.real_qp_attr(attr, mask), mask)
+        if mask & v.IBV_QP_STATE:
+            qp.state = int(attr.qp_state)
+            if qp.state == int(v.IBV_QPS_RESET):
+                qp.modifies.clear()
+                qp.sends.clear()
+                qp.recvs.clear()
+                return
+        if mask & v.IBV_QP_DEST_QPN:
+            qp.dest_qp_num = attr.dest_qp_num
+        if mask & v.IBV_QP_AV:
+            qp.ah = _copy_ah(attr.ah_attr)
+        if mask & v.IBV_QP_ALT_PATH:
+            qp.alt_ah = _copy_ah(attr.alt_ah_attr)
+        if mask & v.IBV_QP_PATH_MTU:
+            qp.mtu = 128 << int(attr.path_mtu)
+        if mask & v.IBV_QP_SQ_PSN:
+            qp.next_psn = attr.sq_psn & PSN_MASK
+        if record:
+            qp.modifies.append((_copy_attr(attr), mask))
+
+    def modify_qp(self, qp: ShadowQP, attr: QPAttr, mask: int) -> None:
+        self.apply_modify(qp, attr, int(mask), record=True)
+
+    def query_qp(self, qp: ShadowQP, mask: int) -> Any:
+        attr, init = self.inner.query_qp(qp.real, mask)
+        attr.dest_qp_num = qp.dest_qp_num
+        attr.ah_attr, attr.alt_ah_attr = _copy_ah(qp.ah), _copy_ah(qp.alt_ah)
+        return attr, init
+
+    def post_recv(self, qp: ShadowQP, wr: Any) -> None:
+        entries = []
+        while wr is not None:
+            qp.seq += 1
+            entries.append(RecvEntry(qp.seq, wr.wr_id, _sges(wr)))
+            wr = wr.next_wr
+        self.inner.post_recv(qp.real, self.real_recv_chain(entries))
+        for entry in entries:
+            qp.recvs[entry.seq] = entry
+
+    def post_send(self, qp: ShadowQP, wr: Any) -> None:
+        entries = []
+        sig_all = qp.init.sq_sig_all
+        while wr is not None:
+            qp.seq += 1
+            flags = int(wr.send_flags)
+            sg = _sges(wr)
+            entry = SendEntry(
+                qp.seq,
+                wr.wr_id,
+                int(wr.opcode),
+                flags,
+                bool(sig_all or flags & _SIGNALED),
+                sg,
+                int(wr.imm_data or 0),
+                int(wr.rkey or 0),
+                int(wr.remote_addr or 0),
+                int(wr.compare_add or 0),
+                int(wr.swap or 0),
+                self.inline_bytes(sg) if flags & _INLINE else None,
+            )
+            entries.append(entry)
+            wr = wr.next_wr
+        self.post_entries(qp, entries)
+
+    def post_entries(self, qp: ShadowQP, entries: list[SendEntry]) -> None:
+        """Post logged send entries on the real QP (every one SIGNALED, with the plugin's wr_id)."""
+        first = None
+        for entry in reversed(entries):
+            first = self.real_send_wr(qp, entry, first)
+        self.inner.post_send(qp.real, first)
+        mtu = qp.mtu
+        for entry in entries:
+            length = sum(s[1] for s in entry.sg)
+            entry.npkts = 1 if entry.opcode in _ATOMICS else max(1, -(-length // mtu))
+            entry.psn = qp.next_psn
+            qp.next_psn = (qp.next_psn + entry.npkts) & PSN_MASK
+            qp.sends.append(entry)
+
+    def real_send_wr(self, qp: ShadowQP, entry: SendEntry, next_wr: SendWR | None) -> SendWR:
+        scratch = self.scratch.get(id(qp))
+        if entry.inline is not None and scratch is not None:
+            sg = [scratch.stage(entry.inline)]  # a re-post after restart: the bytes captured at post time
+        else:
+            sg = [self.local_sge(s) for s in entry.sg]
+        real = SendWR(
+            wr_id=entry.seq,
+            opcode=entry.opcode,
+            num_sge=len(sg),
+            imm_data=entry.imm,
+            sg=sg,
+            send_flags=entry.flags | _SIGNALED,
+            next_wr=next_wr,
+        )
+        if entry.rkey or entry.raddr:
+            rkey, delta = self.real_key(entry.rkey)
+            real.rkey, real.remote_addr = rkey, entry.raddr + delta
+            real.compare_add, real.swap = entry.compare_add, entry.swap
+        return real
+
+    def inline_bytes(self, sg: list[tuple[int, int, int]]) -> bytes:
+        parts = []
+        for addr, length, lkey in sg:
+            mr = self.mr_by_lkey.get(lkey) or next(
+                (m for m in self.registry.mrs if m.addr <= addr and addr + length <= m.addr + m.length), None
+            )
+            if mr is not None:
+                off = addr - mr.addr
+                parts.append(bytes(memoryview(mr.obj).cast("B")[off : off + length]))
+        return b"".join(parts)
+
+    # ------------------------------------------------------------------ AH
+    def create_ah(self, pd: ShadowPD, attr: Any) -> ShadowAH:
+        ah = ShadowAH(pd, attr)
+        ah.real = self.inner.create_ah(pd.real, attr)
+        self.registry.ahs.append(ah)
+        return ah
+
+    def destroy_ah(self, ah: ShadowAH) -> None:
+        self.inner.destroy_ah(ah.real)
+        self.registry.forget(ah)
+
+
+def _sges(wr: Any) -> list[tuple[int, int, int]]:
+    n = wr.num_sge or len(wr.sg)
+    return [(int(s.addr), int(s.length), int(s.lkey)) for s in wr.sg[:n]]
+
+
+def _copy_ah(ah: Any) -> Any:
+    from dataclasses import replace
+
+    return replace(ah) if ah is not None else v.AHAttr()
+
+
+def _copy_attr(attr: QPAttr) -> QPAttr:
+    from dataclasses import replace
+
+    return replace(attr, ah_attr=_copy_ah(attr.ah_attr), alt_ah_attr=_copy_ah(attr.alt_ah_attr))
