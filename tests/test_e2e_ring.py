@@ -48,7 +48,9 @@ def test_plugin_wraps_the_ops_table_and_contributes_a_provider(tmp_path: Path) -
 def test_checkpointing_verbs_without_the_virtualization_plugin_is_refused_clearly(
     tmp_path: Path, start_job: Callable[..., Job]
 ) -> None:
-    job = start_job("launch", "-n", "2", "--ckpt-dir", str(tmp_path), RING, "1000000", ckpt_dir=tmp_path)
+    job = start_job(
+        "launch", "-n", "2", "--disable-plugin", "ib", "--ckpt-dir", str(tmp_path), RING, "1000000", ckpt_dir=tmp_path
+    )
     job.wait_step(5)
     taken = run("checkpoint", "--wait", "--ckpt-dir", str(tmp_path))
     assert taken.returncode == 1
