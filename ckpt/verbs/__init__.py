@@ -18,7 +18,7 @@ from ckpt.verbs._attrs import (
     SrqInitAttr,
 )
 from ckpt.verbs._enums import *  # noqa: F403  (the libibverbs enums and their IBV_* aliases)
-from ckpt.verbs._enums import __all__ as _enum_names
+from ckpt.verbs._enums import ENUMS as _ENUMS
 from ckpt.verbs._errors import PyverbsError, PyverbsRDMAError, PyverbsUserError
 from ckpt.verbs._objects import AH, CQ, MR, PD, QP, SRQ, CompChannel, Context, VerbsObject
 from ckpt.verbs._provider import OPERATIONS, VerbsOps, add_ops_wrapper, get_ops, providers, register_provider
@@ -57,5 +57,6 @@ __all__ = [
     "get_ops",
     "providers",
     "register_provider",
-    *_enum_names,
+    *(cls.__name__ for cls in _ENUMS),
+    *(name for cls in _ENUMS for name in cls.__members__),
 ]

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 from enum import IntEnum, IntFlag
+from typing import TYPE_CHECKING
 
 
 class ibv_node_type(IntEnum):
@@ -582,5 +583,8 @@ IBV_SEND_INLINE = ibv_send_flags.IBV_SEND_INLINE
 IBV_SEND_IP_CSUM = ibv_send_flags.IBV_SEND_IP_CSUM
 
 
-__all__ = [cls.__name__ for cls in ENUMS] + [name for cls in ENUMS for name in cls.__members__]
-__all__ += ["ENUMS"]
+if not TYPE_CHECKING:
+    # Hidden from type checkers on purpose: with no static __all__, mypy's view of
+    # `from ckpt.verbs._enums import *` is every public name, aliases included.
+    __all__ = [cls.__name__ for cls in ENUMS] + [name for cls in ENUMS for name in cls.__members__]
+    __all__ += ["ENUMS"]

@@ -68,8 +68,8 @@ def collect(vz: Virtualizer) -> int:
             if len(wcs) < 64:
                 break
     for ch in vz.registry.channels:
-        while (cq := vz.take_cq_event(ch, 0)) is not None:
-            ch.pending.append(cq)
+        while (event := vz.take_cq_event(ch, 0)) is not None:
+            ch.pending.append(event)
             found += 1
     return found
 

@@ -278,9 +278,10 @@ class Virtualizer:
             wc.wr_id, wc.qp_num, wc.src_qp, wc.slid = recv.wr_id, qp.qp_num, qp.dest_qp_num, qp.ah.dlid
             return wc
         sends = qp.sends
+        send: SendEntry | None
         if sends and sends[0].seq == wc.wr_id:
             send = sends.popleft()
-        else:
+        else:  # RC completes in order; anything else is a stray
             send = next((s for s in sends if s.seq == wc.wr_id), None)
             if send is None:
                 return None
