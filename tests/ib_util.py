@@ -1,0 +1,207 @@
+"""Fixtures for the ckpt_ib unit tests: a fake runtime, a private virtualized provider, a simulated restart."""
+
+# The plugin is tested in one process, without a coordinator:
+#
+# * `FakeRuntime` stands for `ckpt.Runtime` as the plugin uses it (rank 0 of
+#   1): `allocate_global` with per-namespace counters kept across
+#   generations, as the coordinator keeps them; `kv` with publish / get /
+#   subscribe on a dict that a new generation empties (the real store is
+#   generation-scoped); `coordinator_barrier` returning `[value]`.
+#
+# * Each test gets its own provider, `ibt_<letters>`: a fresh simib table
+#   (`_simib.make_ops()`) under a unique name, registered with
+#   `verbs.register_provider`, and wrapped by a fresh `Virtualizer` when the
+#   table is built.  The process-wide `simib` table the other verbs tests use
+#   is never wrapped.
+#
+# * Which HCA a device is.  simib's `open_device(name)` takes the process's HCA
+#   for that *device name* (`_hca.hca(name)`, created on first use and never
+#   released: it is the process's NIC, with its own threads, socket and LIDs).
+#   A provider of our own would therefore create two new HCAs per test.  We
+#   reuse the existing ones instead, deliberately: device `ibt_x<i>` opens the
+#   HCA `simib<i>` (the one `Context(name="simib<i>")` uses in the other verbs
+#   tests), and after a simulated restart it opens `ibrestart<i>`, another
+#   HCA of this process, so the restarted objects get new qp_nums, keys *and*
+#   LIDs, as on a new fabric.  The mapping sits under the Virtualizer (in the
+#   table it wraps), so the program and the plugin only ever see `ibt_x<i>`.
+#
+# * `IbEnv.restart(state)` is the plugin's checkpoint/restart path without the
+#   runtime: drain, pickle the registry together with the program's objects
+#   (cloudpickle, as the image writer does), destroy every real resource (the
+#   process dies), unpickle, then RESTART / REFRESH / RESUME (`rebuild`,
+#   `reconnect`, `repost_sends`) on the same Virtualizer.
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import string
+from collections.abc import Iterator
+from typing import Any
+
+import cloudpickle
+
+from ckpt import verbs as v
+from ckpt.verbs import _simib
+from ckpt_ib import drain, rebuild, reconnect, repost_sends
+from ckpt_ib._virtual import Virtualizer
+
+#: First virtual ID of every namespace: above the unicast LID range (1..0xBFFF) the subnet manager
+#: draws real LIDs from, so a virtual LID can never equal a real one by chance (real qp_nums start
+#: at 0x100 + a random base, keys at 0x1000 + a random 31-bit base: no collision there either).
+VIRTUAL_BASE = 0xC000
+#: The real HCAs device index i opens, before and after a simulated restart (alternating).
+HCA_GENERATIONS = (("simib0", "simib1"), ("ibrestart0", "ibrestart1"))
+
+
+class FakeKV:
+    """`rt.kv` on a dict: publish / get / subscribe (nobody else can publish here, so subscribe does not wait)."""
+
+    def __init__(self) -> None:
+        self.values: dict[tuple[str, str], Any] = {}
+
+    def publish(self, ns: str, key: str, value: Any) -> None:
+        self.values[ns, key] = value
+
+    def get(self, ns: str, key: str, default: Any = None) -> Any:
+        return self.values.get((ns, key), default)
+
+    def subscribe(self, ns: str, key: str, timeout: float = 60.0) -> Any:
+        if (ns, key) not in self.values:
+            raise AssertionError(f"subscribe({ns!r}, {key!r}): never published in a one-process test")
+        return self.values[ns, key]
+
+
+class FakeRuntime:
+    """Rank 0 of 1: the part of `ckpt.Runtime` the plugin uses."""
+
+    rank = 0
+    size = 1
+
+    def __init__(self, first_id: int = VIRTUAL_BASE) -> None:
+        self.first_id = first_id
+        self.generation = 0
+        self.kv = FakeKV()
+        self.counters: dict[str, int] = {}
+        self.allocated: dict[str, list[int]] = {}  # namespace -> every ID handed out, for assertions
+        self.barriers: list[str] = []
+
+    def allocate_global(self, ns: str, count: int = 1) -> int:
+        first = self.counters.get(ns, self.first_id)
+        self.counters[ns] = first + count
+        self.allocated.setdefault(ns, []).extend(range(first, first + count))
+        return first
+
+    def coordinator_barrier(self, name: str, value: Any = None) -> list[Any]:
+        self.barriers.append(name)
+        return [value]
+
+    def new_generation(self) -> None:
+        """A restart: the key-value store starts empty, the ID counters go on."""
+        self.generation += 1
+        self.kv = FakeKV()
+
+
+_provider_numbers = itertools.count()
+
+
+def _letters(n: int) -> str:
+    """0 -> 'a', 25 -> 'z', 26 -> 'ba': provider names take letters only (device names append a digit)."""
+    out = ""
+    while True:
+        n, r = divmod(n, 26)
+        out = string.ascii_lowercase[r] + out
+        if not n:
+            return out
+
+
+class IbEnv:
+    """One test's virtualized provider: `context(i)` opens its device i; `restart(state)` simulates a restart."""
+
+    def __init__(self) -> None:
+        self.provider = f"ibt_{_letters(next(_provider_numbers))}"
+        self.rt = FakeRuntime()
+        self.vz = Virtualizer(self.rt)
+        self.hca_generation = 0
+        self.contexts: list[v.Context] = []
+        self.ops: v.VerbsOps | None = None
+        v.register_provider(self.provider, self._make_ops)
+
+    def _make_ops(self) -> v.VerbsOps:
+        base = _simib.make_ops()
+        entries = {name: getattr(base, name) for name in v.OPERATIONS}
+        open_real = entries["open_device"]
+        entries["open_device"] = lambda name: open_real(self.hca_name(name))
+        ops = v.VerbsOps(self.provider, **entries)
+        self.vz.install(ops)
+        self.ops = ops
+        return ops
+
+    def hca_name(self, device: str) -> str:
+        """The real HCA behind `device` (`<provider><i>`) in the current generation."""
+        index = int(device.removeprefix(self.provider))
+        return HCA_GENERATIONS[self.hca_generation % len(HCA_GENERATIONS)][index]
+
+    def context(self, index: int) -> v.Context:
+        ctx = v.Context(name=f"{self.provider}{index}")
+        self.contexts.append(ctx)
+        return ctx
+
+    def image(self, state: Any) -> bytes:
+        """The plugin's part of an image (the registry) pickled with the program's objects, as the runtime does."""
+        return bytes(cloudpickle.dumps((self.vz.registry, state, self.contexts)))
+
+    def restart(self, state: Any, *, drained: bool = True) -> Any:
+        """Drain, image, the process dies, a new one loads the image and restarts; returns the new `state`."""
+        if drained:
+            drain(self.vz, self.rt)
+        blob = self.image(state)
+        self.kill()
+        self.hca_generation += 1
+        self.rt.new_generation()
+        registry, state, self.contexts = cloudpickle.loads(blob)
+        self.vz.registry = registry
+        rebuild(self.vz)  # RESTART
+        reconnect(self.vz)  # REFRESH, after every rank published
+        repost_sends(self.vz)  # RESUME, after every rank re-posted its receives
+        return state
+
+    def kill(self) -> None:
+        """Destroy every real resource of the registry, children first, as the death of the process would."""
+        inner, reg = self.vz.inner, self.vz.registry
+        if inner is None:
+            return
+        steps = [
+            (reg.qps, inner.destroy_qp),
+            (reg.ahs, inner.destroy_ah),
+            (reg.srqs, inner.destroy_srq),
+            (reg.mrs, inner.dereg_mr),
+            (reg.cqs, inner.destroy_cq),
+            (reg.channels, inner.destroy_comp_channel),
+            (reg.pds, inner.dealloc_pd),
+            (reg.devices, inner.close_device),
+        ]
+        for shadows, destroy in steps:
+            for shadow in shadows:
+                if shadow.real is not None:
+                    with contextlib.suppress(v.PyverbsError):
+                        destroy(shadow.real)
+
+
+def ib_env() -> Iterator[IbEnv]:
+    """The body of each test module's `ib` fixture (``yield from ib_env()``): an IbEnv, killed at teardown."""
+    env = IbEnv()
+    try:
+        yield env
+    finally:
+        env.kill()
+
+
+def virtual_of(obj: Any) -> Any:
+    """The shadow the program's object holds (its `handle`)."""
+    return obj.handle
+
+
+def real_of(obj: Any) -> Any:
+    """The provider's real handle behind a program object."""
+    return obj.handle.real

@@ -1,0 +1,205 @@
+"""ckpt_ib._virtual: virtual IDs and addresses, their translation both ways, the send log and hidden completions."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from ib_util import IbEnv, ib_env, real_of
+from verbs_util import (
+    ACCESS_ALL,
+    Endpoint,
+    assert_no_completion,
+    atomic_wr,
+    connect_rc,
+    poll_one,
+    poll_until,
+    post_recv,
+    rdma_wr,
+    send_wr,
+)
+
+from ckpt import verbs as v
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@pytest.fixture
+def ib() -> Iterator[IbEnv]:
+    yield from ib_env()
+
+
+def _pair(ib: IbEnv, **opts: object) -> tuple[Endpoint, Endpoint]:
+    return connect_rc(ib.context(0), ib.context(1), **opts)  # type: ignore[arg-type]
+
+
+def _real_lid(ib: IbEnv, ep: Endpoint, port: int = 1) -> int:
+    return int(ib.vz.inner.query_port(real_of(ep.ctx), port).lid)
+
+
+def test_program_sees_virtual_ids_from_the_coordinator(ib: IbEnv) -> None:
+    a, b = _pair(ib)
+    alloc = ib.rt.allocated
+    for ep in (a, b):
+        assert ep.qp.qp_num in alloc["ib.qpn"] and ep.qp.qp_num != real_of(ep.qp).qp_num
+        assert ep.mr.lkey in alloc["ib.key"] and ep.mr.lkey != real_of(ep.mr).lkey
+        assert ep.mr.rkey in alloc["ib.key"] and ep.mr.rkey != real_of(ep.mr).rkey
+        for port in (1, 2):
+            lid = ep.ctx.query_port(port).lid
+            assert lid in alloc["ib.lid"] and lid != _real_lid(ib, ep, port)
+    assert len({a.qp.qp_num, b.qp.qp_num}) == 2 and len({a.lid, a.lid2, b.lid, b.lid2}) == 4
+
+
+def test_mr_buf_is_the_address_of_the_first_registration(ib: IbEnv) -> None:
+    ctx = ib.context(0)
+    pd = v.PD(ctx)
+    buf = np.zeros(4096, dtype=np.uint8)
+    mr = v.MR(pd, buf, ACCESS_ALL)
+    assert mr.buf == buf.ctypes.data == real_of(mr).addr
+    assert mr.handle.delta == 0
+
+
+def test_kv_maps_virtual_ids_to_real_ones(ib: IbEnv) -> None:
+    a, b = _pair(ib)
+    kv = ib.rt.kv
+    for ep in (a, b):
+        assert kv.get("ib", f"qpn/{ep.qp.qp_num}") == real_of(ep.qp).qp_num
+        assert kv.get("ib", f"lid/{ep.lid}") == _real_lid(ib, ep, 1)
+        assert kv.get("ib", f"lid/{ep.lid2}") == _real_lid(ib, ep, 2)
+        assert kv.get("ib", f"rkey/{ep.mr.rkey}") == [real_of(ep.mr).rkey, 0]
+
+
+def test_modify_qp_translates_dest_qp_num_and_dlid(ib: IbEnv) -> None:
+    a, b = _pair(ib)
+    mask = v.IBV_QP_DEST_QPN | v.IBV_QP_AV
+    real_attr, _ = ib.vz.inner.query_qp(real_of(a.qp), mask)
+    assert real_attr.dest_qp_num == real_of(b.qp).qp_num
+    assert real_attr.ah_attr.dlid == _real_lid(ib, b)
+    seen, _ = a.qp.query(mask)  # the program sees what it set
+    assert (seen.dest_qp_num, seen.ah_attr.dlid) == (b.qp.qp_num, b.lid)
+
+
+def test_send_completions_carry_the_programs_ids(ib: IbEnv) -> None:
+    a, b = _pair(ib)
+    post_recv(b, offset=128, length=64, wr_id=0xB0B)
+    a.buf[:5] = list(b"hello")
+    a.qp.post_send(send_wr([a.sge(0, 5)], wr_id=0xA11CE))
+    sent = poll_one(a.scq)
+    assert (sent.status, sent.wr_id, sent.qp_num) == (v.IBV_WC_SUCCESS, 0xA11CE, a.qp.qp_num)
+    got = poll_one(b.rcq)
+    assert (got.status, got.wr_id, got.byte_len) == (v.IBV_WC_SUCCESS, 0xB0B, 5)
+    assert (got.qp_num, got.src_qp, got.slid) == (b.qp.qp_num, a.qp.qp_num, a.lid)
+    assert bytes(b.buf[128:133]) == b"hello"
+    assert not a.qp.handle.sends and not b.qp.handle.recvs  # both logs emptied by the polls
+
+
+def test_rdma_write_and_read_use_virtual_rkeys_and_addresses(ib: IbEnv) -> None:
+    a, b = _pair(ib)
+    a.buf[:8] = list(range(1, 9))
+    a.qp.post_send(rdma_wr(v.IBV_WR_RDMA_WRITE, a.sge(0, 8), b.mr.rkey, b.addr(256), wr_id=1))
+    assert poll_one(a.scq).status == v.IBV_WC_SUCCESS
+    assert list(b.buf[256:264]) == list(range(1, 9))
+    b.buf[512:516] = [7, 7, 7, 7]
+    a.qp.post_send(rdma_wr(v.IBV_WR_RDMA_READ, a.sge(64, 4), b.mr.rkey, b.addr(512), wr_id=2))
+    wc = poll_one(a.scq)
+    assert (wc.status, wc.wr_id) == (v.IBV_WC_SUCCESS, 2)
+    assert list(a.buf[64:68]) == [7, 7, 7, 7]
+
+
+def test_rdma_write_with_imm_completes_at_the_responder_with_virtual_ids(ib: IbEnv) -> None:
+    a, b = _pair(ib)
+    post_recv(b, length=0, wr_id=44)
+    a.qp.post_send(rdma_wr(v.IBV_WR_RDMA_WRITE_WITH_IMM, a.sge(0, 8), b.mr.rkey, b.addr(8), wr_id=4, imm=0x1234))
+    assert poll_one(a.scq).wr_id == 4
+    wc = poll_one(b.rcq)
+    assert (wc.opcode, wc.wr_id, wc.imm_data) == (v.IBV_WC_RECV_RDMA_WITH_IMM, 44, 0x1234)
+    assert (wc.qp_num, wc.src_qp, wc.slid) == (b.qp.qp_num, a.qp.qp_num, a.lid)
+
+
+def test_atomics_go_through_the_translation(ib: IbEnv) -> None:
+    a, b = _pair(ib)
+    counter = b.buf[1024:1032].view(np.uint64)
+    counter[0] = 40
+    a.qp.post_send(atomic_wr(v.IBV_WR_ATOMIC_FETCH_AND_ADD, a.sge(0, 8), b.mr.rkey, b.addr(1024), 2, wr_id=1))
+    assert poll_one(a.scq).status == v.IBV_WC_SUCCESS
+    assert a.buf[0:8].view(np.uint64)[0] == 40 and counter[0] == 42
+    a.qp.post_send(atomic_wr(v.IBV_WR_ATOMIC_CMP_AND_SWP, a.sge(8, 8), b.mr.rkey, b.addr(1024), 42, 99, wr_id=2))
+    wc = poll_one(a.scq)
+    assert (wc.status, wc.wr_id) == (v.IBV_WC_SUCCESS, 2)
+    assert a.buf[8:16].view(np.uint64)[0] == 42 and counter[0] == 99
+
+
+def test_unknown_lkey_gives_loc_prot_err(ib: IbEnv) -> None:
+    a, b = _pair(ib)
+    post_recv(b)
+    a.qp.post_send(send_wr([v.SGE(a.addr(0), 8, a.mr.lkey + 1000)], wr_id=1))
+    wc = poll_one(a.scq)
+    assert (wc.wr_id, wc.status, wc.qp_num) == (1, v.IBV_WC_LOC_PROT_ERR, a.qp.qp_num)
+
+
+def test_real_lkey_is_not_accepted_as_a_virtual_one(ib: IbEnv) -> None:
+    a, b = _pair(ib)
+    post_recv(b)
+    a.qp.post_send(send_wr([v.SGE(a.addr(0), 8, real_of(a.mr).lkey)], wr_id=2))
+    assert poll_one(a.scq).status == v.IBV_WC_LOC_PROT_ERR
+
+
+def test_unknown_rkey_gives_rem_access_err(ib: IbEnv) -> None:
+    a, b = _pair(ib)
+    a.qp.post_send(rdma_wr(v.IBV_WR_RDMA_WRITE, a.sge(0, 8), b.mr.rkey + 1000, b.addr(0), wr_id=9))
+    wc = poll_one(a.scq)
+    assert (wc.wr_id, wc.status, wc.qp_num) == (9, v.IBV_WC_REM_ACCESS_ERR, a.qp.qp_num)
+
+
+def test_real_rkey_is_not_accepted_as_a_virtual_one(ib: IbEnv) -> None:
+    a, b = _pair(ib)
+    a.qp.post_send(rdma_wr(v.IBV_WR_RDMA_WRITE, a.sge(0, 8), real_of(b.mr).rkey, b.addr(0), wr_id=9))
+    assert poll_one(a.scq).status == v.IBV_WC_REM_ACCESS_ERR
+
+
+def test_every_real_wr_is_signaled_under_the_plugins_wr_id(ib: IbEnv) -> None:
+    a, b = _pair(ib, endpoint_a={"sq_sig_all": 0})
+    post_recv(b)
+    seen: list[tuple[int, int]] = []
+    post = ib.vz.inner.post_send
+
+    def spy(qp: object, wr: v.SendWR) -> None:
+        seen.append((wr.wr_id, wr.send_flags))
+        post(qp, wr)
+
+    ib.vz.inner.post_send = spy
+    a.qp.post_send(send_wr([a.sge(0, 8)], wr_id=777, flags=0))
+    ((wr_id, flags),) = seen
+    assert flags & v.IBV_SEND_SIGNALED and wr_id == a.qp.handle.sends[0].seq != 777
+
+
+def test_unsignaled_wrs_complete_silently_and_leave_the_log(ib: IbEnv) -> None:
+    a, b = _pair(ib, endpoint_a={"sq_sig_all": 0})
+    for i in range(4):
+        post_recv(b, offset=64 * i, length=64, wr_id=i)
+    for i in range(3):
+        a.qp.post_send(send_wr([a.sge(0, 8)], wr_id=100 + i, flags=0))
+    a.qp.post_send(send_wr([a.sge(0, 8)], wr_id=103))
+    assert [e.wr_id for e in a.qp.handle.sends] == [100, 101, 102, 103]
+    assert [e.signaled for e in a.qp.handle.sends] == [False, False, False, True]
+    wc = poll_one(a.scq)
+    assert wc.wr_id == 103
+    assert not a.qp.handle.sends  # the hidden completions were polled too: the log is exact
+    assert [w.wr_id for w in poll_until(b.rcq, 4)] == [0, 1, 2, 3]
+    assert_no_completion(a.scq, 0.05)
+
+
+def test_sq_sig_all_signals_wrs_without_the_flag(ib: IbEnv) -> None:
+    a, b = _pair(ib, endpoint_a={"sq_sig_all": 1})
+    post_recv(b)
+    a.qp.post_send(send_wr([a.sge(0, 8)], wr_id=5, flags=0))
+    assert poll_one(a.scq).wr_id == 5
+
+
+def test_errors_of_unsignaled_wrs_are_visible(ib: IbEnv) -> None:
+    a, b = _pair(ib, endpoint_a={"sq_sig_all": 0})
+    a.qp.post_send(rdma_wr(v.IBV_WR_RDMA_WRITE, a.sge(0, 8), b.mr.rkey + 1000, b.addr(0), wr_id=66, flags=0))
+    wc = poll_one(a.scq)
+    assert (wc.wr_id, wc.status, wc.qp_num) == (66, v.IBV_WC_REM_ACCESS_ERR, a.qp.qp_num)
+    assert not a.qp.handle.sends
