@@ -144,12 +144,6 @@ def test_two_restarts_in_a_row(ib: IbEnv) -> None:
     assert_no_completion(b.rcq, 0.05)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ckpt_ib: Virtualizer.local_sge translates an SGE address only through its lkey; an INLINE WR "
-    "(whose lkey is not checked, ibv_post_send(3)) posted with lkey 0 after a restart keeps its virtual "
-    "address and the real post fails with EINVAL (or reads whatever now lives there)",
-)
 def test_inline_send_without_lkey_after_restart(ib: IbEnv) -> None:
     a, b = _pair(ib, endpoint_a={"max_inline": 64})
     a, b = _restart(ib, a, b)
@@ -160,11 +154,6 @@ def test_inline_send_without_lkey_after_restart(ib: IbEnv) -> None:
     assert bytes(b.buf[:4]) == b"wxyz"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ckpt.verbs (front end, not ckpt_ib): MR keeps a memoryview `_view` that cloudpickle turns into a "
-    "bytes copy, so after a restart MR.read returns the bytes of the image and MR.write raises",
-)
 def test_mr_read_and_write_see_the_live_buffer_after_restart(ib: IbEnv) -> None:
     a, b = _pair(ib)
     a, b = _restart(ib, a, b)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
-import mmap
 import os
 import secrets
 import socket
@@ -135,13 +134,6 @@ class MRHandle(NotCheckpointable):
         self.length = len(view)
         self.lkey, self.rkey = hca.new_key(), hca.new_key()
         self.valid = True
-
-
-def own_buffer(length: int) -> mmap.mmap:
-    """Page-aligned zeroed memory, as pyverbs' MR(pd, length, access) allocates."""
-    if length <= 0:
-        raise PyverbsRDMAError(f"MR length must be positive, got {length}", EINVAL)
-    return mmap.mmap(-1, length)
 
 
 class ChannelHandle(NotCheckpointable):

@@ -11,8 +11,9 @@
 
 from __future__ import annotations
 
-import mmap
 from typing import Any
+
+import numpy as np
 
 from ckpt.verbs import _enums as e
 from ckpt.verbs._attrs import GID, AHAttr, AsyncEvent, DeviceAttr, PortAttr, QPAttr, QPInitAttr, SrqAttr, SrqInitAttr
@@ -84,16 +85,21 @@ class Context(VerbsObject):
         self.name = device
         self.handle = self.ops.open_device(device)
         self._adopted()
-        self._objects: dict[int, Any] = {}  # id(handle) -> object, to name the element of async events
+        self._objects: dict[Any, Any] = {}  # handle -> object, to name the element of async events
 
+    # Keyed by the handle itself (hashed by identity), not id(handle): the map must survive
+    # pickling, where a shadow handle comes back as a new object.
     def _track(self, handle: Any, obj: Any) -> None:
-        self._objects[id(handle)] = obj
+        self._objects[handle] = obj
 
     def _untrack(self, handle: Any) -> None:
-        self._objects.pop(id(handle), None)
+        self._objects.pop(handle, None)
 
     def _object_of(self, handle: Any) -> Any:
-        return self._objects.get(id(handle), handle)
+        try:
+            return self._objects.get(handle, handle)
+        except TypeError:  # an unhashable element (a provider's own type): show it as it is
+            return handle
 
     def _release(self) -> None:
         self.ops.close_device(self.handle)
@@ -157,11 +163,15 @@ class MR(VerbsObject):
             raise PyverbsUserError("MR(address=...) is not supported: pass the buffer object itself")
         super().__init__(creator)
         self.pd = creator
-        self.memory: Any = mmap.mmap(-1, length) if isinstance(length, int) and length > 0 else length
+        # Memory of its own is a numpy array: zeroed like pyverbs' allocation, and picklable, so a
+        # checkpoint carries it like any other program state.
+        own = isinstance(length, int) and length > 0
+        memory: Any = np.zeros(length, dtype=np.uint8) if own else length
+        self.memory = memory
         if isinstance(length, int) and length <= 0:
             raise PyverbsRDMAError(f"MR length must be positive, got {length}", 22)
         self.access = int(access)
-        self._view = memoryview(self.memory).cast("B")
+        self._view = memoryview(memory).cast("B")
         ops = creator.ctx.ops
         self.handle = ops.reg_mr(creator.handle, self.memory, self.access)
         self._adopted()
@@ -169,6 +179,15 @@ class MR(VerbsObject):
     def _release(self) -> None:
         self.pd.ctx.ops.dereg_mr(self.handle)
         self._view.release()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        del state["_view"]  # a view of `memory`, which pickles itself; made again on load
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._view = memoryview(self.memory).cast("B")
 
     @property
     def buf(self) -> int:

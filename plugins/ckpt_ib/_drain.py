@@ -48,6 +48,9 @@ def drain(vz: Virtualizer, rt: Any) -> int:
             gathered.update(part)
         pending = [s for s in gathered.values() if s["pending"]]
         if all(_blocked(s, gathered) for s in pending) and (not pending or gathered == previous):
+            # Every acknowledged message's receive completion exists by now (a responder queues it
+            # before it ACKs), but may have appeared after this rank's last poll: collect once more.
+            collect(vz)
             return round_no + 1
         previous = gathered
         _wait_for_progress(vz)

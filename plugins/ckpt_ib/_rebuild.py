@@ -54,7 +54,7 @@ def reconnect(vz: Virtualizer) -> None:
     for qp in vz.registry.qps:
         for attr, mask in list(qp.modifies):
             vz.apply_modify(qp, attr, mask, record=False)
-        if qp.recvs:
+        if qp.recvs and qp.state != int(v.IBV_QPS_RESET):
             vz.inner.post_recv(qp.real, vz.real_recv_chain(list(qp.recvs.values())))
     for srq in vz.registry.srqs:
         if srq.recvs:

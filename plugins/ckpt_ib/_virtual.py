@@ -94,15 +94,19 @@ class Virtualizer:
             cache[virtual] = real = tuple(real) if isinstance(real, list) else real
         return real
 
+    # An unknown virtual ID becomes 0 (never a real qp_num or unicast LID): the connection then
+    # fails as a wrong one would on hardware (RETRY_EXC_ERR), never reaches an unrelated QP.
     def real_qpn(self, vqpn: int) -> int:
         found = self._lookup(self.remote_qpn, "qpn", vqpn)
-        return int(found) if found is not None else vqpn
+        if found is None:
+            log.warning("qp_num %d was never published: the connection will fail", vqpn)
+        return int(found) if found is not None else 0
 
     def real_lid(self, vlid: int) -> int:
-        if not vlid:
-            return 0
-        found = self._lookup(self.remote_lid, "lid", vlid)
-        return int(found) if found is not None else vlid
+        found = self._lookup(self.remote_lid, "lid", vlid) if vlid else None
+        if vlid and found is None:
+            log.warning("LID %d was never published: the connection will fail", vlid)
+        return int(found) if found is not None else 0
 
     def real_key(self, vrkey: int) -> tuple[int, int]:
         found = self._lookup(self.remote_key, "rkey", vrkey)
@@ -198,12 +202,18 @@ class Virtualizer:
         self.mr_by_lkey.pop(mr.lkey, None)
         self.registry.forget(mr)
 
-    def local_sge(self, sge: tuple[int, int, int]) -> SGE:
+    def local_sge(self, sge: tuple[int, int, int], inline: bool = False) -> SGE:
         addr, length, lkey = sge
         mr = self.mr_by_lkey.get(lkey)
+        if mr is None and inline:
+            mr = self.mr_holding(addr, length)  # inline data is found by address; its lkey is not checked
         if mr is None:
             return SGE(addr, length, 0)  # an unknown lkey stays invalid: LOC_PROT_ERR, as on hardware
         return SGE(addr + mr.delta, length, int(mr.real.lkey))
+
+    def mr_holding(self, addr: int, length: int) -> ShadowMR | None:
+        """The region whose virtual range holds [addr, addr + length)."""
+        return next((m for m in self.registry.mrs if m.addr <= addr and addr + length <= m.addr + m.length), None)
 
     # ------------------------------------------------------------------ channels, CQs
     def create_comp_channel(self, dev: ShadowDevice) -> ShadowChannel:
@@ -329,9 +339,14 @@ class Virtualizer:
             srq.seq += 1
             entries.append(RecvEntry(srq.seq, wr.wr_id, _sges(wr)))
             wr = wr.next_wr
-        self.inner.post_srq_recv(srq.real, self.real_recv_chain(entries))
         for entry in entries:
             srq.recvs[entry.seq] = entry
+        try:
+            self.inner.post_srq_recv(srq.real, self.real_recv_chain(entries))
+        except BaseException:
+            for entry in entries:
+                srq.recvs.pop(entry.seq, None)
+            raise
 
     def real_recv_chain(self, entries: list[RecvEntry]) -> RecvWR | None:
         first = None
@@ -375,6 +390,7 @@ class Virtualizer:
     def destroy_qp(self, qp: ShadowQP) -> None:
         self.inner.destroy_qp(qp.real)
         self.qp_by_real.pop(int(qp.real.qp_num), None)
+        self.shadow_of.pop(id(qp.real), None)
         self.registry.forget(qp)
 
     def real_qp_attr(self, attr: QPAttr, mask: int) -> QPAttr:
@@ -425,9 +441,14 @@ class Virtualizer:
             qp.seq += 1
             entries.append(RecvEntry(qp.seq, wr.wr_id, _sges(wr)))
             wr = wr.next_wr
-        self.inner.post_recv(qp.real, self.real_recv_chain(entries))
         for entry in entries:
             qp.recvs[entry.seq] = entry
+        try:
+            self.inner.post_recv(qp.real, self.real_recv_chain(entries))
+        except BaseException:
+            for entry in entries:
+                qp.recvs.pop(entry.seq, None)
+            raise
 
     def post_send(self, qp: ShadowQP, wr: Any) -> None:
         entries = []
@@ -455,25 +476,35 @@ class Virtualizer:
         self.post_entries(qp, entries)
 
     def post_entries(self, qp: ShadowQP, entries: list[SendEntry]) -> None:
-        """Post logged send entries on the real QP (every one SIGNALED, with the plugin's wr_id)."""
+        """Post logged send entries on the real QP (every one SIGNALED, with the plugin's wr_id).
+
+        They are logged first: their completions may be polled (by another thread) before
+        the real post returns.
+        """
         first = None
         for entry in reversed(entries):
             first = self.real_send_wr(qp, entry, first)
-        self.inner.post_send(qp.real, first)
-        mtu = qp.mtu
+        mtu, psn = qp.mtu, qp.next_psn
         for entry in entries:
             length = sum(s[1] for s in entry.sg)
             entry.npkts = 1 if entry.opcode in _ATOMICS else max(1, -(-length // mtu))
-            entry.psn = qp.next_psn
-            qp.next_psn = (qp.next_psn + entry.npkts) & PSN_MASK
-            qp.sends.append(entry)
+            entry.psn, psn = psn, (psn + entry.npkts) & PSN_MASK
+        qp.sends.extend(entries)
+        try:
+            self.inner.post_send(qp.real, first)
+        except BaseException:
+            for _ in entries:  # refused as a whole (the provider checks a chain before queueing it)
+                qp.sends.pop()
+            raise
+        qp.next_psn = psn
 
     def real_send_wr(self, qp: ShadowQP, entry: SendEntry, next_wr: SendWR | None) -> SendWR:
         scratch = self.scratch.get(id(qp))
         if entry.inline is not None and scratch is not None:
             sg = [scratch.stage(entry.inline)]  # a re-post after restart: the bytes captured at post time
         else:
-            sg = [self.local_sge(s) for s in entry.sg]
+            inline = bool(entry.flags & _INLINE)
+            sg = [self.local_sge(s, inline) for s in entry.sg]
         real = SendWR(
             wr_id=entry.seq,
             opcode=entry.opcode,
@@ -492,9 +523,7 @@ class Virtualizer:
     def inline_bytes(self, sg: list[tuple[int, int, int]]) -> bytes:
         parts = []
         for addr, length, lkey in sg:
-            mr = self.mr_by_lkey.get(lkey) or next(
-                (m for m in self.registry.mrs if m.addr <= addr and addr + length <= m.addr + m.length), None
-            )
+            mr = self.mr_by_lkey.get(lkey) or self.mr_holding(addr, length)
             if mr is not None:
                 off = addr - mr.addr
                 parts.append(bytes(memoryview(mr.obj).cast("B")[off : off + length]))
