@@ -1,6 +1,6 @@
 """Pass values around a ring of ranks over RC queue pairs (SEND/RECV and RDMA WRITE WITH IMM).
 
-    ckpt launch -n 4 examples/ring.py [STEPS]
+    ckpt launch -n 4 examples/ring.py [STEPS] [WORK_US] [TIMING_FILE]
 
 Each rank connects one RC QP to its right neighbour and one to its left.  In
 every step a rank writes its running value into the right neighbour's slot
@@ -8,11 +8,19 @@ with RDMA_WRITE_WITH_IMM (the step number as immediate data), mostly
 unsignaled, and receives the left neighbour's value the same way; values mix
 deterministically, so the result is the same for every run with the same
 STEPS and ranks.
+
+For overhead measurements (benchmarks/bench_ib.py): WORK_US (default 0) adds
+that many microseconds of the rank's own CPU time of numpy work to every step,
+and with TIMING_FILE each rank writes the mean wall time of one step, in
+seconds, to TIMING_FILE.<rank> when it finishes (timed from the start of its
+first step to the end of its last, so start-up and setup are not counted).
+Neither changes the result.
 """
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -26,6 +34,10 @@ SIGNAL_EVERY = 16
 class Ring(ckpt.Program):
     def setup(self, rt: ckpt.Runtime) -> None:
         self.steps = int(rt.argv[0]) if rt.argv else 200
+        self.work = float(rt.argv[1]) / 1e6 if len(rt.argv) > 1 else 0.0
+        self.timing = rt.argv[2] if len(rt.argv) > 2 else ""
+        self.scratch = np.ones(64)
+        self.started = 0.0
         self.ctx = verbs.Context(name=rt.device)
         self.pd = verbs.PD(self.ctx)
         self.cq = verbs.CQ(self.ctx, 256)
@@ -55,6 +67,10 @@ class Ring(ckpt.Program):
         rt.barrier()
 
     def step(self, rt: ckpt.Runtime) -> bool:
+        if self.i == 0:
+            self.started = time.perf_counter()
+        if self.work:
+            _busy(self.scratch, self.work)
         self.buf[0] = self.value
         wr = verbs.SendWR(
             wr_id=self.i,
@@ -85,10 +101,22 @@ class Ring(ckpt.Program):
         # the neighbour must not overwrite slot 1 before we read it: one write in flight per step,
         # so wait for the step's exchange on both sides (collectives are step-aligned)
         rt.barrier()
-        return self.i < self.steps
+        if self.i < self.steps:
+            return True
+        if self.timing:
+            elapsed = time.perf_counter() - self.started
+            Path(f"{self.timing}.{rt.rank}").write_text(f"{elapsed / self.steps:.9f}\n")
+        return False
 
     def result(self) -> int:
         return self.value
+
+
+def _busy(scratch: np.ndarray, seconds: float) -> None:
+    """Numpy work until this thread has used `seconds` of CPU (CPU time, so a descheduled rank still does it all)."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        np.sqrt(scratch, out=scratch)
 
 
 def _connect(qp: verbs.QP, dlid: int, dest_qpn: int) -> None:
