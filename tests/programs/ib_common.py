@@ -1,0 +1,99 @@
+"""What the verbs test programs share: RC QPs connected between ranks with one allgather, and CQ polling.
+
+A program names the links it wants as (peer, label) pairs; the QP for (peer, label)
+on this rank is connected to the QP for (this rank, label) on the peer, so one RC
+QP serves a pair of ranks in both directions.  A rank may link to itself (a QP
+connected to itself, loopback, as on hardware).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import ckpt
+from ckpt import verbs
+
+ACCESS = (
+    verbs.IBV_ACCESS_LOCAL_WRITE
+    | verbs.IBV_ACCESS_REMOTE_WRITE
+    | verbs.IBV_ACCESS_REMOTE_READ
+    | verbs.IBV_ACCESS_REMOTE_ATOMIC
+)
+WAIT_LIMIT = 60.0  # seconds without progress before a program gives up (a test fails rather than hangs)
+
+Link = tuple[int, str]
+
+
+def connect_links(
+    rt: ckpt.Runtime,
+    ctx: verbs.Context,
+    pd: verbs.PD,
+    cq: verbs.CQ,
+    links: Iterable[Link],
+    *,
+    recv_cq: verbs.CQ | None = None,
+    srq: verbs.SRQ | None = None,
+    send_wr: int = 64,
+    recv_wr: int = 64,
+    rd_atomic: int = 1,
+    publish: dict[str, Any] | None = None,
+) -> tuple[dict[Link, verbs.QP], list[dict[str, Any]]]:
+    """Create and connect one RC QP per link (one allgather: call it in the same step on every rank).
+
+    Returns the QPs by link and what every rank published (`publish`, plus "lid" and "qpns").
+    """
+    wanted = sorted(set(links))
+    cap = verbs.QPCap(max_send_wr=send_wr, max_recv_wr=0 if srq else recv_wr)
+    init = verbs.QPInitAttr(qp_type=verbs.IBV_QPT_RC, scq=cq, rcq=recv_cq or cq, srq=srq, cap=cap, sq_sig_all=0)
+    qps = {link: verbs.QP(pd, init) for link in wanted}
+    me = dict(publish or {})
+    me["lid"] = ctx.query_port(1).lid
+    me["qpns"] = {link: qp.qp_num for link, qp in qps.items()}
+    everyone = rt.allgather(me)
+    for (peer, label), qp in qps.items():
+        remote = everyone[peer]
+        connect(qp, remote["lid"], remote["qpns"][(rt.rank, label)], rd_atomic)
+    return qps, everyone
+
+
+def connect(qp: verbs.QP, dlid: int, dest_qpn: int, rd_atomic: int = 1) -> None:
+    """RESET -> INIT -> RTR -> RTS towards (dlid, dest_qpn), retrying RNR forever."""
+    attr = verbs.QPAttr(port_num=1)
+    attr.qp_access_flags = ACCESS
+    qp.to_init(attr)
+    attr = verbs.QPAttr(path_mtu=verbs.IBV_MTU_1024)
+    attr.dest_qp_num = dest_qpn
+    attr.ah_attr = verbs.AHAttr(dlid=dlid, port_num=1)
+    attr.max_dest_rd_atomic = rd_atomic
+    attr.min_rnr_timer = 12
+    qp.to_rtr(attr)
+    attr = verbs.QPAttr()
+    attr.timeout, attr.retry_cnt, attr.rnr_retry, attr.max_rd_atomic = 14, 7, 7, rd_atomic
+    qp.to_rts(attr)
+
+
+def poll(cq: verbs.CQ, num_entries: int = 16) -> list[Any]:
+    """One poll; any completion that is not a success is an error of the program's run."""
+    _, wcs = cq.poll(num_entries)
+    for wc in wcs:
+        if wc.status != verbs.IBV_WC_SUCCESS:
+            status = verbs.ibv_wc_status(wc.status).name
+            raise RuntimeError(f"work completion {wc.wr_id} failed: {status} (opcode {wc.opcode})")
+    return wcs
+
+
+class Deadline:
+    """Raises when WAIT_LIMIT seconds pass without `progress()`: a lost message fails the run, it does not hang it."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.progress()
+
+    def progress(self) -> None:
+        self.limit = time.monotonic() + WAIT_LIMIT
+
+    def check(self) -> None:
+        if time.monotonic() > self.limit:
+            raise RuntimeError(f"nothing for {WAIT_LIMIT:.0f} s while waiting for {self.what}")
