@@ -58,8 +58,8 @@ class Ring(ckpt.Program):
         peers = rt.allgather(me)
         right, left = peers[(rt.rank + 1) % rt.size], peers[(rt.rank - 1) % rt.size]
         self.right = {"rkey": right["rkey"], "addr": right["addr"]}
-        _connect(self.qp_right, right["lid"], right["left"])
-        _connect(self.qp_left, left["lid"], left["right"])
+        verbs.connect_rc(self.qp_right, right["lid"], right["left"], ACCESS)
+        verbs.connect_rc(self.qp_left, left["lid"], left["right"], ACCESS)
         for i in range(32):
             self.qp_left.post_recv(verbs.RecvWR(wr_id=i))
         self.value = rt.rank + 1
@@ -117,19 +117,3 @@ def _busy(scratch: np.ndarray, seconds: float) -> None:
     end = time.thread_time() + seconds
     while time.thread_time() < end:
         np.sqrt(scratch, out=scratch)
-
-
-def _connect(qp: verbs.QP, dlid: int, dest_qpn: int) -> None:
-    """RESET -> INIT -> RTR -> RTS towards (dlid, dest_qpn), as every verbs program does."""
-    attr = verbs.QPAttr(port_num=1)
-    attr.qp_access_flags = ACCESS
-    qp.to_init(attr)
-    attr = verbs.QPAttr(path_mtu=verbs.IBV_MTU_1024)
-    attr.dest_qp_num = dest_qpn
-    attr.ah_attr = verbs.AHAttr(dlid=dlid, port_num=1)
-    attr.max_dest_rd_atomic = 1
-    attr.min_rnr_timer = 12
-    qp.to_rtr(attr)
-    attr = verbs.QPAttr()
-    attr.timeout, attr.retry_cnt, attr.rnr_retry, attr.max_rd_atomic = 14, 7, 7, 1
-    qp.to_rts(attr)

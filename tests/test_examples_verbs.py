@@ -6,10 +6,11 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+
+from harness import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
@@ -99,11 +100,12 @@ def test_rc_pingpong_server_and_client(tmp_path: Path) -> None:
             env=env_without_fabric(),
         )
     try:
-        deadline = time.monotonic() + TIMEOUT
-        while "waiting for a client" not in server_out.read_text():
+
+        def listening() -> bool:
             assert server.poll() is None, server_out.read_text()
-            assert time.monotonic() < deadline, "the server did not start listening"
-            time.sleep(0.05)
+            return "waiting for a client" in server_out.read_text()
+
+        wait_for(listening, TIMEOUT, "the server to start listening")
         text = server_out.read_text()
         fabric_vars = dict(item.split("=", 1) for item in re.search(r"^fabric: (.*)$", text, re.M)[1].split())
         port = re.search(r"waiting for a client on 127\.0\.0\.1 port (\d+)", text)[1]

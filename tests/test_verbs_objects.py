@@ -240,3 +240,16 @@ def test_enums_both_spellings_with_libibverbs_values(cls: str, name: str, value:
     qualified = getattr(getattr(v, cls), name)
     assert qualified == getattr(v, name) == value
     assert getattr(_enums, cls)(value).name == name
+
+
+def test_connect_rc_brings_a_pair_to_rts_with_the_given_attributes(ctxs: tuple[v.Context, ...]) -> None:
+    a, b = make_endpoint(ctxs[0]), make_endpoint(ctxs[1])
+    for me, peer, sq in ((a, b, 5), (b, a, 9)):
+        v.connect_rc(me.qp, peer.lid, peer.qp.qp_num, ACCESS_ALL, rd_atomic=4, sq_psn=sq, rq_psn=14 - sq, rnr_retry=3)
+    attr, _ = a.qp.query()
+    assert (attr.qp_state, attr.dest_qp_num, attr.ah_attr.dlid) == (v.IBV_QPS_RTS, b.qp.qp_num, b.lid)
+    assert (attr.sq_psn, attr.rq_psn, attr.max_rd_atomic, attr.rnr_retry) == (5, 9, 4, 3)
+    post_recv(b)
+    a.qp.post_send(send_wr([a.sge(0, 8)], wr_id=3))
+    assert poll_one(a.scq).status == v.IBV_WC_SUCCESS
+    assert poll_one(b.rcq).byte_len == 8

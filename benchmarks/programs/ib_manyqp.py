@@ -60,7 +60,7 @@ class ManyQP(ckpt.Program):
         self.by_qpn = {}
         for j, qp in enumerate(self.qps):
             peer = peers[rt.rank ^ (1 + j % (rt.size - 1))]
-            _connect(qp, peer["lid"], peer["qpns"][j])
+            verbs.connect_rc(qp, peer["lid"], peer["qpns"][j], ACCESS)
             self.by_qpn[qp.qp_num] = j
             for k in range(RECVS):
                 self._post_recv(j, k)
@@ -124,19 +124,3 @@ def _stamp(path: str, record: dict[str, float]) -> None:
     with open(tmp, "w") as f:
         json.dump(record, f)
     os.replace(tmp, path)
-
-
-def _connect(qp: verbs.QP, dlid: int, dest_qpn: int) -> None:
-    """RESET -> INIT -> RTR -> RTS towards (dlid, dest_qpn)."""
-    attr = verbs.QPAttr(port_num=1)
-    attr.qp_access_flags = ACCESS
-    qp.to_init(attr)
-    attr = verbs.QPAttr(path_mtu=verbs.IBV_MTU_1024)
-    attr.dest_qp_num = dest_qpn
-    attr.ah_attr = verbs.AHAttr(dlid=dlid, port_num=1)
-    attr.max_dest_rd_atomic = 1
-    attr.min_rnr_timer = 12
-    qp.to_rtr(attr)
-    attr = verbs.QPAttr()
-    attr.timeout, attr.retry_cnt, attr.rnr_retry, attr.max_rd_atomic = 14, 7, 7, 1
-    qp.to_rts(attr)

@@ -50,7 +50,7 @@ class PingPong(ckpt.Program):
         self.qp = verbs.QP(self.pd, init)
         me = {"lid": self.ctx.query_port(1).lid, "qpn": self.qp.qp_num}
         peer = rt.allgather(me)[1 - rt.rank]
-        _connect(self.qp, peer["lid"], peer["qpn"])
+        verbs.connect_rc(self.qp, peer["lid"], peer["qpn"], ACCESS)
         for i in range(RECVS):
             self._post_recv(i)
         self.done = 0  # round trips completed
@@ -119,19 +119,3 @@ class PingPong(ckpt.Program):
 
     def result(self) -> str:
         return f"{self.elapsed / self.round_trips * 1e6:.3f}"
-
-
-def _connect(qp: verbs.QP, dlid: int, dest_qpn: int) -> None:
-    """RESET -> INIT -> RTR -> RTS towards (dlid, dest_qpn)."""
-    attr = verbs.QPAttr(port_num=1)
-    attr.qp_access_flags = ACCESS
-    qp.to_init(attr)
-    attr = verbs.QPAttr(path_mtu=verbs.IBV_MTU_1024)
-    attr.dest_qp_num = dest_qpn
-    attr.ah_attr = verbs.AHAttr(dlid=dlid, port_num=1)
-    attr.max_dest_rd_atomic = 1
-    attr.min_rnr_timer = 12
-    qp.to_rtr(attr)
-    attr = verbs.QPAttr()
-    attr.timeout, attr.retry_cnt, attr.rnr_retry, attr.max_rd_atomic = 14, 7, 7, 1
-    qp.to_rts(attr)

@@ -20,7 +20,7 @@ from ckpt.verbs._attrs import (
 from ckpt.verbs._enums import *  # noqa: F403  (the libibverbs enums and their IBV_* aliases)
 from ckpt.verbs._enums import ENUMS as _ENUMS
 from ckpt.verbs._errors import PyverbsError, PyverbsRDMAError, PyverbsUserError
-from ckpt.verbs._objects import AH, CQ, MR, PD, QP, SRQ, CompChannel, Context, VerbsObject
+from ckpt.verbs._objects import AH, CQ, MR, PD, QP, SRQ, CompChannel, Context, VerbsObject, connect_rc
 from ckpt.verbs._provider import OPERATIONS, VerbsOps, add_ops_wrapper, get_ops, providers, register_provider
 
 __all__ = [
@@ -54,6 +54,7 @@ __all__ = [
     "VerbsObject",
     "VerbsOps",
     "add_ops_wrapper",
+    "connect_rc",
     "get_ops",
     "providers",
     "register_provider",

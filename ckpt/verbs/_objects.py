@@ -428,3 +428,38 @@ class QP(VerbsObject):
         if self._closed:
             raise PyverbsUserError("QP is closed")
         self._ops.post_recv(self.handle, recv_wr)
+
+
+def connect_rc(
+    qp: QP,
+    dlid: int,
+    dest_qp_num: int,
+    access: int,
+    *,
+    port_num: int = 1,
+    path_mtu: int = e.IBV_MTU_1024,
+    rd_atomic: int = 1,
+    min_rnr_timer: int = 12,
+    timeout: int = 14,
+    retry_cnt: int = 7,
+    rnr_retry: int = 7,
+    sq_psn: int = 0,
+    rq_psn: int = 0,
+) -> None:
+    """RESET -> INIT -> RTR -> RTS towards (dlid, dest_qp_num): the set-up every RC program repeats.
+
+    An extension (pyverbs has no such helper); the defaults retry RNR forever
+    (rnr_retry 7) and time out after about 67 ms x 8 on a dead peer.
+    """
+    attr = QPAttr(port_num=port_num)
+    attr.qp_access_flags = access
+    qp.to_init(attr)
+    attr = QPAttr(path_mtu=path_mtu)
+    attr.dest_qp_num, attr.rq_psn = dest_qp_num, rq_psn
+    attr.ah_attr = AHAttr(dlid=dlid, port_num=port_num)
+    attr.max_dest_rd_atomic, attr.min_rnr_timer = rd_atomic, min_rnr_timer
+    qp.to_rtr(attr)
+    attr = QPAttr()
+    attr.timeout, attr.retry_cnt, attr.rnr_retry = timeout, retry_cnt, rnr_retry
+    attr.sq_psn, attr.max_rd_atomic = sq_psn, rd_atomic
+    qp.to_rts(attr)

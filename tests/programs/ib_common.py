@@ -60,18 +60,7 @@ def connect_links(
 
 def connect(qp: verbs.QP, dlid: int, dest_qpn: int, rd_atomic: int = 1) -> None:
     """RESET -> INIT -> RTR -> RTS towards (dlid, dest_qpn), retrying RNR forever."""
-    attr = verbs.QPAttr(port_num=1)
-    attr.qp_access_flags = ACCESS
-    qp.to_init(attr)
-    attr = verbs.QPAttr(path_mtu=verbs.IBV_MTU_1024)
-    attr.dest_qp_num = dest_qpn
-    attr.ah_attr = verbs.AHAttr(dlid=dlid, port_num=1)
-    attr.max_dest_rd_atomic = rd_atomic
-    attr.min_rnr_timer = 12
-    qp.to_rtr(attr)
-    attr = verbs.QPAttr()
-    attr.timeout, attr.retry_cnt, attr.rnr_retry, attr.max_rd_atomic = 14, 7, 7, rd_atomic
-    qp.to_rts(attr)
+    verbs.connect_rc(qp, dlid, dest_qpn, ACCESS, rd_atomic=rd_atomic)
 
 
 def poll(cq: verbs.CQ, num_entries: int = 16) -> list[Any]:
