@@ -7,7 +7,17 @@ from typing import Any
 
 import pytest
 from ib_util import IbEnv, ib_env, real_of
-from verbs_util import Endpoint, connect_rc, poll_one, poll_until, post_recv, rdma_wr, send_wr, wait_for
+from verbs_util import (
+    Endpoint,
+    assert_no_completion,
+    connect_rc,
+    poll_one,
+    poll_until,
+    post_recv,
+    rdma_wr,
+    send_wr,
+    wait_for,
+)
 
 from ckpt import verbs as v
 from ckpt_ib import drain
@@ -28,9 +38,9 @@ def _rq_psn(ep: Endpoint) -> int:
     return int(ep.qp.query(v.IBV_QP_RQ_PSN)[0].rq_psn)
 
 
-def _post_sends(ep: Endpoint, wr_ids: range, length: int = 8) -> None:
+def _post_sends(ep: Endpoint, wr_ids: range, length: int = 8, flags: int = v.IBV_SEND_SIGNALED) -> None:
     for wr_id in wr_ids:
-        ep.qp.post_send(send_wr([ep.sge(0, length)], wr_id=wr_id))
+        ep.qp.post_send(send_wr([ep.sge(0, length)], wr_id=wr_id, flags=flags))
 
 
 def test_drain_leaves_exactly_the_rnr_blocked_sends_in_the_log(ib: IbEnv) -> None:
@@ -49,6 +59,40 @@ def test_drain_leaves_exactly_the_rnr_blocked_sends_in_the_log(ib: IbEnv) -> Non
     assert [w.wr_id for w in a.scq.handle.private] == [0, 1]
     assert [w.wr_id for w in b.rcq.handle.private] == [0, 1]
     assert not real_of(a.scq).entries and not real_of(b.rcq).entries  # all taken from the real CQs
+
+
+def test_drain_forgets_unsignaled_sends_that_landed(ib: IbEnv) -> None:
+    a, b = _pair(ib, endpoint_a={"sq_sig_all": 0})
+    for i in range(3):
+        post_recv(b, offset=64 * i, length=64, wr_id=i)
+    _post_sends(a, range(3), flags=0)  # no later signaled WR will ever retire them
+    wait_for(lambda: _rq_psn(b) == 3, what="the 3 sends to land")
+    assert len(a.qp.handle.sends) == 3
+
+    drain(ib.vz, ib.rt)
+
+    assert not a.qp.handle.sends, "landed sends still in the log: a restart would deliver them twice"
+    assert not a.scq.handle.private
+    assert [w.wr_id for w in b.rcq.handle.private] == [0, 1, 2]
+    post_recv(b, wr_id=3)
+    _post_sends(a, range(3, 4))  # the next signaled send completes alone
+    assert [w.wr_id for w in poll_until(a.scq, 1)] == [3]
+    assert_no_completion(a.scq, 0.05)
+
+
+def test_drain_keeps_exactly_the_unsignaled_sends_that_did_not_land(ib: IbEnv) -> None:
+    a, b = _pair(ib, endpoint_a={"sq_sig_all": 0})
+    for i in range(2):
+        post_recv(b, offset=2048 * i, length=2048, wr_id=i)
+    _post_sends(a, range(5), length=1500, flags=0)  # PSNs 0, 2, 4, 6, 8; the last 3 meet RNR
+
+    drain(ib.vz, ib.rt)
+
+    log = list(a.qp.handle.sends)
+    assert [e.wr_id for e in log] == [2, 3, 4]
+    assert log[0].psn == _rq_psn(b) == 4
+    assert not a.scq.handle.private
+    assert [w.wr_id for w in b.rcq.handle.private] == [0, 1]
 
 
 def test_drain_with_everything_landed_leaves_empty_logs(ib: IbEnv) -> None:

@@ -47,20 +47,24 @@ def test_shadow_getstate_drops_real() -> None:
     assert copy.real is None and (copy.name, copy.vlids) == ("x0", [1, 2])
 
 
+class _RealMR:
+    addr, lkey = 0x5000, 0x77
+
+
 def test_registered_array_pickles_with_its_shadow() -> None:
     buf = np.arange(16, dtype=np.uint8)
     mr = ShadowMR(ShadowPD(ShadowDevice("x0", [1, 2])), buf, ACCESS_ALL, 10, 11, 0x1000, 16)
+    mr.attach(_RealMR())
     arr, copy = pickle.loads(pickle.dumps((buf, mr)))
     assert copy.obj is arr and list(arr) == list(range(16))
+    assert copy.real is None and copy.memory is None  # this process's handle and view of the memory stay here
 
 
 def test_mr_attach_records_where_the_buffer_lives_now() -> None:
-    class Real:
-        addr = 0x5000
-
-    mr = ShadowMR(ShadowPD(ShadowDevice("x0", [1, 2])), b"", 0, 10, 11, 0x1000, 16)
-    mr.attach(Real())
-    assert (mr.addr, mr.delta) == (0x1000, 0x4000)
+    mr = ShadowMR(ShadowPD(ShadowDevice("x0", [1, 2])), bytearray(b"abcd"), 0, 10, 11, 0x1000, 4)
+    mr.attach(_RealMR())
+    assert (mr.addr, mr.delta, mr.real_lkey) == (0x1000, 0x4000, 0x77)
+    assert mr.memory is not None and bytes(mr.memory[1:3]) == b"bc"
 
 
 def test_registry_forget_removes_exactly_that_shadow() -> None:

@@ -158,20 +158,58 @@ def test_real_rkey_is_not_accepted_as_a_virtual_one(ib: IbEnv) -> None:
     assert poll_one(a.scq).status == v.IBV_WC_REM_ACCESS_ERR
 
 
-def test_every_real_wr_is_signaled_under_the_plugins_wr_id(ib: IbEnv) -> None:
-    a, b = _pair(ib, endpoint_a={"sq_sig_all": 0})
-    post_recv(b)
-    seen: list[tuple[int, int]] = []
+def _spy_posts(ib: IbEnv) -> list[tuple[int, int, int]]:
+    """(wr_id, opcode, send_flags) of every real send WR the plugin posts from now on."""
+    seen: list[tuple[int, int, int]] = []
     post = ib.vz.inner.post_send
 
-    def spy(qp: object, wr: v.SendWR) -> None:
-        seen.append((wr.wr_id, wr.send_flags))
-        post(qp, wr)
+    def spy(qp: object, wr: v.SendWR | None) -> None:
+        first = wr
+        while wr is not None:
+            seen.append((wr.wr_id, int(wr.opcode), int(wr.send_flags)))
+            wr = wr.next_wr
+        post(qp, first)
 
     ib.vz.inner.post_send = spy
+    return seen
+
+
+def test_real_wrs_carry_the_plugins_wr_id_and_ask_for_a_completion_only_when_needed(ib: IbEnv) -> None:
+    a, b = _pair(ib, endpoint_a={"sq_sig_all": 0})
+    post_recv(b)
+    seen = _spy_posts(ib)
     a.qp.post_send(send_wr([a.sge(0, 8)], wr_id=777, flags=0))
-    ((wr_id, flags),) = seen
-    assert flags & v.IBV_SEND_SIGNALED and wr_id == a.qp.handle.sends[0].seq != 777
+    a.qp.post_send(rdma_wr(v.IBV_WR_RDMA_WRITE, a.sge(0, 8), b.mr.rkey, b.addr(64), wr_id=778))
+    a.qp.post_send(rdma_wr(v.IBV_WR_RDMA_READ, a.sge(64, 8), b.mr.rkey, b.addr(0), wr_id=779, flags=0))
+    a.qp.post_send(rdma_wr(v.IBV_WR_ATOMIC_FETCH_AND_ADD, a.sge(128, 8), b.mr.rkey, b.addr(128), wr_id=780, flags=0))
+    signaled = [bool(flags & v.IBV_SEND_SIGNALED) for _, _, flags in seen]
+    assert signaled == [False, True, True, True]  # READ and atomics always: only their completion says they landed
+    assert [wr_id for wr_id, _, _ in seen] == [e.seq for e in a.qp.handle.sends]
+    assert 777 not in [wr_id for wr_id, _, _ in seen]
+    assert [w.wr_id for w in poll_until(a.scq, 1)] == [778]
+    assert_no_completion(a.scq, 0.05)  # the READ and the atomic complete hidden
+    assert not a.qp.handle.sends
+
+
+def test_uc_real_wrs_are_always_signaled(ib: IbEnv) -> None:
+    a, b = _pair(ib, qp_type=v.IBV_QPT_UC, endpoint_a={"sq_sig_all": 0})
+    post_recv(b)
+    seen = _spy_posts(ib)
+    a.qp.post_send(send_wr([a.sge(0, 8)], wr_id=1, flags=0))
+    assert seen[0][2] & v.IBV_SEND_SIGNALED  # UC has no ACKs: only the completion retires the WR
+    assert_no_completion(a.scq, 0.05)
+    assert not a.qp.handle.sends
+
+
+def test_a_stray_completion_leaves_the_log_alone(ib: IbEnv) -> None:
+    a, _b = _pair(ib, endpoint_a={"sq_sig_all": 0})
+    for i in range(2):
+        a.qp.post_send(send_wr([a.sge(0, 8)], wr_id=i, flags=0))
+    first, last = a.qp.handle.sends[0].seq, a.qp.handle.sends[-1].seq
+    for wr_id in (first - 1, last + 1):
+        stray = v.WC(wr_id=wr_id, status=v.IBV_WC_SUCCESS, opcode=v.IBV_WC_SEND, qp_num=real_of(a.qp).qp_num)
+        assert ib.vz.translate(stray) is None
+    assert [e.wr_id for e in a.qp.handle.sends] == [0, 1]
 
 
 def test_unsignaled_wrs_complete_silently_and_leave_the_log(ib: IbEnv) -> None:

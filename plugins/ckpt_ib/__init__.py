@@ -7,10 +7,11 @@
 #    (_shadows.py).
 # 2. Interpose on the provider's operations table (_virtual.py, installed by
 #    ckpt_wrap_verbs once at start-up; the hot path never goes through pluggy).
-# 3. Log posted WRs until their completion is polled, and every modify-QP /
-#    modify-SRQ (_shadows.py, _virtual.py).  Every real WR is posted signaled
-#    under the plugin's own wr_id, so "completed" is exact even for WRs the
-#    program posted unsignaled.
+# 3. Log posted WRs until they complete, and every modify-QP / modify-SRQ
+#    (_shadows.py, _virtual.py).  Real WRs carry the plugin's own wr_id; an
+#    unsignaled one leaves the log when a later one completes (RC completes
+#    in order) or when DRAIN sees it landed at the peer, so the log is exact
+#    without signaling what the program did not.
 # 4. At DRAIN, drain every CQ into a private queue (_drain.py) -- and, beyond
 #    the paper, keep draining until every message sent has landed or is known
 #    not to have (PSN counts exchanged through the coordinator).

@@ -6,19 +6,22 @@
 #
 # 1. every CQ is polled into its shadow's private queue (principle 4) and
 #    every completion-channel event is taken into the channel's shadow;
-# 2. each rank publishes, per QP, what is still pending in its send log (the
-#    first pending WR's PSN, computed the way the wire assigns PSNs, and
-#    whether it needs a receive) and, as a responder, its rq_psn and how many
-#    receives it still has posted -- one coordinator barrier gathers them all;
-# 3. a QP is settled when its send log is empty (everything landed and was
-#    acknowledged: every real WR is signaled, so the log is exact), or when
-#    it is blocked: its first pending WR needs a receive, the peer has none
-#    left, and the peer's rq_psn is exactly that WR's PSN (it never landed,
-#    and nothing after it can land before the program runs again).
+# 2. each rank publishes, per QP, the head of its send log -- each WR's
+#    first PSN and packet count (computed the way the wire assigns PSNs),
+#    whether it needs a receive and whether its real WR is signaled, up to
+#    the first signaled one -- and, as a responder, its rq_psn and how many
+#    receives it still has posted; one coordinator barrier gathers them all;
+# 3. a QP is settled when every WR in its log has either landed unsignaled
+#    (the peer's rq_psn is past its last PSN: nothing will ever complete it,
+#    so it leaves the log here) or is blocked: it needs a receive, the peer
+#    has none left, and the peer's rq_psn is exactly its PSN (it never landed,
+#    and nothing after it can land before the program runs again).  A
+#    signaled WR that landed is waited for: its ACK is on the way, and the
+#    completion goes to the private queue.
 #
 # Every rank evaluates the same predicate on the same gathered states, so all
-# leave the loop in the same round.  A blocked state must also be seen
-# unchanged in two consecutive rounds.  What is still in a send log after
+# leave the loop in the same round.  A log that is not empty must also be
+# seen unchanged in two consecutive rounds.  What is still in a send log after
 # the drain did not land -- exactly that is re-posted after a restart, and
 # nothing else: no duplicate, no gap.
 
@@ -30,7 +33,7 @@ from typing import Any
 
 from ckpt import verbs as v
 from ckpt_ib._shadows import ShadowQP
-from ckpt_ib._virtual import Virtualizer
+from ckpt_ib._virtual import PSN_MASK, Virtualizer
 
 #: How long a round waits for progress before gathering again (seconds).
 ROUND_WAIT = 0.005
@@ -47,10 +50,12 @@ def drain(vz: Virtualizer, rt: Any) -> int:
         for part in rt.coordinator_barrier(f"ib-drain-{round_no}", mine):
             gathered.update(part)
         pending = [s for s in gathered.values() if s["pending"]]
-        if all(_blocked(s, gathered) for s in pending) and (not pending or gathered == previous):
+        if all(_settled(s, gathered) for s in pending) and (not pending or gathered == previous):
             # Every acknowledged message's receive completion exists by now (a responder queues it
             # before it ACKs), but may have appeared after this rank's last poll: collect once more.
             collect(vz)
+            for qp in vz.registry.qps:
+                _forget_landed(qp, gathered.get(str(qp.dest_qp_num)))
             return round_no + 1
         previous = gathered
         _wait_for_progress(vz)
@@ -78,7 +83,11 @@ def collect(vz: Virtualizer) -> int:
 
 
 def _state(vz: Virtualizer, qp: ShadowQP) -> dict[str, Any]:
-    first = qp.sends[0] if qp.sends else None
+    head: list[list[Any]] = []
+    for entry in qp.sends:
+        head.append([entry.psn, entry.npkts, entry.needs_recv, entry.real_signaled])
+        if entry.real_signaled:
+            break
     srq = qp.init.srq
     rq_psn = None
     if qp.state in _ACTIVE and qp.real is not None:
@@ -86,17 +95,37 @@ def _state(vz: Virtualizer, qp: ShadowQP) -> dict[str, Any]:
     return {
         "dest": str(qp.dest_qp_num),
         "pending": len(qp.sends),
-        "psn": first.psn if first is not None else None,
-        "needs_recv": bool(first is not None and first.needs_recv),
+        "head": head,
         "rq_psn": rq_psn,
         "avail": len(srq.recvs) if srq is not None else len(qp.recvs),
     }
 
 
-def _blocked(state: dict[str, Any], gathered: dict[str, Any]) -> bool:
-    """The first pending WR waits for a receive the peer does not have (RNR): it has not landed."""
+def _landed(psn: int, npkts: int, peer: dict[str, Any] | None) -> bool:
+    """Whether the peer's rq_psn is past all of a WR's packets (PSNs compare modulo 2^24)."""
+    if peer is None or peer["rq_psn"] is None:
+        return False
+    ahead = (int(peer["rq_psn"]) - psn) & PSN_MASK
+    return npkts <= ahead < 1 << 23
+
+
+def _settled(state: dict[str, Any], gathered: dict[str, Any]) -> bool:
+    """Every WR in the log has landed unsignaled, or the first one that has not is blocked (RNR)."""
     peer = gathered.get(state["dest"])
-    return bool(peer is not None and state["needs_recv"] and peer["avail"] == 0 and peer["rq_psn"] == state["psn"])
+    for psn, npkts, needs_recv, signaled in state["head"]:
+        if _landed(psn, npkts, peer):
+            if signaled:
+                return False  # its completion is on the way
+            continue
+        return bool(peer is not None and needs_recv and peer["avail"] == 0 and peer["rq_psn"] == psn)
+    return bool(len(state["head"]) == state["pending"])
+
+
+def _forget_landed(qp: ShadowQP, peer: dict[str, Any] | None) -> None:
+    """Drop the unsignaled WRs that landed from the log: no completion will ever retire them."""
+    sends = qp.sends
+    while sends and not sends[0].real_signaled and _landed(sends[0].psn, sends[0].npkts, peer):
+        sends.popleft()
 
 
 def _wait_for_progress(vz: Virtualizer) -> None:

@@ -19,18 +19,21 @@ from ckpt.verbs import WC, AHAttr, QPAttr, QPCap, SrqAttr
 
 
 class Shadow:
-    """Base: `real` is the provider's handle in this process, never pickled."""
+    """Base: `real` is the provider's handle in this process, never pickled (nor the other `_transient` fields)."""
 
     real: Any = None
+    _transient: tuple[str, ...] = ("real",)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state.pop("real", None)
+        for name in self._transient:
+            state.pop(name, None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self.real = None
+        for name in self._transient:
+            setattr(self, name, None)
 
 
 class ShadowDevice(Shadow):
@@ -47,14 +50,20 @@ class ShadowPD(Shadow):
 class ShadowMR(Shadow):
     """`addr`, `lkey`, `rkey` are what the program sees: the first registration's address, virtual keys."""
 
+    _transient = ("real", "memory")
+
     def __init__(self, pd: ShadowPD, obj: Any, access: int, vlkey: int, vrkey: int, vaddr: int, length: int) -> None:
         self.pd, self.obj, self.access = pd, obj, access
         self.lkey, self.rkey, self.addr, self.length = vlkey, vrkey, vaddr, length
         self.delta = 0  # real address - virtual address in this process
+        self.real_lkey = 0  # this process's
+        self.memory: memoryview | None = None  # the registered memory, byte by byte (for inline sends)
 
     def attach(self, real: Any) -> None:
         self.real = real
         self.delta = int(real.addr) - self.addr
+        self.real_lkey = int(real.lkey)
+        self.memory = memoryview(self.obj).cast("B")
 
 
 class ShadowChannel(Shadow):
@@ -71,7 +80,7 @@ class ShadowCQ(Shadow):
         self.unacked_events = 0
 
 
-@dataclass
+@dataclass(slots=True)
 class RecvEntry:
     """A posted receive WR, until its completion is polled."""
 
@@ -80,9 +89,9 @@ class RecvEntry:
     sg: list[tuple[int, int, int]]  # virtual (addr, length, lkey)
 
 
-@dataclass
+@dataclass(slots=True)
 class SendEntry:
-    """A posted send WR, until its (always signaled) real completion is polled."""
+    """A posted send WR, until its real completion (or a later WR's) is polled, or DRAIN sees it landed."""
 
     seq: int
     wr_id: int
@@ -96,6 +105,7 @@ class SendEntry:
     compare_add: int
     swap: int
     inline: bytes | None
+    real_signaled: bool = True  # the real WR asks for a completion (see _virtual.py)
     psn: int = 0  # first PSN, computed the way the wire assigns them
     npkts: int = 1
 
