@@ -20,12 +20,13 @@ from pathlib import Path
 
 import pytest
 
-from harness import EXAMPLES, PROGRAMS, Job, results, run
+from harness import PROGRAMS, Job, results, run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 RANKS = 4
 TRACE_ENV = "CKPT_IB_TRACE_DIR"
+HOLD_ENV = "CKPT_TEST_HOLD"  # tests/programs/ib_common.py: the job does not finish before this file exists
 MODULUS = (1 << 61) - 1
 
 
@@ -103,12 +104,13 @@ class Case:
         return (str(self.program), str(steps), *self.options)
 
 
-# The checkpointing tests run LONGER times as many steps and checkpoint early: they race a running job,
-# and `ckpt status` (reporting steps every 0.25 s) can take a second on a loaded machine.  The ring's
-# option adds 0.5 ms of CPU work per step, which does not change its result.
+# The checkpointing tests hold the job (HOLD_ENV) until their last checkpoint is taken, so a fast run
+# cannot end before it; they run LONGER times as many steps and checkpoint early so that the
+# checkpoints fall mid-run.  ib_ring.py is examples/ring.py with its step held; the ring's option adds
+# 0.5 ms of CPU work per step, which does not change its result.
 LONGER = 3
 CASES = [
-    Case("ring", EXAMPLES / "ring.py", ("500",), lambda n: expected_ring(RANKS, n), 1500, 20),
+    Case("ring", PROGRAMS / "ib_ring.py", ("500",), lambda n: expected_ring(RANKS, n), 1500, 20),
     Case("pingpong", PROGRAMS / "ib_pingpong.py", ("8",), lambda n: expected_pingpong(RANKS, n, 8), 500, 10),
     Case("atomics", PROGRAMS / "ib_atomics.py", (), lambda n: expected_atomics(RANKS, n), 500, 10),
     Case("channel", PROGRAMS / "ib_channel.py", (), lambda n: expected_ring(RANKS, n), 3000, 30),
@@ -131,6 +133,17 @@ def take(ckpt_dir: Path, how: str) -> None:
 def traced(directory: Path, rank: int, generation: int) -> dict[str, list[int]]:
     data: dict[str, list[int]] = json.loads((directory / f"ib.{rank}.{generation}.json").read_text())
     return data
+
+
+class Hold:
+    """The file a held job waits for before it finishes: `env` for launch and restart, `release()` at the end."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.path = tmp_path / "release"
+        self.env = {HOLD_ENV: str(self.path)}
+
+    def release(self) -> None:
+        self.path.touch()
 
 
 # ------------------------------------------------------------------ runs that need no checkpoint
@@ -167,11 +180,12 @@ def test_variants_run_uninterrupted_and_native(argv: tuple[str, ...], expected: 
 def test_checkpoint_then_resume_gives_the_uninterrupted_result(
     case: Case, start_job: Callable[..., Job], tmp_path: Path
 ) -> None:
-    ckpt_dir, steps = tmp_path / "ckpt", case.steps * LONGER
-    job = start_job(*launch_args(ckpt_dir, case.argv(steps)), ckpt_dir=ckpt_dir)
+    ckpt_dir, steps, hold = tmp_path / "ckpt", case.steps * LONGER, Hold(tmp_path)
+    job = start_job(*launch_args(ckpt_dir, case.argv(steps)), ckpt_dir=ckpt_dir, extra_env=hold.env)
     job.wait_step(case.checkpoint_at)
     take(ckpt_dir, "--wait")
     take(ckpt_dir, "--wait")  # a second one, from the resumed state
+    hold.release()
     assert job.wait() == 0, job.stderr
     assert results(job.stdout) == case.expect(steps)
 
@@ -183,7 +197,9 @@ def test_kill_then_restart_gives_the_uninterrupted_result_with_new_real_ids(
 ) -> None:
     ckpt_dir, trace, steps = tmp_path / "ckpt", tmp_path / "trace", case.steps * LONGER
     trace.mkdir()
-    job = start_job(*launch_args(ckpt_dir, case.argv(steps)), ckpt_dir=ckpt_dir, extra_env={TRACE_ENV: str(trace)})
+    hold = Hold(tmp_path)
+    env = {TRACE_ENV: str(trace), **hold.env}
+    job = start_job(*launch_args(ckpt_dir, case.argv(steps)), ckpt_dir=ckpt_dir, extra_env=env)
     job.wait_step(case.checkpoint_at)
     shown = run("fabric", "status", "--dir", str(ckpt_dir), "--json")
     assert shown.returncode == 0, shown.stderr
@@ -193,7 +209,8 @@ def test_kill_then_restart_gives_the_uninterrupted_result_with_new_real_ids(
     }
     take(ckpt_dir, "--kill")
     assert job.wait() == 0, job.stderr
-    again = start_job("restart", "--ckpt-dir", str(ckpt_dir), ckpt_dir=ckpt_dir, extra_env={TRACE_ENV: str(trace)})
+    hold.release()
+    again = start_job("restart", "--ckpt-dir", str(ckpt_dir), ckpt_dir=ckpt_dir, extra_env=env)
     assert again.wait() == 0, again.stderr
     assert results(again.stdout) == case.expect(steps)
     for rank in range(RANKS):
@@ -211,11 +228,11 @@ def checkpoint_storm(
     """ib_seq through `resumes` checkpoints and `restarts` kill/restart cycles, in a random order at random moments."""
     print(f"seed {seed}")  # shown by pytest when the test fails: CKPT_TEST_SEED=<seed> replays the same schedule
     rng = random.Random(seed)
-    ckpt_dir = tmp_path / "ckpt"
+    ckpt_dir, hold = tmp_path / "ckpt", Hold(tmp_path)
     argv = [str(PROGRAMS / "ib_seq.py"), str(steps)]
     plan = ["--wait"] * resumes + ["--kill"] * restarts
     rng.shuffle(plan)
-    job = start_job(*launch_args(ckpt_dir, argv), ckpt_dir=ckpt_dir)
+    job = start_job(*launch_args(ckpt_dir, argv), ckpt_dir=ckpt_dir, extra_env=hold.env)
     job.wait_step(5)
     for number, how in enumerate(plan, 1):
         time.sleep(rng.uniform(0.05, 0.5))  # a random moment, on purpose: what is in flight differs every time
@@ -223,8 +240,9 @@ def checkpoint_storm(
         if how == "--kill":
             assert job.wait() == 0, job.stderr
             assert f"killed after checkpoint {number}" in job.stderr, job.stderr
-            job = start_job("restart", "--ckpt-dir", str(ckpt_dir), ckpt_dir=ckpt_dir)
+            job = start_job("restart", "--ckpt-dir", str(ckpt_dir), ckpt_dir=ckpt_dir, extra_env=hold.env)
             job.wait_step(1)
+    hold.release()
     assert job.wait(timeout=240) == 0, job.stderr
     assert results(job.stdout) == expected_seq(RANKS, steps), f"seed {seed}"
 
@@ -258,17 +276,18 @@ def test_exactly_once_across_20_checkpoints_and_5_restarts(start_job: Callable[.
 def test_checkpoint_with_operations_in_flight_resumes_and_restarts(
     argv: tuple[str, ...], expected: dict[int, str], at: int, start_job: Callable[..., Job], tmp_path: Path
 ) -> None:
-    ckpt_dir = tmp_path / "ckpt"
-    job = start_job(*launch_args(ckpt_dir, argv), ckpt_dir=ckpt_dir)
+    ckpt_dir, hold = tmp_path / "ckpt", Hold(tmp_path)
+    job = start_job(*launch_args(ckpt_dir, argv), ckpt_dir=ckpt_dir, extra_env=hold.env)
     job.wait_step(at)
     take(ckpt_dir, "--wait")
     job.wait_step(at + 5)
     take(ckpt_dir, "--kill")
     assert job.wait() == 0, job.stderr
-    again = start_job("restart", "--ckpt-dir", str(ckpt_dir), ckpt_dir=ckpt_dir)
+    again = start_job("restart", "--ckpt-dir", str(ckpt_dir), ckpt_dir=ckpt_dir, extra_env=hold.env)
     again.wait_step(at + 10)
     take(ckpt_dir, "--kill")
     assert again.wait() == 0, again.stderr
-    third = start_job("restart", "--ckpt-dir", str(ckpt_dir), ckpt_dir=ckpt_dir)
+    hold.release()
+    third = start_job("restart", "--ckpt-dir", str(ckpt_dir), ckpt_dir=ckpt_dir, extra_env=hold.env)
     assert third.wait() == 0, third.stderr
     assert results(third.stdout) == expected

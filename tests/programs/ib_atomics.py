@@ -19,7 +19,7 @@ Result of every rank: "counter=<ranks*steps*FAA_PER_STEP*INC> fetched=ok reads=<
 from __future__ import annotations
 
 import numpy as np
-from ib_common import ACCESS, Deadline, connect_links, poll
+from ib_common import ACCESS, Deadline, connect_links, held, poll
 
 import ckpt
 from ckpt import verbs
@@ -81,6 +81,7 @@ class Atomics(ckpt.Program):
         self.outcome = ""
         self.i = 0
 
+    @held
     def step(self, rt: ckpt.Runtime) -> bool:
         last = self.steps + self.lag
         if self.i < self.steps:

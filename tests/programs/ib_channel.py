@@ -13,7 +13,7 @@ step boundaries.  Values mix as in examples/ring.py, so the result is the ring's
 from __future__ import annotations
 
 import numpy as np
-from ib_common import WAIT_LIMIT, Deadline, connect_links, poll
+from ib_common import WAIT_LIMIT, Deadline, connect_links, held, poll
 
 import ckpt
 from ckpt import verbs
@@ -49,6 +49,7 @@ class ChannelRing(ckpt.Program):
         self.value = rt.rank + 1
         self.i = 0
 
+    @held
     def step(self, rt: ckpt.Runtime) -> bool:
         slot = self.i % DEPTH
         self.send_buf[slot] = self.value

@@ -8,8 +8,10 @@ connected to itself, loopback, as on hardware).
 
 from __future__ import annotations
 
+import functools
+import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import ckpt
@@ -22,6 +24,8 @@ ACCESS = (
     | verbs.IBV_ACCESS_REMOTE_ATOMIC
 )
 WAIT_LIMIT = 60.0  # seconds without progress before a program gives up (a test fails rather than hangs)
+#: When set, a program wrapped with `held` does not finish before this file exists (see `held`).
+HOLD_ENV = "CKPT_TEST_HOLD"
 
 Link = tuple[int, str]
 
@@ -86,3 +90,30 @@ class Deadline:
     def check(self) -> None:
         if time.monotonic() > self.limit:
             raise RuntimeError(f"nothing for {WAIT_LIMIT:.0f} s while waiting for {self.what}")
+
+
+Step = Callable[[Any, ckpt.Runtime], bool]
+
+
+def held(step: Step) -> Step:
+    """Wrap a program's `step` so that, once it is done, the rank idles until the file $CKPT_TEST_HOLD exists.
+
+    A test that checkpoints a running job then never races the job's end: it
+    creates the file after its last checkpoint.  The idle steps are ordinary
+    steps (a checkpoint parks between them) that do no collective and change
+    no state, so the result is the same; without the variable nothing changes.
+    """
+
+    @functools.wraps(step)
+    def run(self: Any, rt: ckpt.Runtime) -> bool:
+        if not getattr(self, "_steps_done", False):
+            if step(self, rt):
+                return True
+            self._steps_done = True
+        gate = os.environ.get(HOLD_ENV)
+        if not gate or os.path.exists(gate):
+            return False
+        time.sleep(0.005)  # idle: nothing to do until the test releases the job
+        return True
+
+    return run

@@ -19,7 +19,7 @@ import time
 import zlib
 
 import numpy as np
-from ib_common import Deadline, connect_links, poll
+from ib_common import Deadline, connect_links, held, poll
 
 import ckpt
 from ckpt import verbs
@@ -72,6 +72,7 @@ class PingPong(ckpt.Program):
         self.checksum = 0
         self.i = 0
 
+    @held
     def step(self, rt: ckpt.Runtime) -> bool:
         if not self.late:
             for _ in range(self.rounds):

@@ -19,7 +19,7 @@ often the job was checkpointed, resumed or restarted.
 from __future__ import annotations
 
 import numpy as np
-from ib_common import ACCESS, Deadline, connect_links, poll
+from ib_common import ACCESS, Deadline, connect_links, held, poll
 
 import ckpt
 from ckpt import verbs
@@ -74,6 +74,7 @@ class SequenceNumbers(ckpt.Program):
         self.outcome = ""
         self.i = 0
 
+    @held
     def step(self, rt: ckpt.Runtime) -> bool:
         for p in self.peers:
             for _ in range(self.per_step):

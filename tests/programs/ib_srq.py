@@ -13,7 +13,7 @@ with a limit it never reaches, so a modify-SRQ is part of the state.
 from __future__ import annotations
 
 import numpy as np
-from ib_common import Deadline, connect_links, poll
+from ib_common import Deadline, connect_links, held, poll
 
 import ckpt
 from ckpt import verbs
@@ -45,6 +45,7 @@ class SharedReceiveQueue(ckpt.Program):
         self.value = rt.rank + 1
         self.i = 0
 
+    @held
     def step(self, rt: ckpt.Runtime) -> bool:
         for qp in self.qps:
             slot = self.sent % DEPTH
