@@ -2,7 +2,7 @@
 
 # Usage: python benchmarks/bench_ib.py [--rounds 7] [--ring-steps 400] [--work-us 1000] [--round-trips 3000]
 #                                      [--qps 64] [--ckpt-rounds 3] [--checkpoints 3] [--quiet-wait 10]
-#                                      [--only ring|pingpong|checkpoint] [--dir DIR] [--json FILE]
+#                                      [--only ring|pingpong|checkpoint|calls] [--dir DIR] [--json FILE]
 #
 # Three measurements, each against a baseline taken in the same run:
 #
@@ -15,9 +15,9 @@
 # 2. pingpong: benchmarks/programs/ib_pingpong_lat.py, an 8-byte SEND/RECV
 #    ping-pong between 2 ranks that times ROUND_TRIPS round trips itself and
 #    returns the µs of one; plugin against --native.  A third mode runs
-#    natively with every send signaled, as ckpt_ib posts every real WR
-#    underneath: the share of the plugin's cost that is extra ACKs and
-#    completions rather than its Python wrappers.
+#    natively with every send signaled, for the diagnosis: what an ACK and a
+#    completion per message cost (ckpt_ib signaled every real WR until it
+#    learnt to retire unsignaled WRs in order).
 # 3. checkpoint: benchmarks/programs/ib_manyqp.py on 4 ranks with QPS RC QPs
 #    each (all-to-all), and with 1 QP each for context.  A running job takes
 #    --checkpoints checkpoints with `ckpt checkpoint --wait` (the manifest's
@@ -28,6 +28,12 @@
 #    command starts to the program's first step after the restart (the
 #    latest time.time() the ranks write at that step), with the time the
 #    slowest rank imported the program file ("rank started") split out.
+# 4. calls: in one process, what ckpt_ib's wrappers cost per verbs call, with
+#    the provider's own entries beneath them replaced by no-ops: post_send of
+#    an 8-byte inline SEND, post_recv of one SGE, an empty poll_cq, and the
+#    translation of one receive completion; against the front end alone (the
+#    same calls on a table of no-ops).  No network, no threads: the figure
+#    that the noisy round trip above hides.
 #
 # Rounds alternate which mode goes first; every figure is a median and every
 # ratio a ratio of medians (the median of the per-round ratios is shown too
@@ -233,6 +239,78 @@ def measure_checkpoint(jobs: Jobs, directory: Path, args: argparse.Namespace) ->
     return summary
 
 
+def measure_calls(jobs: Jobs, directory: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """µs per call of the plugin's wrappers over no-op provider entries, and of the front end alone."""
+    import types
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from ib_util import ib_env
+    from verbs_util import connect_rc
+
+    from ckpt import verbs
+
+    env = ib_env()
+    ib = next(env)
+    try:
+        ends = {"max_inline": 64, "max_send_wr": 128, "max_recv_wr": 128, "separate_cqs": True, "sq_sig_all": 0}
+        a, b = connect_rc(ib.context(0), ib.context(1), endpoint_a=ends, endpoint_b=ends)
+        inner = ib.vz.inner
+        sge = a.sge(0, 8)
+        send = verbs.SendWR(wr_id=1, opcode=verbs.IBV_WR_SEND, num_sge=1, sg=[sge], send_flags=verbs.IBV_SEND_INLINE)
+        recv = verbs.RecvWR(wr_id=1, num_sge=1, sg=[sge])
+        real_qpn = int(b.qp.handle.real.qp_num)
+        sends, recvs = a.qp.handle.sends, b.qp.handle.recvs
+        n = args.calls
+
+        def per_call(fn: Any) -> float:
+            best = float("inf")
+            for _ in range(5):
+                start = time.perf_counter()
+                for _ in range(n):
+                    fn()
+                best = min(best, (time.perf_counter() - start) / n)
+            return best * 1e6
+
+        def translate() -> float:
+            """One receive completion turned into the program's (its log entry found and dropped)."""
+            for _ in range(n):
+                b.qp.post_recv(recv)
+            wcs = [verbs.WC(wr_id=seq, opcode=verbs.IBV_WC_RECV, qp_num=real_qpn, byte_len=8) for seq in recvs]
+            start = time.perf_counter()
+            for wc in wcs:
+                ib.vz.translate(wc)
+            return (time.perf_counter() - start) / n * 1e6
+
+        saved = {k: getattr(inner, k) for k in ("post_send", "post_recv", "poll_cq")}
+        inner.post_send = inner.post_recv = lambda handle, wr: None
+        inner.poll_cq = lambda handle, num: []
+        try:
+            plugin = {
+                "post_send": per_call(lambda: (a.qp.post_send(send), sends.clear())),
+                "post_recv": per_call(lambda: (b.qp.post_recv(recv), recvs.clear())),
+                "poll_cq": per_call(lambda: b.rcq.poll(1)),
+                "translate a receive completion": translate(),
+            }
+        finally:
+            for k, fn in saved.items():
+                setattr(inner, k, fn)
+        noop = types.SimpleNamespace(
+            post_send=lambda h, wr: None, post_recv=lambda h, wr: None, poll_cq=lambda h, k: []
+        )
+        tables = (a.qp._ops, b.qp._ops)
+        a.qp._ops = b.qp._ops = noop
+        try:
+            front = {
+                "post_send": per_call(lambda: a.qp.post_send(send)),
+                "post_recv": per_call(lambda: b.qp.post_recv(recv)),
+            }
+        finally:
+            a.qp._ops, b.qp._ops = tables
+    finally:
+        env.close()
+    return {"plugin_us": plugin, "front_end_us": front, "calls": n}
+
+
 def _met(ratio: float, target: float) -> str:
     return "yes" if ratio <= target else "NO"
 
@@ -326,6 +404,22 @@ def report(settings: dict[str, Any], data: dict[str, Any]) -> str:
             for i, row in enumerate(x["rounds"]):
                 each = " ".join(f"{k['seconds'] * 1e3:.1f}" for k in row["checkpoints"])
                 lines.append(f"  {qps:>3} QPs round {i}: {each} / {row['restart_s'] * 1e3:.0f}")
+    if "calls" in data:
+        c = data["calls"]
+        plugin, front = c["plugin_us"], c["front_end_us"]
+        lines += [
+            "",
+            f"calls: µs per verbs call in one process, provider entries replaced by no-ops (best of 5 x {c['calls']})",
+            "",
+            "| call | front end + ckpt_ib | front end alone | ckpt_ib's share |",
+            "|---|---|---|---|",
+            *(
+                f"| {name} | {us:.2f} | {front[name]:.2f} | {us - front[name]:.2f} |"
+                if name in front
+                else f"| {name} | {us:.2f} | | |"
+                for name, us in plugin.items()
+            ),
+        ]
     return "\n".join(lines)
 
 
@@ -340,7 +434,8 @@ def main() -> None:
     parser.add_argument("--checkpoints", type=int, default=3, help="checkpoints per launch of the many-QP job")
     parser.add_argument("--step-ms", type=float, default=5.0, help="sleep per step of the many-QP job")
     parser.add_argument("--quiet-wait", type=float, default=10.0, help="wait at most this long for a quiet machine")
-    parser.add_argument("--only", choices=["ring", "pingpong", "checkpoint"], default=None)
+    parser.add_argument("--calls", type=int, default=20000, help="calls per timing of the in-process measurement")
+    parser.add_argument("--only", choices=["ring", "pingpong", "checkpoint", "calls"], default=None)
     parser.add_argument("--dir", type=Path, default=None, help="where the temp dir goes")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args()
@@ -352,7 +447,12 @@ def main() -> None:
     directory = Path(tempfile.mkdtemp(prefix="ckpt-bench-ib-", dir=args.dir))
     jobs = Jobs()
     data: dict[str, Any] = {}
-    measures = {"ring": measure_ring, "pingpong": measure_pingpong, "checkpoint": measure_checkpoint}
+    measures = {
+        "ring": measure_ring,
+        "pingpong": measure_pingpong,
+        "checkpoint": measure_checkpoint,
+        "calls": measure_calls,
+    }
     started = time.monotonic()
     try:
         for name, measure in measures.items():
