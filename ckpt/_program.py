@@ -103,6 +103,11 @@ class Runtime:
         """Completed steps."""
         return self._engine.step
 
+    @property
+    def coordinator(self) -> str:
+        """The coordinator's address, "host:port", as this rank reached it."""
+        return str(self._engine.client.address)
+
     def allgather(self, obj: Any) -> list[Any]:
         """Every rank's `obj`, in rank order (collective: same step on every rank)."""
         return self._engine.collective("allgather", obj)

@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 # launch / restart import the launcher (numpy, cloudpickle, lz4 ...) when they run, so that
 # status / checkpoint / kill start quickly.
 
-_TRANSPORTS = ("simib",)
+#: Transport -> the plugin that provides its verbs provider (None: built in).
+_TRANSPORTS: dict[str, str | None] = {"simib": None, "tcp": "ib2tcp"}
 
 
 class _Group(click.Group):
@@ -72,7 +73,11 @@ def _job_options(f: Any) -> Any:
     )(f)
     f = click.option("--host", default="127.0.0.1", show_default=True, help="Address the coordinator binds to.")(f)
     f = click.option("--port", type=click.IntRange(0, 65535), default=0, help="Coordinator port (0 = any free).")(f)
-    f = click.option("--transport", default="simib", show_default=True, help="Verbs provider of the ranks.")(f)
+    f = click.option(
+        "--transport",
+        metavar="|".join(sorted(_TRANSPORTS)),
+        help="Verbs provider of the ranks [launch: simib; restart: the checkpoint's].",
+    )(f)
     f = click.option(
         "--phase-timeout",
         type=float,
@@ -117,9 +122,23 @@ def _fabric_job_options(job: dict[str, Any]) -> None:
     job["fabric_latency"], job["fabric_bandwidth"] = _link_model(latency, bandwidth)
 
 
-def _check_transport(name: str) -> str:
+def _check_transport(name: str, *, native: bool, disabled: list[str]) -> str:
+    """`name` if its provider will be there in the ranks; one clear line otherwise."""
     if name not in _TRANSPORTS:
-        raise CkptError(f"unknown transport {name!r} (available: {', '.join(_TRANSPORTS)})")
+        raise CkptError(f"unknown transport {name!r} (available: {', '.join(sorted(_TRANSPORTS))})")
+    plugin = _TRANSPORTS[name]
+    if plugin is None:
+        return name
+    if native:
+        raise CkptError(f"--transport {name} is provided by the {plugin} plugin, and --native loads no plugins")
+    if plugin in disabled:
+        raise CkptError(f"--transport {name} is provided by the {plugin} plugin, which --disable-plugin turns off")
+    import importlib.metadata
+
+    from ckpt.runtime.plugins import ENTRY_POINT_GROUP
+
+    if not any(ep.name == plugin for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)):
+        raise CkptError(f"--transport {name} needs the {plugin} plugin (ckpt_{plugin}), which is not installed")
     return name
 
 
@@ -227,7 +246,7 @@ def launch(
         disabled=list(disabled),
         options=options,
         native=native,
-        transport=_check_transport(job.pop("transport")),
+        transport=_check_transport(job.pop("transport") or "simib", native=native, disabled=list(disabled)),
         **job,
     )
     outside = external_rank()
@@ -284,7 +303,9 @@ def restart(
         coordinator=coordinator,
         with_plugins=list(with_plugins),
         disabled=list(disabled),
-        transport=_check_transport(job.pop("transport")),
+        transport=_check_transport(
+            job.pop("transport") or manifest.get("transport") or "simib", native=False, disabled=list(disabled)
+        ),
         token=token,
         options=options,
         restart=manifest,

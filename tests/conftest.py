@@ -24,3 +24,22 @@ def start_job(tmp_path: Path) -> Iterator[Callable[..., Job]]:
     yield start
     for job in jobs:
         job.kill()
+
+
+#: The verbs providers the semantic tests run on: simib's engine found through its subnet manager,
+#: and ckpt_ib2tcp's `tcp` (the same engine, peers found through a directory instead).
+PROVIDERS = ["simib", "tcp"]
+
+
+@pytest.fixture(params=PROVIDERS)
+def provider(request: pytest.FixtureRequest) -> str:
+    """The verbs provider a semantic test runs on (device names are <provider><index>)."""
+    name = str(request.param)
+    if name == "tcp":
+        from ckpt import verbs
+
+        if "tcp" not in verbs.providers():
+            import ckpt_ib2tcp
+
+            ckpt_ib2tcp.register()
+    return name

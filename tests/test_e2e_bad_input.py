@@ -152,6 +152,9 @@ def test_bad_programs_and_options(tmp_path: Path) -> None:
     broken.write_text("import ckpt\nraise RuntimeError('boom')\n")
     _one_error_line(run("launch", *ckpt_dir, str(broken)), "RuntimeError: boom")
     _one_error_line(run("launch", "--transport", "carrier-pigeon", *ckpt_dir, *HEAT), "unknown transport")
+    tcp = ["--transport", "tcp"]
+    _one_error_line(run("launch", *tcp, "--native", *ckpt_dir, *HEAT), "ib2tcp plugin", "--native")
+    _one_error_line(run("launch", *tcp, "--disable-plugin", "ib2tcp", *ckpt_dir, *HEAT), "--disable-plugin")
 
 
 def test_a_wrong_token_for_a_running_job(start_job: Callable[..., Job], tmp_path: Path) -> None:

@@ -38,8 +38,8 @@ ETIMEDOUT = 110
 
 
 @pytest.fixture
-def ctxs() -> Iterator[tuple[v.Context, ...]]:
-    yield from contexts("simib0", "simib1")
+def ctxs(provider: str) -> Iterator[tuple[v.Context, ...]]:
+    yield from contexts(f"{provider}0", f"{provider}1")
 
 
 # ====================================================================== CQ overflow
@@ -254,13 +254,16 @@ def test_ids_are_distinct_and_not_a_trivial_sequence(ctxs: tuple[v.Context, ...]
     assert min(keys) > 16
 
 
-def test_two_hcas_have_different_lids_and_ports(ctxs: tuple[v.Context, ...]) -> None:
+def test_two_hcas_have_different_lids_and_ports(ctxs: tuple[v.Context, ...], provider: str) -> None:
     lids = [ctx.query_port(p).lid for ctx in ctxs for p in (1, 2)]
     assert len(set(lids)) == 4 and all(0 < lid <= 0xBFFF for lid in lids)
     for ctx in ctxs:
         port = ctx.query_port(1)
         assert port.state == v.IBV_PORT_ACTIVE
-        assert 0 < port.sm_lid <= 0xBFFF and port.sm_lid not in lids
+        if provider == "tcp":
+            assert port.sm_lid == 0  # no subnet manager: LIDs are claimed in a directory
+        else:
+            assert 0 < port.sm_lid <= 0xBFFF and port.sm_lid not in lids
     assert ctxs[0].query_port(1).sm_lid == ctxs[1].query_port(1).sm_lid
     with pytest.raises(v.PyverbsRDMAError):
         ctxs[0].query_port(3)
@@ -280,8 +283,8 @@ def test_query_gid(ctxs: tuple[v.Context, ...]) -> None:
     assert ctxs[0].query_gid(2, 0) != gid0
 
 
-def test_same_device_name_is_the_same_hca(ctxs: tuple[v.Context, ...]) -> None:
-    with v.Context(name="simib0") as again:
+def test_same_device_name_is_the_same_hca(ctxs: tuple[v.Context, ...], provider: str) -> None:
+    with v.Context(name=f"{provider}0") as again:
         assert again.query_port(1).lid == ctxs[0].query_port(1).lid
 
 

@@ -28,8 +28,8 @@ pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture
-def ctxs() -> Iterator[tuple[v.Context, ...]]:
-    yield from contexts("simib0", "simib1")
+def ctxs(provider: str) -> Iterator[tuple[v.Context, ...]]:
+    yield from contexts(f"{provider}0", f"{provider}1")
 
 
 # ====================================================================== closing
@@ -49,8 +49,8 @@ def test_closing_a_pd_closes_its_qps_and_mrs_first(ctxs: tuple[v.Context, ...]) 
         v.QP(a.pd, v.QPInitAttr(qp_type=v.IBV_QPT_RC, scq=a.scq, rcq=a.scq))
 
 
-def test_context_manager_closes_everything() -> None:
-    with v.Context(name="simib0") as ctx:
+def test_context_manager_closes_everything(provider: str) -> None:
+    with v.Context(name=f"{provider}0") as ctx:
         with v.PD(ctx) as pd:
             cq = v.CQ(ctx, 16)
             qp = v.QP(pd, v.QPInitAttr(qp_type=v.IBV_QPT_RC, scq=cq, rcq=cq))

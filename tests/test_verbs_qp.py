@@ -46,8 +46,8 @@ RECV_OFF = 32768  # receives land in the upper half of a buffer, sends read the 
 
 
 @pytest.fixture
-def ctxs() -> Iterator[tuple[v.Context, ...]]:
-    yield from contexts("simib0", "simib1")
+def ctxs(provider: str) -> Iterator[tuple[v.Context, ...]]:
+    yield from contexts(f"{provider}0", f"{provider}1")
 
 
 @pytest.fixture(params=["two_hcas", "same_hca", "self"])

@@ -336,10 +336,12 @@ def subnet_manager() -> fabric.SubnetManager:
 
 
 def wait_link(lid: int, up: bool, timeout: float = WAIT) -> None:
-    """Every HCA of this process has heard that the link of `lid` is up / down."""
+    """Every HCA of this process on the subnet manager has heard that the link of `lid` is up / down."""
+    from ckpt.verbs.fabric import FabricClient
 
     def heard() -> bool:
-        return all(hca.link_up.get(lid, True) == up for hca in list(_hca._hcas.values()))
+        hcas = [hca for hca in list(_hca._hcas.values()) if isinstance(hca.sm, FabricClient)]
+        return all(hca.link_up.get(lid, True) == up for hca in hcas)
 
     wait_for(heard, timeout, f"link of LID {lid} {'up' if up else 'down'} on every HCA")
 

@@ -105,6 +105,9 @@ class RankEngine:
         self._last_step_report = 0.0
         #: what the phase in progress is part of: "ckptN" during checkpoint N, "genG" during a restart
         self.barrier_scope = "job"
+        # The active transport: Context(name=None) opens it, and an image's verbs tables (simib or
+        # tcp) come back as its table (`ckpt restart --transport`), set before anything is loaded.
+        os.environ["CKPT_VERBS_PROVIDER"] = str(spec.get("transport") or "simib")
         self.program_class, self.program_info = load_program(spec["program"])
         self.program: Program | None = None
         self.plugins = (
@@ -322,6 +325,9 @@ class RankEngine:
         def progress(done: int, total: int) -> None:
             self.client.notify("progress", done=done, total=total)
 
+        if self.plugins:  # before the image: its verbs objects need the providers and the wrappers
+            self.plugins.call("ckpt_init", rt=self.rt)
+            self._install_verbs()
         _, loaded = images.read_image(restart["image"], token=self.token.encode(), progress=progress)
         graph = cast(dict[str, Any], loaded)
         self.program = graph["program"]
@@ -333,8 +339,6 @@ class RankEngine:
         generation = self.rt.generation
         self.barrier_scope = f"gen{generation}"
         if self.plugins:
-            self.plugins.call("ckpt_init", rt=self.rt)
-            self._install_verbs()
             self.plugins.call("ckpt_restart", rt=self.rt, image=contents)
         self._phase(f"gen{generation}:RESTART")
         if self.plugins:

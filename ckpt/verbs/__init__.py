@@ -21,7 +21,17 @@ from ckpt.verbs._enums import *  # noqa: F403  (the libibverbs enums and their I
 from ckpt.verbs._enums import ENUMS as _ENUMS
 from ckpt.verbs._errors import PyverbsError, PyverbsRDMAError, PyverbsUserError
 from ckpt.verbs._objects import AH, CQ, MR, PD, QP, SRQ, CompChannel, Context, VerbsObject, connect_rc
-from ckpt.verbs._provider import OPERATIONS, VerbsOps, add_ops_wrapper, get_ops, providers, register_provider
+from ckpt.verbs._provider import (
+    OPERATIONS,
+    TRANSPORTS,
+    VerbsOps,
+    add_ops_wrapper,
+    get_ops,
+    parse_device_name,
+    providers,
+    register_provider,
+)
+from ckpt.verbs._simib import make_ops as engine_ops
 
 __all__ = [
     "AH",
@@ -29,6 +39,7 @@ __all__ = [
     "GID",
     "MR",
     "OPERATIONS",
+    "TRANSPORTS",
     "PD",
     "QP",
     "SGE",
@@ -54,8 +65,10 @@ __all__ = [
     "VerbsObject",
     "VerbsOps",
     "add_ops_wrapper",
+    "engine_ops",
     "connect_rc",
     "get_ops",
+    "parse_device_name",
     "providers",
     "register_provider",
     *(cls.__name__ for cls in _ENUMS),

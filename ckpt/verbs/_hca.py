@@ -26,7 +26,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -271,13 +271,28 @@ class AHHandle(NotCheckpointable):
         self.pd, self.attr = pd, attr
 
 
+class Directory(Protocol):
+    """How an HCA finds its peers: the simib subnet manager (`fabric.FabricClient`), or another one.
+
+    `register` gives the HCA its two port LIDs ({lids, sm_lid, latency, bandwidth, links});
+    `resolve(lid)` is (endpoint "host:port", port, link up), or (None, None, False) for an unknown LID.
+    """
+
+    def register(self, guid: int, name: str, endpoint: str, pid: int, host: str) -> dict[str, Any]: ...
+
+    def resolve(self, lid: int) -> tuple[str | None, int | None, bool]: ...
+
+
+#: Makes the Directory of a new HCA; it calls on_link(lid, up) when a link changes.
+DirectoryFactory = Callable[[Callable[[int, bool], None]], Directory]
+
+
 class Hca:
     """The NIC of one device in this process."""
 
-    def __init__(self, name: str) -> None:
-        from ckpt.verbs import fabric
-
+    def __init__(self, name: str, directory: DirectoryFactory | None = None, host: str | None = None) -> None:
         self.name = name
+        self.provider = name.rstrip("0123456789")  # devices are named <provider><index>
         self.guid = secrets.randbits(63) | 1
         self.handles = itertools.count(1)
         self._qpn = itertools.count(secrets.randbelow(0xE00000) + 0x100)
@@ -298,12 +313,12 @@ class Hca:
         self._busy_until = [0.0, 0.0, 0.0]
         self.counts = dict.fromkeys(HcaStatistics.__dataclass_fields__, 0)
 
-        host = os.environ.get("CKPT_SIMIB_HOST", "127.0.0.1")
+        host = host or os.environ.get("CKPT_SIMIB_HOST", "127.0.0.1")
         self._listener = socket.create_server((host, 0))
         self.endpoint = f"{host}:{self._listener.getsockname()[1]}"
         self.link_up: dict[int, bool] = {}
         self.lids: list[int] = []  # the SM may push link states before register() returns
-        self.sm = fabric.connect_default(on_link=self._on_link)
+        self.sm: Directory = (directory or _subnet_manager)(self._on_link)
         reply = self.sm.register(guid=self.guid, name=name, endpoint=self.endpoint, pid=os.getpid(), host=host)
         self.lids = list(reply["lids"])
         self.sm_lid = int(reply["sm_lid"])
@@ -540,10 +555,16 @@ _hcas: dict[str, Hca] = {}
 _hcas_lock = threading.Lock()
 
 
-def hca(name: str) -> Hca:
-    """The process's HCA for device `name`, created (and registered with the SM) on first use."""
+def hca(name: str, directory: DirectoryFactory | None = None, host: str | None = None) -> Hca:
+    """The process's HCA for device `name`, created (and registered with its directory) on first use."""
     with _hcas_lock:
         found = _hcas.get(name)
         if found is None:
-            found = _hcas[name] = Hca(name)
+            found = _hcas[name] = Hca(name, directory, host)
         return found
+
+
+def _subnet_manager(on_link: Callable[[int, bool], None]) -> Directory:
+    from ckpt.verbs import fabric
+
+    return fabric.connect_default(on_link=on_link)

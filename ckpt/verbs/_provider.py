@@ -31,6 +31,8 @@ log = logging.getLogger(__name__)
 #: Environment variable naming the default provider (``Context()`` with no name).
 PROVIDER_ENV = "CKPT_VERBS_PROVIDER"
 DEFAULT_PROVIDER = "simib"
+#: Providers that are fabrics (`ckpt launch/restart --transport`): interchangeable under ckpt_ib.
+TRANSPORTS = ("simib", "tcp")
 
 #: Every entry of an operations table, in the order rdma-core's verbs_context_ops lists them (roughly).
 OPERATIONS = (
@@ -95,7 +97,7 @@ class VerbsOps:
             setattr(self, name, fn)
 
     def __reduce__(self) -> tuple[Any, tuple[str]]:
-        return get_ops, (self.provider,)
+        return _ops_for_image, (self.provider,)
 
     def __repr__(self) -> str:
         return f"<VerbsOps {self.provider}>"
@@ -159,6 +161,19 @@ def get_ops(provider: str) -> VerbsOps:
             _tables[provider] = ops
             log.debug("verbs provider %s ready (%d wrappers)", provider, len(_wrappers))
         return ops
+
+
+def _ops_for_image(provider: str) -> VerbsOps:
+    """The table an unpickled VerbsOps stands for: a transport's becomes the active transport's.
+
+    An image taken on one fabric restarts on another (`ckpt restart --transport`):
+    the process's active transport is $CKPT_VERBS_PROVIDER, which the rank sets.
+    Other providers stay themselves.
+    """
+    active = os.environ.get(PROVIDER_ENV)
+    if provider in TRANSPORTS and active in TRANSPORTS:
+        provider = str(active)
+    return get_ops(provider)
 
 
 def parse_device_name(name: str | None) -> tuple[str, int, str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from ckpt.verbs import _enums as e
@@ -17,9 +18,9 @@ class DeviceHandle(hw.NotCheckpointable):
 
     __slots__ = ("hca", "name")
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, hca: hw.Hca | None = None) -> None:
         self.name = name
-        self.hca = hw.hca(name)
+        self.hca = hca or hw.hca(name)
 
 
 def open_device(name: str) -> DeviceHandle:
@@ -33,7 +34,7 @@ def close_device(dev: DeviceHandle) -> None:
 def query_device(dev: DeviceHandle) -> DeviceAttr:
     hca = dev.hca
     return DeviceAttr(
-        fw_version="ckpt-simib 1",
+        fw_version=f"ckpt-{dev.hca.provider} 1",
         node_guid=hca.guid,
         sys_image_guid=hca.guid,
         max_mr_size=hw.MAX_MR_SIZE,
@@ -207,12 +208,22 @@ def device_statistics(dev: DeviceHandle) -> hw.HcaStatistics:
     return dev.hca.statistics()
 
 
-def make_ops() -> VerbsOps:
-    """The simib operations table (a fresh one: wrappers modify it in place)."""
+def make_ops(
+    provider: str = "simib", directory: hw.DirectoryFactory | None = None, host: Callable[[], str] | None = None
+) -> VerbsOps:
+    """An operations table over the HCA engine (a fresh one: wrappers modify it in place).
+
+    simib's own finds peers through the subnet manager.  Another provider (ib2tcp's
+    `tcp`) passes its own `directory` and listening `host`: the same engine, the same
+    semantics, peers found another way.  Its devices are HCAs of their own, named
+    after the provider (`tcp0`), so they never share one with simib.
+    """
     names = [n for n in globals() if not n.startswith("_")]
     from ckpt.verbs._provider import OPERATIONS
 
     entries = {n: globals()[n] for n in OPERATIONS if n in names}
+    if directory is not None:
+        entries["open_device"] = lambda name: DeviceHandle(name, hw.hca(name, directory, host() if host else None))
     # The hot path calls the engine's methods directly: no extra Python frame per post or poll.
     entries.update(post_send=QPHandle.post_send, post_recv=QPHandle.post_recv, poll_cq=hw.CQHandle.poll)
-    return VerbsOps("simib", **entries)
+    return VerbsOps(provider, **entries)

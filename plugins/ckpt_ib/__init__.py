@@ -117,6 +117,7 @@ def ckpt_exit(rt: ckpt.Runtime) -> None:
 
 
 def _trace(rt: ckpt.Runtime, vz: Virtualizer) -> None:
+    """The real IDs (and the provider) of this generation, for tests: $CKPT_IB_TRACE_DIR/ib.<rank>.<gen>.json."""
     directory = os.environ.get(TRACE_ENV)
     if not directory or vz.inner is None:
         return
@@ -127,6 +128,7 @@ def _trace(rt: ckpt.Runtime, vz: Virtualizer) -> None:
         "rkey": [int(mr.real.rkey) for mr in reg.mrs if mr.real is not None],
         "lid": [int(vz.inner.query_port(dev.real, p).lid) for dev in reg.devices for p in (1, 2)],
         "virtual_qp_num": [qp.qp_num for qp in reg.qps],
+        "provider": vz.provider,
     }
     path = Path(directory, f"ib.{rt.rank}.{rt.generation}.json")
     path.write_text(json.dumps(ids))

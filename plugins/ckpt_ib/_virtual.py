@@ -71,6 +71,7 @@ class Virtualizer:
         self.rt = rt
         self.registry = Registry()
         self.inner: Any = None  # the provider's table as it was before wrapping (a plain namespace of entries)
+        self.provider = ""  # its name
         self.reset_translations()
 
     def reset_translations(self) -> None:
@@ -128,12 +129,21 @@ class Virtualizer:
         for name in v.OPERATIONS:
             setattr(inner, name, getattr(ops, name))
         self.inner = inner
+        self.provider = ops.provider
         for name in v.OPERATIONS:
             setattr(ops, name, getattr(self, name))
 
     # ------------------------------------------------------------------ device
+    def real_device_name(self, name: str) -> str:
+        """The device to open for a shadow's: the same index on this process's provider.
+
+        After `ckpt restart --transport tcp`, a device the program opened as simib0 is tcp0.
+        """
+        provider, index, full = v.parse_device_name(name)
+        return f"{self.provider}{index}" if provider != self.provider and provider in v.TRANSPORTS else full
+
     def attach_device(self, dev: ShadowDevice) -> None:
-        dev.real = self.inner.open_device(dev.name)
+        dev.real = self.inner.open_device(self.real_device_name(dev.name))
         self.shadow_of[id(dev.real)] = dev
         for port, vlid in enumerate(dev.vlids, start=1):
             self._publish("lid", vlid, int(self.inner.query_port(dev.real, port).lid))

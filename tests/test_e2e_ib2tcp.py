@@ -1,0 +1,83 @@
+"""End-to-end: the ckpt_ib programs across transports (on tcp, simib -> tcp, tcp -> simib, and back), via the CLI.
+
+The ib2tcp plugin contributes the `tcp` verbs provider; ckpt_ib rebuilds the
+program's verbs objects on whichever transport the restart names.  Each
+restart is checked against the plain-Python answer (tests/ib_cases.py) and
+the trace ckpt_ib writes shows which provider each generation ran on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from ib_cases import BY_NAME, CASES, LONGER, RANKS, TRACE_ENV, Case, Hold, expected_seq, launch_args, take, traced
+
+from harness import PROGRAMS, Job, results, run
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+
+def _providers(trace: Path, generation: int) -> set[str]:
+    return {traced(trace, rank, generation)["provider"] for rank in range(RANKS)}
+
+
+@BY_NAME
+def test_a_run_on_tcp_gives_the_plain_python_answer(case: Case, tmp_path: Path) -> None:
+    trace = tmp_path / "trace"
+    trace.mkdir()
+    argv = case.argv(case.steps)
+    done = run(*launch_args(tmp_path / "ckpt", argv, "--transport", "tcp"), extra_env={TRACE_ENV: str(trace)})
+    assert done.returncode == 0, done.stderr
+    assert results(done.stdout) == case.expect(case.steps)
+    assert _providers(trace, 0) == {"tcp"}
+    assert not (tmp_path / "ckpt" / "fabric.json").exists(), "a tcp job needs no subnet manager"
+
+
+def _switch(
+    start_job: Callable[..., Job], tmp_path: Path, case: Case, transports: list[str], *, explicit: bool = True
+) -> None:
+    """Launch on transports[0], then for each next one: checkpoint --kill, restart on it; the last run ends."""
+    ckpt_dir, trace, steps, hold = tmp_path / "ckpt", tmp_path / "trace", case.steps * LONGER, Hold(tmp_path)
+    trace.mkdir()
+    env = {TRACE_ENV: str(trace), **hold.env}
+    job = start_job(
+        *launch_args(ckpt_dir, case.argv(steps), "--transport", transports[0]), ckpt_dir=ckpt_dir, extra_env=env
+    )
+    at = case.checkpoint_at
+    for generation, transport in enumerate(transports[1:], start=1):
+        job.wait_step(at)
+        take(ckpt_dir, "--kill")
+        assert job.wait() == 0, job.stderr
+        if generation == len(transports) - 1:
+            hold.release()
+        how = ["--transport", transport] if explicit else []
+        job = start_job("restart", *how, "--ckpt-dir", str(ckpt_dir), ckpt_dir=ckpt_dir, extra_env=env)
+        at += case.checkpoint_at
+    assert job.wait() == 0, job.stderr
+    assert results(job.stdout) == case.expect(steps)
+    for generation, transport in enumerate(transports):
+        assert _providers(trace, generation) == {transport}, f"generation {generation}"
+
+
+@BY_NAME
+def test_checkpointed_on_simib_restarts_on_tcp(case: Case, start_job: Callable[..., Job], tmp_path: Path) -> None:
+    _switch(start_job, tmp_path, case, ["simib", "tcp"])
+
+
+SEQ = Case("seq", PROGRAMS / "ib_seq.py", (), lambda n: expected_seq(RANKS, n), 600, 10)
+PINGPONG = next(c for c in CASES if c.name == "pingpong")
+
+
+@pytest.mark.parametrize("case", [SEQ, PINGPONG], ids=["seq", "pingpong"])
+def test_launched_on_tcp_restarts_on_simib(case: Case, start_job: Callable[..., Job], tmp_path: Path) -> None:
+    _switch(start_job, tmp_path, case, ["tcp", "simib"])
+
+
+def test_two_consecutive_switches_lose_and_repeat_nothing(start_job: Callable[..., Job], tmp_path: Path) -> None:
+    _switch(start_job, tmp_path, SEQ, ["simib", "tcp", "simib"])
+
+
+def test_a_restart_keeps_the_transport_of_its_checkpoint(start_job: Callable[..., Job], tmp_path: Path) -> None:
+    _switch(start_job, tmp_path, SEQ, ["tcp", "tcp"], explicit=False)
