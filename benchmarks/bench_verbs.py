@@ -1,13 +1,15 @@
-"""Benchmark the simulated verbs (simib) data path against raw TCP sockets between the same two processes."""
+"""Benchmark a verbs provider's data path (simib, or ib2tcp's tcp) against raw TCP sockets between two processes."""
 
-# Usage: python benchmarks/bench_verbs.py [--repeat 5] [--stream-mib 256] [--rtt-iters 2000]
-#                                         [--rate-msgs 20000] [--json FILE]
+# Usage: python benchmarks/bench_verbs.py [--provider simib|tcp] [--repeat 5] [--stream-mib 256]
+#                                         [--rtt-iters 2000] [--rate-msgs 20000] [--json FILE]
 #
 # One run, two processes: this one (the active side) and one child it starts
 # (the passive side), both on one simib fabric whose subnet manager runs in
-# this process.  Between them: an RC queue pair (path MTU 4096, sq_sig_all=0)
-# over 4 MiB registered buffers, and a plain TCP connection (TCP_NODELAY) for
-# the baselines.  A second TCP connection carries the benchmark's own control
+# this process -- or, with --provider tcp, on ib2tcp's tcp provider, the two
+# HCAs finding each other through files in a temporary $CKPT_TCP_DIRECTORY.
+# Between them: an RC queue pair (path MTU 4096, sq_sig_all=0) over 4 MiB
+# registered buffers, and a plain TCP connection (TCP_NODELAY) for the
+# baselines.  A second TCP connection carries the benchmark's own control
 # messages and is never timed.  Each measurement is repeated --repeat times
 # after one uncounted warm-up round, verbs and TCP alternating and the order
 # flipping every round; the medians are reported.
@@ -34,10 +36,12 @@ import json
 import os
 import platform
 import random
+import shutil
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -98,8 +102,12 @@ def recv_exactly_into(sock: socket.socket, view: memoryview) -> None:
 class Endpoint:
     """One process's HCA resources: an RC QP with separate send / receive CQs over 4 MiB of registered memory."""
 
-    def __init__(self) -> None:
-        self.ctx = v.Context(name="simib0")
+    def __init__(self, provider: str) -> None:
+        if provider == "tcp":
+            import ckpt_ib2tcp
+
+            ckpt_ib2tcp.register()
+        self.ctx = v.Context(name=f"{provider}0")
         self.pd = v.PD(self.ctx)
         self.scq = v.CQ(self.ctx, 4096)
         self.rcq = v.CQ(self.ctx, 4096)
@@ -288,11 +296,11 @@ def small_bytes(count: int) -> int:
 
 
 # ----------------------------------------------------------- the passive side
-def child_main(ctrl_port: int, data_port: int) -> None:
+def child_main(ctrl_port: int, data_port: int, provider: str) -> None:
     ctrl = Control(socket.create_connection(("127.0.0.1", ctrl_port)))
     data = socket.create_connection(("127.0.0.1", data_port))
     data.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    ep = Endpoint()
+    ep = Endpoint(provider)
     ctrl.send(**ep.address())
     ep.connect(ctrl.recv())
     ep.post_recvs(1)  # before the parent may send its first ping
@@ -359,12 +367,18 @@ class Bench:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.sm = fabric.SubnetManager().start()
-        os.environ.update({fabric.ENV_ADDRESS: self.sm.address, fabric.ENV_TOKEN: self.sm.token})
+        self.sm: fabric.SubnetManager | None = None
+        self.directory: str | None = None
+        if args.provider == "tcp":  # the child inherits the directory both HCAs record themselves in
+            self.directory = tempfile.mkdtemp(prefix="ckpt-bench-tcp-")
+            os.environ["CKPT_TCP_DIRECTORY"] = self.directory
+        else:
+            self.sm = fabric.SubnetManager().start()
+            os.environ.update({fabric.ENV_ADDRESS: self.sm.address, fabric.ENV_TOKEN: self.sm.token})
         ctrl_listener = socket.create_server(("127.0.0.1", 0))
         data_listener = socket.create_server(("127.0.0.1", 0))
         ports = [str(ctrl_listener.getsockname()[1]), str(data_listener.getsockname()[1])]
-        self.child = subprocess.Popen([sys.executable, __file__, "--child", *ports])
+        self.child = subprocess.Popen([sys.executable, __file__, "--provider", args.provider, "--child", *ports])
         ctrl_listener.settimeout(60)
         data_listener.settimeout(60)
         self.ctrl = Control(ctrl_listener.accept()[0])
@@ -372,7 +386,7 @@ class Bench:
         ctrl_listener.close()
         data_listener.close()
         self.data.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.ep = Endpoint()
+        self.ep = Endpoint(args.provider)
         peer = self.ctrl.recv()
         self.ctrl.send(**self.ep.address())
         self.ep.connect(peer)
@@ -390,7 +404,10 @@ class Bench:
                 self.child.kill()
                 self.child.wait()
             self.ep.ctx.close()
-            self.sm.stop()
+            if self.sm is not None:
+                self.sm.stop()
+            if self.directory is not None:
+                shutil.rmtree(self.directory, ignore_errors=True)
 
     def run(self, op: str, fn: Callable[[], float], **params: Any) -> float:
         self.ctrl.send(op=op, **params)
@@ -466,7 +483,7 @@ def report(summary: dict[str, Any], args: argparse.Namespace, command: str) -> N
     s, r, m, c = summary["stream"], summary["rtt"], summary["rate"], summary["rate_chained"]
     print()
     print(f"median of {args.repeat}:")
-    print("| measure | simib verbs | raw TCP | verbs / TCP | target | met |")
+    print(f"| measure | {args.provider} verbs | raw TCP | verbs / TCP | target | met |")
     print("|---|---|---|---|---|---|")
     print(
         f"| bandwidth, 4 MiB messages | {s['verbs'] / 1e9:.2f} GB/s | {s['tcp'] / 1e9:.2f} GB/s "
@@ -492,6 +509,7 @@ def report(summary: dict[str, Any], args: argparse.Namespace, command: str) -> N
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--provider", choices=["simib", "tcp"], default="simib", help="the verbs provider measured")
     parser.add_argument("--repeat", type=int, default=5, help="timed rounds per measurement (median reported)")
     parser.add_argument("--stream-mib", type=int, default=256, help="MiB per bandwidth round (4 MiB messages)")
     parser.add_argument("--rtt-iters", type=int, default=2000, help="round trips per latency round")
@@ -501,7 +519,7 @@ def main() -> int:
     parser.add_argument("--child", nargs=2, type=int, metavar=("CTRL_PORT", "DATA_PORT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child_main(*args.child)
+        child_main(*args.child, args.provider)
         return 0
     if args.stream_mib < 4 or args.rate_msgs < SIGNAL_EVERY:
         parser.error(f"--stream-mib must be >= 4 and --rate-msgs >= {SIGNAL_EVERY}")
