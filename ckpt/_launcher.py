@@ -59,6 +59,7 @@ class JobOptions:
     fabric: str | None = None  # an existing simulated fabric; None: the job starts its own (simib only)
     fabric_latency: float = 0.0  # link model of the job's own fabric (seconds, bytes/s; 0 = ideal)
     fabric_bandwidth: float = 0.0
+    debug: int | None = None  # restart: this rank stops in pdb before its next step (stdin is its)
 
 
 def external_rank() -> tuple[int, int | None] | None:
@@ -96,6 +97,7 @@ def rank_spec(opts: JobOptions, rank: int, address: str, token: str, job: str) -
             "number": m["number"],
             "id_counters": m.get("id_counters", {}),
         }
+        spec["debug"] = opts.debug == rank
     return spec
 
 
@@ -222,7 +224,9 @@ class _Job:
             spec = rank_spec(self.opts, rank, self.address, self.token, self.job_id)
             spec["print_result"] = self.coordinator is None
             env = dict(os.environ, **self.fabric_env, **{SPEC_ENV: json.dumps(spec)})
-            process = subprocess.Popen([sys.executable, "-P", "-m", "ckpt.runtime.rank"], env=env)
+            # Under --debug only the debugged rank reads the terminal; the others must not take its input.
+            stdin = subprocess.DEVNULL if self.opts.debug is not None and self.opts.debug != rank else None
+            process = subprocess.Popen([sys.executable, "-P", "-m", "ckpt.runtime.rank"], env=env, stdin=stdin)
             self.processes.append(process)
             threading.Thread(target=self._reap, args=(rank, process), daemon=True).start()
 

@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 # launch / restart import the launcher (numpy, cloudpickle, lz4 ...) when they run, so that
 # status / checkpoint / kill start quickly.
 
+#: A restart under --debug waits at RESUME this long (seconds) for the debugged rank: practically for ever.
+DEBUG_PHASE_TIMEOUT = 7 * 24 * 3600.0
 #: Transport -> the plugin that provides its verbs provider (None: built in).
 _TRANSPORTS: dict[str, str | None] = {"simib": None, "tcp": "ib2tcp"}
 
@@ -280,12 +282,19 @@ def _run_one_rank(opts: JobOptions, rank: int, size: int | None) -> None:
 @_coordinator_option
 @_plugin_options
 @_job_options
+@click.option(
+    "--debug",
+    type=click.IntRange(min=0),
+    metavar="RANK",
+    help="Stop RANK in pdb before its next step (it reads this terminal); the others wait until it continues.",
+)
 def restart(
     target: str | None,
     ckpt_dir: Path,
     coordinator: str | None,
     with_plugins: tuple[str, ...],
     disabled: tuple[str, ...],
+    debug: int | None,
     **job: Any,
 ) -> None:
     """Restart the latest checkpoint in the ckpt dir (or TARGET: a manifest or a directory)."""
@@ -295,6 +304,10 @@ def restart(
     _check_restart_plugins(manifest, list(with_plugins), list(disabled))
     options = _plugin_values(job)
     _fabric_job_options(job)
+    if debug is not None:
+        if debug >= int(manifest["size"]):
+            raise CkptError(f"--debug {debug}: the checkpoint has ranks 0..{int(manifest['size']) - 1}")
+        job["phase_timeout"] = DEBUG_PHASE_TIMEOUT  # the others wait at RESUME for as long as the debugging takes
     opts = JobOptions(
         program=manifest["program"]["path"],
         argv=list(manifest.get("argv", [])),
@@ -309,6 +322,7 @@ def restart(
         token=token,
         options=options,
         restart=manifest,
+        debug=debug,
         **job,
     )
     click.echo(

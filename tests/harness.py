@@ -38,11 +38,16 @@ def results(stdout: str) -> dict[int, str]:
 
 
 def run(
-    *args: str, timeout: float = 60, extra_env: dict[str, str] | None = None, cwd: Path | None = None
+    *args: str,
+    timeout: float = 60,
+    extra_env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+    stdin: str | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """Run one ckpt command to completion."""
+    """Run one ckpt command to completion (with `stdin` as its input, if given)."""
     return subprocess.run(
         [*CKPT, *args],
+        input=stdin,
         text=True,
         capture_output=True,
         timeout=timeout,

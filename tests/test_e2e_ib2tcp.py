@@ -81,3 +81,26 @@ def test_two_consecutive_switches_lose_and_repeat_nothing(start_job: Callable[..
 
 def test_a_restart_keeps_the_transport_of_its_checkpoint(start_job: Callable[..., Job], tmp_path: Path) -> None:
     _switch(start_job, tmp_path, SEQ, ["tcp", "tcp"], explicit=False)
+
+
+def test_restart_one_rank_under_pdb_over_tcp(start_job: Callable[..., Job], tmp_path: Path) -> None:
+    """The docs/ib2tcp.md walkthrough: checkpointed on simib, restarted over TCP with rank 2 in pdb."""
+    case = next(c for c in CASES if c.name == "ring")
+    ckpt_dir, steps, hold = tmp_path / "ckpt", case.steps * LONGER, Hold(tmp_path)
+    job = start_job(*launch_args(ckpt_dir, case.argv(steps)), ckpt_dir=ckpt_dir, extra_env=hold.env)
+    job.wait_step(case.checkpoint_at)
+    take(ckpt_dir, "--kill")
+    assert job.wait() == 0, job.stderr
+    hold.release()
+
+    wrong = run("restart", "--debug", str(RANKS), "--ckpt-dir", str(ckpt_dir))
+    assert wrong.returncode != 0 and "error: --debug 4: the checkpoint has ranks 0..3" in wrong.stderr, wrong.stderr
+
+    restart = ["restart", "--debug", "2", "--transport", "tcp", "--ckpt-dir", str(ckpt_dir)]
+    commands = "p type(program).__name__, program.steps\nc\n"
+    done = run(*restart, stdin=commands, timeout=120, extra_env=hold.env)
+    assert done.returncode == 0, done.stderr
+    assert "ckpt: rank 2 restarted before step" in done.stderr, done.stderr
+    assert f"(Pdb) ('HeldRing', {steps})" in done.stdout, done.stdout  # pdb ran in rank 2, on its program
+    after_pdb = done.stdout.replace("(Pdb) ", "")  # the last prompt shares a line with the first result
+    assert results(after_pdb) == case.expect(steps)

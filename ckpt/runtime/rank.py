@@ -346,10 +346,30 @@ class RankEngine:
         self._phase(f"gen{generation}:REFRESH")
         if self.plugins:
             self.plugins.call("ckpt_resume", rt=self.rt, restarted=True, aborted=False)
+        if self.spec.get("debug"):
+            self._debug_stop()
         self._phase(f"gen{generation}:RESUME")
         self.barrier_scope = "job"
         if self.finished:
             self.client.call("finished", result=self.result, step=self.step)
+
+    def _debug_stop(self) -> None:
+        """`ckpt restart --debug RANK`: pdb, in this rank, before its next step; the others wait at RESUME.
+
+        The program is restored and its verbs objects rebuilt and reconnected; `program` is it.
+        Set breakpoints in its code (`b file.py:LINE`, `b Class.step`) and `continue` to run on.
+        """
+        import pdb
+
+        program = self.program
+        print(
+            f"ckpt: rank {self.rank} restarted before step {self.step}; the other ranks wait at RESUME.\n"
+            f"ckpt: `program` is the restored {type(program).__name__}; `c` continues the job.",
+            file=sys.stderr,
+            flush=True,
+        )
+        pdb.Pdb().set_trace()  # the next line is where it stops: `program` is in scope
+        del program
 
     def _phase(self, name: str, value: Any = None) -> dict[str, Any]:
         answer = self.client.call("barrier", name=name, value=value)
