@@ -298,7 +298,7 @@ def restart(
     **job: Any,
 ) -> None:
     """Restart the latest checkpoint in the ckpt dir (or TARGET: a manifest or a directory)."""
-    from ckpt._launcher import JobOptions, prepare_restart, run_job
+    from ckpt._launcher import JobOptions, external_rank, prepare_restart, run_job
 
     manifest, directory, token = prepare_restart(target, ckpt_dir, os.environ.get("CKPT_TOKEN"))
     _check_restart_plugins(manifest, list(with_plugins), list(disabled))
@@ -325,6 +325,11 @@ def restart(
         debug=debug,
         **job,
     )
+    outside = external_rank()
+    if outside is not None and opts.coordinator:  # under mpiexec / srun: this process restarts one rank
+        if outside[1] is not None and outside[1] != opts.ranks:
+            raise CkptError(f"the checkpoint has {opts.ranks} ranks; the launcher started {outside[1]}")
+        _run_one_rank(opts, *outside)
     click.echo(
         f"ckpt: restarting checkpoint {manifest['number']} of {manifest['program']['name']} "
         f"({manifest['size']} ranks, generation {manifest['generation'] + 1})",

@@ -9,12 +9,17 @@ the restarted one.
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from ib_cases import Hold, expected_ring
 
-from harness import EXAMPLES, Job, results, run, wait_for
+from harness import CKPT, EXAMPLES, Job, env, results, run, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
@@ -49,3 +54,57 @@ def test_ranks_started_by_an_external_launcher_checkpoint_and_restart(
     assert results(restarted.stdout) == results(plain.stdout)
     manifest = json.loads((ckpt_dir / "ckpt_heat_1.json").read_text())
     assert manifest["coordinator"] == address and manifest["size"] == 2
+
+
+MPIEXEC = Path(sys.executable).parent / "mpiexec"  # from the mpich wheel of the test extras
+
+
+def _mpiexec(ranks: int, *args: str, extra_env: dict[str, str]) -> subprocess.Popen[str]:
+    command = [str(MPIEXEC), "-n", str(ranks), *CKPT, *args]
+    return subprocess.Popen(
+        command, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env(**extra_env), start_new_session=True
+    )
+
+
+def _finish(process: subprocess.Popen[str], timeout: float = 120) -> tuple[int, str, str]:
+    try:
+        out, err = process.communicate(timeout=timeout)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    return process.returncode, out, err
+
+
+@pytest.mark.skipif(not MPIEXEC.exists(), reason=f"no mpiexec next to {sys.executable} (pip install '.[test]')")
+def test_mpiexec_runs_checkpoints_and_restarts_a_verbs_job_over_tcp(
+    start_job: Callable[..., Job], tmp_path: Path
+) -> None:
+    ckpt_dir, hold, steps = tmp_path / "ckpt", Hold(tmp_path), 3000
+    token = {"CKPT_TOKEN": "mpiexec-job-token"}
+    start_job("coordinator", "--port", "0", "--ckpt-dir", str(ckpt_dir), extra_env=token)
+    job_file = ckpt_dir / "coordinator.json"
+    wait_for(job_file.exists, 30, "the coordinator's job file")
+    address = json.loads(job_file.read_text())["address"]
+    program = [str(Path(__file__).parent / "programs" / "ib_ring.py"), str(steps)]
+    where = ["--coordinator", address, "--ckpt-dir", str(ckpt_dir)]
+    launched = _mpiexec(4, "launch", "--transport", "tcp", *where, *program, extra_env={**token, **hold.env})
+    try:
+
+        def stepping() -> bool:
+            shown = run("status", "--json", *where, extra_env=token)
+            state = json.loads(shown.stdout) if shown.returncode == 0 else {}
+            ranks = state.get("ranks") or []
+            return len(ranks) == 4 and min(r["step"] for r in ranks) >= 20
+
+        wait_for(stepping, 60, "the 4 ranks mpiexec started to step")
+        taken = run("checkpoint", "--kill", *where, extra_env=token)
+        assert taken.returncode == 0, taken.stderr
+    finally:
+        code, out, err = _finish(launched)
+    assert code == 0, err
+    hold.release()
+    restarted = _mpiexec(4, "restart", *where, extra_env={**token, **hold.env})
+    code, out, err = _finish(restarted)
+    assert code == 0, err
+    assert results(out) == expected_ring(4, steps)
