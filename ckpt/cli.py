@@ -113,9 +113,11 @@ def _link_model(latency: str | None, bandwidth: str | None) -> tuple[float, floa
         raise CkptError(str(exc)) from None
 
 
-def _fabric_job_options(job: dict[str, Any]) -> None:
+def _fabric_job_options(job: dict[str, Any], transport: str) -> None:
     """Turn the fabric options of launch / restart into JobOptions fields (in place)."""
     latency, bandwidth = job["fabric_latency"], job["fabric_bandwidth"]
+    if transport != "simib" and (latency or bandwidth):
+        raise CkptError(f"--fabric-latency / --fabric-bandwidth model simib's links; --transport {transport} has none")
     if job["fabric"] and (latency or bandwidth):
         raise CkptError(
             "--fabric-latency / --fabric-bandwidth set the link model of a fabric the job starts itself; "
@@ -237,7 +239,8 @@ def launch(
 
     load_program(program)  # one clear error here rather than one per rank
     options = _plugin_values(job)
-    _fabric_job_options(job)
+    transport = _check_transport(job.pop("transport") or "simib", native=native, disabled=list(disabled))
+    _fabric_job_options(job, transport)
     opts = JobOptions(
         program=str(Path(program).resolve()),
         argv=list(args),
@@ -248,7 +251,7 @@ def launch(
         disabled=list(disabled),
         options=options,
         native=native,
-        transport=_check_transport(job.pop("transport") or "simib", native=native, disabled=list(disabled)),
+        transport=transport,
         **job,
     )
     outside = external_rank()
@@ -303,7 +306,10 @@ def restart(
     manifest, directory, token = prepare_restart(target, ckpt_dir, os.environ.get("CKPT_TOKEN"))
     _check_restart_plugins(manifest, list(with_plugins), list(disabled))
     options = _plugin_values(job)
-    _fabric_job_options(job)
+    transport = _check_transport(
+        job.pop("transport") or manifest.get("transport") or "simib", native=False, disabled=list(disabled)
+    )
+    _fabric_job_options(job, transport)
     if debug is not None:
         if debug >= int(manifest["size"]):
             raise CkptError(f"--debug {debug}: the checkpoint has ranks 0..{int(manifest['size']) - 1}")
@@ -316,9 +322,7 @@ def restart(
         coordinator=coordinator,
         with_plugins=list(with_plugins),
         disabled=list(disabled),
-        transport=_check_transport(
-            job.pop("transport") or manifest.get("transport") or "simib", native=False, disabled=list(disabled)
-        ),
+        transport=transport,
         token=token,
         options=options,
         restart=manifest,

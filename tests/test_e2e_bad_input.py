@@ -155,6 +155,7 @@ def test_bad_programs_and_options(tmp_path: Path) -> None:
     tcp = ["--transport", "tcp"]
     _one_error_line(run("launch", *tcp, "--native", *ckpt_dir, *HEAT), "ib2tcp plugin", "--native")
     _one_error_line(run("launch", *tcp, "--disable-plugin", "ib2tcp", *ckpt_dir, *HEAT), "--disable-plugin")
+    _one_error_line(run("launch", *tcp, "--fabric-latency", "2us", *ckpt_dir, *HEAT), "simib's links")
 
 
 def test_a_wrong_token_for_a_running_job(start_job: Callable[..., Job], tmp_path: Path) -> None:
