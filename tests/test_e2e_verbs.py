@@ -3,7 +3,9 @@
 Every verb runs in a peer process (the pytest process opens no HCA, so no test leaves one bound
 to a fabric that is gone); the test relays connection details between peers, injects faults
 (kill -9, `ckpt fabric fail-link`) and checks what each peer reports.  Timing checks are lower
-bounds, or generous upper bounds that only catch a hang.
+bounds, or generous upper bounds that only catch a hang.  The tests that need no subnet manager
+(one-sided operations on a parked peer, a killed peer, large transfers) run on both providers:
+simib, and ib2tcp's tcp (`any_fabric`: the peers' HCAs find each other through a directory).
 """
 
 from __future__ import annotations
@@ -44,16 +46,29 @@ PEER_ARGS: list[str] = []  # ["--debug"] puts the engine's debug log in each pee
 
 # ----------------------------------------------------------------- fabrics
 class Fabric:
-    """Where a fabric listens: the environment that puts a peer on it."""
+    """Where a fabric listens: the environment that puts a peer on it, and the device the peer opens."""
 
     def __init__(
         self, address: str, token: str, directory: Path | None = None, sm: SubnetManager | None = None
     ) -> None:
         self.address, self.token, self.directory, self.sm = address, token, directory, sm
+        self.device = "simib0"
 
     @property
     def env(self) -> dict[str, str]:
         return {ENV_ADDRESS: self.address, ENV_TOKEN: self.token}
+
+
+class TcpFabric(Fabric):
+    """ib2tcp's tcp provider: no subnet manager, the peers' HCAs find each other through files in a directory."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__("", "", directory)
+        self.device = "tcp0"
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {"CKPT_TCP_DIRECTORY": str(self.directory)}
 
     def fail_link(self, lid: int) -> None:
         """Through the SM directly: no CLI start-up between the trigger and the failure."""
@@ -84,6 +99,14 @@ def sm_fabric() -> Iterator[Callable[..., Fabric]]:
 
 
 @pytest.fixture
+def any_fabric(provider: str, sm_fabric: Callable[..., Fabric], tmp_path: Path) -> Callable[[], Fabric]:
+    """any_fabric() -> a fabric of the test's provider (conftest `provider`): a subnet manager, or a tcp directory."""
+    if provider == "simib":
+        return sm_fabric
+    return lambda: TcpFabric(tmp_path / "tcp-directory")
+
+
+@pytest.fixture
 def cli_fabric(tmp_path: Path) -> Iterator[Callable[..., Fabric]]:
     """cli_fabric(*start_args) -> a fabric started by `ckpt fabric start --dir D`; its process is killed at teardown."""
     pids: list[int] = []
@@ -106,7 +129,7 @@ class Peer:
         self.name = name
         self._err = open(log_dir / f"{name}.{time.monotonic_ns()}.err", "w+")
         self.process = subprocess.Popen(
-            [sys.executable, "-P", str(PEER), "--size", str(size), *PEER_ARGS],
+            [sys.executable, "-P", str(PEER), "--size", str(size), "--device", fabric.device, *PEER_ARGS],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._err,
@@ -253,9 +276,9 @@ def _one_sided_on_parked_target(target: Peer, initiator: Peer, park: str) -> Non
 
 @pytest.mark.parametrize("park", ["sleep", "busy"])
 def test_one_sided_ops_complete_while_the_target_program_is_parked(
-    park: str, sm_fabric: Callable[..., Fabric], peers: Callable[..., Peer]
+    park: str, any_fabric: Callable[[], Fabric], peers: Callable[..., Peer]
 ) -> None:
-    fabric = sm_fabric()
+    fabric = any_fabric()
     target, initiator = peers(fabric, "target"), peers(fabric, "initiator")
     _one_sided_on_parked_target(target, initiator, park)
 
@@ -297,9 +320,9 @@ def _assert_retry_exceeded(wcs: list[dict[str, Any]], n: int, t_post: float) -> 
 
 
 def test_killed_peer_gives_retry_exceeded_not_a_hang(
-    sm_fabric: Callable[..., Fabric], peers: Callable[..., Peer]
+    any_fabric: Callable[[], Fabric], peers: Callable[..., Peer]
 ) -> None:
-    fabric = sm_fabric()
+    fabric = any_fabric()
     victim, requester = peers(fabric, "victim"), peers(fabric, "requester")
     connect(requester, victim, timeout=TIMEOUT, retry_cnt=RETRY_CNT)
     victim.call("recv", n=4)
@@ -314,9 +337,9 @@ def test_killed_peer_gives_retry_exceeded_not_a_hang(
 
 
 def test_wrs_in_flight_when_the_peer_dies_complete_with_retry_exceeded(
-    sm_fabric: Callable[..., Fabric], peers: Callable[..., Peer]
+    any_fabric: Callable[[], Fabric], peers: Callable[..., Peer]
 ) -> None:
-    fabric = sm_fabric()
+    fabric = any_fabric()
     victim, requester = peers(fabric, "victim"), peers(fabric, "requester")
     # The victim posts no receive: the SEND is answered with RNR NAKs (retried forever, 0.64 ms apart),
     # so it and the WRITEs behind it are certainly outstanding when the victim is killed.
@@ -443,9 +466,9 @@ def test_link_model_latency_and_bandwidth_are_lower_bounds(
 # ----------------------------------------------------------------- 6. large transfers
 @pytest.mark.parametrize("size", [4 * MiB, 64 * MiB])
 def test_large_rdma_write_and_read_arrive_intact(
-    size: int, sm_fabric: Callable[..., Fabric], peers: Callable[..., Peer]
+    size: int, any_fabric: Callable[[], Fabric], peers: Callable[..., Peer]
 ) -> None:
-    fabric = sm_fabric()
+    fabric = any_fabric()
     target, initiator = peers(fabric, "target", size=size), peers(fabric, "initiator", size=size)
     connect(initiator, target)
     sent = initiator.call("fill", offset=0, length=size, seed=1)["sha256"]

@@ -417,6 +417,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.debug:
         logging.basicConfig(level=logging.DEBUG, stream=sys.stderr, format="%(relativeCreated)d %(name)s %(message)s")
+    if args.device.startswith("tcp"):  # ib2tcp's provider: peers found through $CKPT_TCP_DIRECTORY
+        import ckpt_ib2tcp
+
+        ckpt_ib2tcp.register()
     peer = Peer(args.size, args.device)
     emit({"ready": True, **peer.info()})
     for line in sys.stdin:
