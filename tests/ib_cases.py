@@ -94,7 +94,7 @@ class Case:
 # cannot end before it; they run LONGER times as many steps and checkpoint early so that the
 # checkpoints fall mid-run.  ib_ring.py is examples/ring.py with its step held; the ring's option adds
 # 0.5 ms of CPU work per step, which does not change its result.
-LONGER = 3
+LONGER = 2
 CASES = [
     Case("ring", PROGRAMS / "ib_ring.py", ("500",), lambda n: expected_ring(RANKS, n), 1500, 20),
     Case("pingpong", PROGRAMS / "ib_pingpong.py", ("8",), lambda n: expected_pingpong(RANKS, n, 8), 500, 10),

@@ -23,8 +23,9 @@ def _providers(trace: Path, generation: int) -> set[str]:
     return {traced(trace, rank, generation)["provider"] for rank in range(RANKS)}
 
 
-@BY_NAME
-def test_a_run_on_tcp_gives_the_plain_python_answer(case: Case, tmp_path: Path) -> None:
+def test_a_run_on_tcp_gives_the_plain_python_answer(tmp_path: Path) -> None:
+    """The ring here; every other program runs on tcp in the restart tests below."""
+    case = next(c for c in CASES if c.name == "ring")
     trace = tmp_path / "trace"
     trace.mkdir()
     argv = case.argv(case.steps)

@@ -42,7 +42,7 @@ def test_plugin_wraps_the_ops_table_and_contributes_a_provider(tmp_path: Path) -
     for rank in range(2):
         posts, providers = (tmp_path / f"verbscount.{rank}").read_text().split()
         assert int(posts) == steps  # one RDMA_WRITE_WITH_IMM per step, each seen by the wrapper
-        assert providers.split(",") == ["countib", "simib"]
+        assert providers.split(",") == ["countib", "simib", "tcp"]  # tcp: the ib2tcp plugin, loaded by default
 
 
 def test_checkpointing_verbs_without_the_virtualization_plugin_is_refused_clearly(
