@@ -241,3 +241,24 @@ def test_errors_of_unsignaled_wrs_are_visible(ib: IbEnv) -> None:
     wc = poll_one(a.scq)
     assert (wc.wr_id, wc.status, wc.qp_num) == (66, v.IBV_WC_REM_ACCESS_ERR, a.qp.qp_num)
     assert not a.qp.handle.sends
+
+
+# ====================================================================== restarts across transports
+@pytest.mark.parametrize(
+    ("wrapped", "shadow", "opened"),
+    [
+        ("tcp", "simib1", "tcp1"),  # checkpointed on simib, restarted with --transport tcp
+        ("simib", "tcp0", "simib0"),
+        ("tcp", "simib", "tcp0"),
+        ("tcp", "tcp2", "tcp2"),
+        ("simib", "ibt_a3", "ibt_a3"),  # not a transport: opened as it is
+    ],
+)
+def test_a_shadow_device_is_opened_on_the_active_transport(wrapped: str, shadow: str, opened: str) -> None:
+    from ib_util import FakeRuntime
+
+    from ckpt_ib._virtual import Virtualizer
+
+    vz = Virtualizer(FakeRuntime())
+    vz.provider = wrapped
+    assert vz.real_device_name(shadow) == opened

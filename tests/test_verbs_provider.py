@@ -142,3 +142,36 @@ def test_restore_tables_leaves_no_wrapper_behind() -> None:
     from ckpt.verbs._qp import QPHandle
 
     assert v.get_ops("simib").post_send is QPHandle.post_send  # the engine's own entry, unwrapped
+
+
+# ====================================================================== images across transports
+def _tcp_registered() -> None:
+    if "tcp" not in v.providers():
+        import ckpt_ib2tcp
+
+        ckpt_ib2tcp.register()
+
+
+def test_an_images_transport_table_comes_back_as_the_active_transport(monkeypatch: pytest.MonkeyPatch) -> None:
+    import pickle
+
+    _tcp_registered()
+    monkeypatch.setenv(_provider.PROVIDER_ENV, "tcp")
+    assert pickle.loads(pickle.dumps(v.get_ops("simib"))) is v.get_ops("tcp")
+    monkeypatch.setenv(_provider.PROVIDER_ENV, "simib")
+    assert pickle.loads(pickle.dumps(v.get_ops("tcp"))) is v.get_ops("simib")
+    monkeypatch.delenv(_provider.PROVIDER_ENV)
+    assert pickle.loads(pickle.dumps(v.get_ops("tcp"))) is v.get_ops("tcp")  # no active transport: itself
+
+
+def test_other_providers_come_back_as_themselves(monkeypatch: pytest.MonkeyPatch) -> None:
+    import pickle
+
+    if "imageprov" not in v.providers():
+        v.register_provider("imageprov", lambda: v.VerbsOps("imageprov", **_entries_of(v.get_ops("simib"))))
+    monkeypatch.setenv(_provider.PROVIDER_ENV, "simib")
+    assert pickle.loads(pickle.dumps(v.get_ops("imageprov"))) is v.get_ops("imageprov")
+
+
+def _entries_of(ops: v.VerbsOps) -> dict[str, Any]:
+    return {name: getattr(ops, name) for name in v.OPERATIONS}
