@@ -58,18 +58,6 @@ class Fabric:
     def env(self) -> dict[str, str]:
         return {ENV_ADDRESS: self.address, ENV_TOKEN: self.token}
 
-
-class TcpFabric(Fabric):
-    """ib2tcp's tcp provider: no subnet manager, the peers' HCAs find each other through files in a directory."""
-
-    def __init__(self, directory: Path) -> None:
-        super().__init__("", "", directory)
-        self.device = "tcp0"
-
-    @property
-    def env(self) -> dict[str, str]:
-        return {"CKPT_TCP_DIRECTORY": str(self.directory)}
-
     def fail_link(self, lid: int) -> None:
         """Through the SM directly: no CLI start-up between the trigger and the failure."""
         assert self.sm is not None
@@ -81,6 +69,18 @@ class TcpFabric(Fabric):
         done = run("fabric", *args, "--dir", str(self.directory), timeout=60)
         assert done.returncode == 0, done.stderr
         return done
+
+
+class TcpFabric(Fabric):
+    """ib2tcp's tcp provider: no subnet manager, the peers' HCAs find each other through files in a directory."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__("", "", directory)
+        self.device = "tcp0"
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {"CKPT_TCP_DIRECTORY": str(self.directory)}
 
 
 @pytest.fixture
