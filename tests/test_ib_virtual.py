@@ -262,3 +262,31 @@ def test_a_shadow_device_is_opened_on_the_active_transport(wrapped: str, shadow:
     vz = Virtualizer(FakeRuntime())
     vz.provider = wrapped
     assert vz.real_device_name(shadow) == opened
+
+
+@pytest.mark.parametrize(
+    ("wrapped", "shadow", "opened"),
+    [
+        ("simib", "simib1", "simib1"),  # the same transport: unchanged
+        ("ibt_a", "ibt_b2", "ibt_b2"),  # neither is a transport
+        ("ibt_a", "ibt_a1", "ibt_a1"),
+    ],
+)
+def test_a_shadow_device_of_no_other_transport_keeps_its_name(wrapped: str, shadow: str, opened: str) -> None:
+    from ib_util import FakeRuntime
+
+    from ckpt_ib._virtual import Virtualizer
+
+    vz = Virtualizer(FakeRuntime())
+    vz.provider = wrapped
+    assert vz.real_device_name(shadow) == opened
+
+
+def test_a_transport_device_stays_when_the_wrapped_provider_is_no_transport() -> None:
+    from ib_util import FakeRuntime
+
+    from ckpt_ib._virtual import Virtualizer
+
+    vz = Virtualizer(FakeRuntime())
+    vz.provider = "ibt_a"
+    assert vz.real_device_name("simib1") == "simib1"

@@ -175,3 +175,36 @@ def test_other_providers_come_back_as_themselves(monkeypatch: pytest.MonkeyPatch
 
 def _entries_of(ops: v.VerbsOps) -> dict[str, Any]:
     return {name: getattr(ops, name) for name in v.OPERATIONS}
+
+
+def test_without_an_active_transport_each_transport_stays_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    import pickle
+
+    _tcp_registered()
+    monkeypatch.delenv(_provider.PROVIDER_ENV, raising=False)
+    assert pickle.loads(pickle.dumps(v.get_ops("simib"))) is v.get_ops("simib")
+    assert pickle.loads(pickle.dumps(v.get_ops("tcp"))) is v.get_ops("tcp")
+
+
+def test_a_non_transport_active_provider_does_not_take_transport_tables(monkeypatch: pytest.MonkeyPatch) -> None:
+    import pickle
+
+    _tcp_registered()
+    monkeypatch.setenv(_provider.PROVIDER_ENV, RECORDING)  # Context() opens it, but it is no fabric
+    assert pickle.loads(pickle.dumps(v.get_ops("simib"))) is v.get_ops("simib")
+    assert pickle.loads(pickle.dumps(v.get_ops("tcp"))) is v.get_ops("tcp")
+
+
+def test_a_throwaway_provider_comes_back_as_itself_whichever_transport_is_active(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import pickle
+
+    _tcp_registered()
+    name = "imagethrowaway"
+    if name not in v.providers():
+        v.register_provider(name, lambda: v.VerbsOps(name, **_entries_of(v.get_ops("simib"))))
+    for active in ("tcp", "simib"):
+        monkeypatch.setenv(_provider.PROVIDER_ENV, active)
+        back = pickle.loads(pickle.dumps(v.get_ops(name)))
+        assert back is v.get_ops(name) and back.provider == name

@@ -138,9 +138,11 @@ class Virtualizer:
         """The device to open for a shadow's: the same index on this process's provider.
 
         After `ckpt restart --transport tcp`, a device the program opened as simib0 is tcp0.
+        Only a transport's device moves, and only onto a transport (as `_ops_for_image` does).
         """
         provider, index, full = v.parse_device_name(name)
-        return f"{self.provider}{index}" if provider != self.provider and provider in v.TRANSPORTS else full
+        moves = provider != self.provider and provider in v.TRANSPORTS and self.provider in v.TRANSPORTS
+        return f"{self.provider}{index}" if moves else full
 
     def attach_device(self, dev: ShadowDevice) -> None:
         dev.real = self.inner.open_device(self.real_device_name(dev.name))
