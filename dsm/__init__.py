@@ -1,0 +1,35 @@
+"""HLRC distributed shared memory over ckpt.verbs: ``mem = dsm.attach(rt)``, then shared arrays, locks, barriers.
+
+    mem = dsm.attach(rt)                      # collective; protocol from --dsm-protocol / $CKPT_DSM_PROTOCOL
+    grid = mem.array((512, 512), np.float64)  # collective: the same handle on every rank
+    lock = mem.lock()                         # collective
+    with grid.write((slice(lo, hi), slice(None))) as v:
+        v[:] = ...
+    mem.barrier()
+
+See docs/dsm.md for the protocols and how to write a DSM program.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ._array import Lock, SharedArray
+from ._errors import DsmError
+from ._memory import PROTOCOLS, Memory
+from ._stats import Statistics
+
+__all__ = ["PROTOCOLS", "DsmError", "Lock", "Memory", "SharedArray", "Statistics", "attach"]
+
+PROTOCOL_ENV = "CKPT_DSM_PROTOCOL"
+
+
+def attach(rt: Any, protocol: str | None = None, page_size: int = 4096) -> Memory:
+    """Collective: this rank's handle on a new shared memory of `rt`'s ranks.
+
+    `protocol` is ``"async"`` or ``"onesided"``; by default ``ckpt launch
+    --dsm-protocol``, else ``$CKPT_DSM_PROTOCOL``, else ``"async"``.
+    """
+    chosen = protocol or (getattr(rt, "options", {}) or {}).get("dsm_protocol") or os.environ.get(PROTOCOL_ENV)
+    return Memory(rt, chosen or "async", page_size)

@@ -1,0 +1,184 @@
+"""The protocol handler: what a rank's second thread does with the requests that reach it.
+
+It serves, for the pages this rank is home (or default home) of and the locks
+it is home of: home look-ups (first touch claims the page), page requests (a
+page leaves only once the home's copy holds every interval the requester
+needs, else the request waits for the diffs), diffs (applied, then
+acknowledged: a writer's release completes only after its diffs are in the
+home's copy, so a write notice never names a change the home lacks), lock
+acquire / release (the lock's home keeps the vector timestamp of its last
+release and the write notices released through the lock since the last
+barrier, and grants in FIFO order), and, on rank 0, barriers (arrivals carry
+their notices; when all have come, everyone gets the union and the
+element-wise maximum of the vector timestamps).
+
+The program thread of the same rank touches none of this state except through
+`prune`, under the handler's mutex.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ._diff import apply_diff
+from ._errors import DsmError
+from ._region import META, split_gid
+
+if TYPE_CHECKING:
+    from ._memory import Memory
+
+K_REPLY, K_HOME, K_PAGE, K_DIFF, K_ACQUIRE, K_RELEASE, K_BARRIER, K_ERROR = range(8)
+KIND_NAMES = ["reply", "home", "page", "diff", "acquire", "release", "barrier", "error"]
+
+
+@dataclass
+class LockState:
+    """A lock at its home: who holds it, who waits, and what its last release published."""
+
+    vt: list[int]
+    holder: int = -1
+    queue: deque[tuple[int, int, list[int]]] = field(default_factory=deque)  # (rank, request id, its vt)
+    notices: dict[tuple[int, int], list[int]] = field(default_factory=dict)
+
+
+class Handler:
+    """The state behind the server endpoint; `serve` runs on the handler thread only."""
+
+    def __init__(self, memory: Memory) -> None:
+        self.mem = memory
+        self.locks: dict[int, LockState] = {}
+        self.arrivals: list[tuple[int, int, int, list[int], list[Any]]] = []  # rank, rid, epoch, vt, notices
+        self.waiting: list[tuple[int, int, int, list[int]]] = []  # page requests: rank, rid, gid, need
+        self.mutex = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        del state["mutex"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.mutex = threading.Lock()
+
+    # ------------------------------------------------------------------ dispatch
+    def serve(self, src: int, msg: list[Any]) -> None:
+        kind, rid = msg[0], msg[1]
+        try:
+            with self.mutex:
+                if kind == K_HOME:
+                    self._home(src, rid, msg[2])
+                elif kind == K_PAGE:
+                    self._page(src, rid, msg[2], msg[3])
+                elif kind == K_DIFF:
+                    self._diff(src, rid, msg[2], msg[3], msg[4])
+                elif kind == K_ACQUIRE:
+                    self._acquire(src, rid, msg[2], msg[3])
+                elif kind == K_RELEASE:
+                    self._release(src, rid, msg[2], msg[3], msg[4])
+                elif kind == K_BARRIER:
+                    self._barrier(src, rid, msg[2], msg[3], msg[4])
+                else:
+                    raise DsmError(f"unknown DSM request kind {kind}")
+        except DsmError as exc:
+            self.reply(src, [K_ERROR, rid, f"rank {self.mem.rank}: {exc}"], "error")
+
+    def reply(self, dst: int, msg: list[Any], name: str) -> None:
+        self.mem.counters.count(name, self.mem.server.send(dst, msg))
+
+    # ------------------------------------------------------------------ pages
+    def _home(self, src: int, rid: int, gid: int) -> None:
+        region, page = self._region(gid)
+        if region.table[page] == 0:
+            region.table[page] = src + 1
+        self.reply(src, [K_REPLY, rid, int(region.table[page]) - 1], "home_reply")
+
+    def _page(self, src: int, rid: int, gid: int, need: list[int]) -> None:
+        region, page = self._region(gid)
+        if not bool(np.all(region.meta[page, META:] >= need)):
+            self.waiting.append((src, rid, gid, need))  # a diff it needs is still on its way
+            return
+        self.reply(src, [K_REPLY, rid, region.page(page).tobytes()], "page_reply")
+        self.mem.counters.pages_served += 1
+        self.mem.hook("dsm_page_served", requester=src, gid=gid)
+
+    def _diff(self, src: int, rid: int, gid: int, interval: int, runs: list[Any]) -> None:
+        region, page = self._region(gid)
+        diff = [(int(offset), bytes(data)) for offset, data in runs]
+        self.mem.hook("dsm_diff_received", writer=src, gid=gid, interval=interval, diff=diff)
+        apply_diff(region.page(page), diff)
+        column = META + src
+        region.meta[page, column] = max(int(region.meta[page, column]), interval)
+        self.mem.counters.diffs_applied += 1
+        self.mem.hook("dsm_diff_applied", writer=src, gid=gid, interval=interval)
+        self.reply(src, [K_REPLY, rid], "diff_ack")
+        waiting, self.waiting = self.waiting, []
+        for request in waiting:
+            self._page(*request)
+
+    def _region(self, gid: int) -> tuple[Any, int]:
+        aid, page = split_gid(gid)
+        if aid >= len(self.mem.regions) or page >= self.mem.regions[aid].npages:
+            raise DsmError(f"no page {page} in shared array {aid}")
+        return self.mem.regions[aid], page
+
+    # ------------------------------------------------------------------ locks
+    def _lock(self, lock: int) -> LockState:
+        if lock not in self.locks:
+            self.locks[lock] = LockState([0] * self.mem.size)
+        return self.locks[lock]
+
+    def _acquire(self, src: int, rid: int, lock: int, vt: list[int]) -> None:
+        state = self._lock(lock)
+        if state.holder < 0:
+            self._grant(state, src, rid, vt)
+        else:
+            state.queue.append((src, rid, vt))
+
+    def _grant(self, state: LockState, src: int, rid: int, vt: list[int]) -> None:
+        state.holder = src
+        notices = [[q, i, flat] for (q, i), flat in state.notices.items() if i > vt[q]]
+        self.reply(src, [K_REPLY, rid, state.vt, notices], "grant")
+
+    def _release(self, src: int, rid: int, lock: int, vt: list[int], notices: list[Any]) -> None:
+        state = self._lock(lock)
+        if state.holder != src:
+            raise DsmError(f"rank {src} released lock {lock}, which it does not hold")
+        state.vt = [max(a, b) for a, b in zip(state.vt, vt, strict=True)]
+        for q, i, flat in notices:
+            state.notices[(q, i)] = flat
+        state.holder = -1
+        self.reply(src, [K_REPLY, rid], "release_ack")
+        if state.queue:
+            self._grant(state, *state.queue.popleft())
+
+    def prune(self, floor: list[int]) -> None:
+        """Forget notices every rank has had since the barrier whose vector timestamp is `floor`."""
+        with self.mutex:
+            for state in self.locks.values():
+                state.notices = {key: flat for key, flat in state.notices.items() if key[1] > floor[key[0]]}
+
+    # ------------------------------------------------------------------ barriers (rank 0)
+    def _barrier(self, src: int, rid: int, epoch: int, vt: list[int], notices: list[Any]) -> None:
+        self.arrivals.append((src, rid, epoch, vt, notices))
+        if len(self.arrivals) < self.mem.size:
+            return
+        arrivals, self.arrivals = self.arrivals, []
+        epochs = {a[2] for a in arrivals}
+        if len(epochs) != 1 or len({a[0] for a in arrivals}) != self.mem.size:
+            detail = ", ".join(f"rank {a[0]} at barrier {a[2]}" for a in arrivals)
+            for a in arrivals:
+                self.reply(a[0], [K_ERROR, a[1], f"DSM barriers out of step: {detail}"], "error")
+            return
+        merged_vt = [max(column) for column in zip(*(a[3] for a in arrivals), strict=True)]
+        merged: dict[tuple[int, int], list[int]] = {}
+        for a in arrivals:
+            for q, i, flat in a[4]:
+                merged[(q, i)] = flat
+        union = [[q, i, flat] for (q, i), flat in merged.items()]
+        for a in arrivals:
+            self.reply(a[0], [K_REPLY, a[1], merged_vt, union], "barrier_reply")

@@ -1,0 +1,462 @@
+"""Home-based lazy release consistency (HLRC) over ckpt.verbs: one rank's side of the shared memory.
+
+Rationale.  Pages (4 KiB by default) of collectively allocated arrays are
+cached on every rank; each page has a *home* (whoever touched it first) whose
+copy is the master.  A rank works in *intervals* delimited by synchronisation
+(lock acquire and release, barriers).  The first write to a non-home page in
+an interval saves a *twin*; when the interval closes, the run-length *diff*
+against the twin goes to the home, and the interval's *write notices* (which
+pages it wrote, and their homes) are recorded under the rank's *vector
+timestamp*.  Notices travel lazily: with a lock grant (the notices released
+through that lock that the acquirer has not seen) and at barriers (all of
+them).  Receiving a notice invalidates the page (unless this rank is its
+home) and raises the version its next fetch must have; a fault on an invalid
+page fetches it from the home.
+
+Invariants:
+* a rank knows the notice of every interval (q, i) with i <= vt[q] (notices
+  and vector timestamps only travel together);
+* a release completes only after its diffs are in the homes' copies, so a home
+  can serve any version a notice asks for;
+* every synchronisation point closes the current interval first, so no dirty
+  page is ever invalidated (a rank's own writes are never lost).
+
+Protocols (`dsm.PROTOCOLS`): ``async`` is HLRC over VIA with an asynchronous
+protocol handler (request/response: home look-up, page fetch, diff + ACK);
+``onesided`` is NEWGENDSM (Noronha and Panda): first-touch home assignment by
+CMP_AND_SWP on the default home's home table, pages fetched by RDMA READ of
+``meta, page, meta`` retried until both metadata reads agree, show no diff in
+progress and hold every needed interval (ARDMAR), and diffs written run by run
+into the home's page by RDMA WRITE between two FETCH_AND_ADDs on the page's
+seqlock counters, the interval stamped by RDMA WRITE too (DRAW: the paper
+sends the timestamps in a message; writing them is fully one-sided).  Locks
+and barriers use the handler under both.
+
+Checkpoints: the DSM is ordinary program state (numpy arrays, verbs objects)
+pickled with the program; the handler thread stops at DRAIN (every program
+thread is parked at a step boundary, so no request is unanswered) and starts
+again at RESUME, after the verbs plugin has rebuilt the queue pairs.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+import ckpt
+from ckpt import verbs
+
+from . import hookspecs
+from ._diff import Diff, diff_size, make_diff
+from ._errors import DsmError
+from ._handler import K_ACQUIRE, K_BARRIER, K_DIFF, K_ERROR, K_HOME, K_PAGE, K_RELEASE, KIND_NAMES, Handler
+from ._net import ACCESS, Endpoint, atomic, rdma
+from ._region import DIRTY, INVALID, META, VALID, Region, gid_of, split_gid
+from ._stats import Counters, Statistics
+
+log = logging.getLogger("dsm")
+PROTOCOLS = ("async", "onesided")
+HOOKS = [name for name in dir(hookspecs) if name.startswith("dsm_")]
+WINDOW = 8  # requests in flight per destination (diffs at a release)
+FETCH_TIMEOUT = 120.0
+
+
+class Memory:
+    """One rank's handle on the shared memory; `dsm.attach(rt)` makes it (collectively)."""
+
+    def __init__(self, rt: Any, protocol: str, page_size: int) -> None:
+        if protocol not in PROTOCOLS:
+            raise DsmError(f"unknown DSM protocol {protocol!r}: choose one of {', '.join(PROTOCOLS)}")
+        if page_size < 64 or page_size & (page_size - 1):
+            raise DsmError(f"page size must be a power of two of at least 64 bytes, not {page_size}")
+        self.rt, self.rank, self.size = rt, rt.rank, rt.size
+        self.protocol, self.page_size = protocol, page_size
+        self.ctx = verbs.Context(name=rt.device)
+        self.pd = verbs.PD(self.ctx)
+        slot = page_size + 1024
+        self.client = Endpoint(self.ctx, self.pd, self.size, slot, nrecv=WINDOW * 2, nsend=WINDOW * 2)
+        self.server = Endpoint(self.ctx, self.pd, self.size, slot, nrecv=WINDOW * 2, nsend=WINDOW * 2)
+        n = META + self.size
+        self.scratch = np.zeros(2 * n + 2, dtype=np.int64)  # meta read twice, atomic landing, interval source
+        self.scratch_mr = verbs.MR(self.pd, self.scratch, ACCESS)
+        self.regions: list[Region] = []
+        self.vt = [0] * self.size
+        self.floor = [0] * self.size  # vector timestamp of the last barrier: older notices are forgotten
+        self.known: dict[tuple[int, int], list[int]] = {}  # (writer, interval) -> [gid, home, ...]
+        self.dirty: set[int] = set()
+        self.held: dict[int, list[int]] = {}  # lock -> the lock's vector timestamp at the grant
+        self.nlocks = 0
+        self.epoch = 0
+        self.rid = 0
+        self.seq = [0]
+        self.replies: dict[int, list[Any]] = {}
+        self.counters = Counters()
+        self.handler = Handler(self)
+        self._live()
+        me = {"lid": self.ctx.query_port(1).lid, "client": self.client.address(), "server": self.server.address()}
+        peers = rt.allgather(me)
+        self.client.connect(peers, self.rank, "server")
+        self.server.connect(peers, self.rank, "client")
+        self._start()
+        rt.allgather(None)  # every QP is in RTS before anyone sends
+
+    # ------------------------------------------------------------------ public API
+    def array(self, shape: int | tuple[int, ...], dtype: Any = np.float64) -> Any:
+        """Collective: a shared array of zeros; the same handle on every rank (call in the same order everywhere)."""
+        from ._array import SharedArray
+
+        self._check()
+        shape = (shape,) if isinstance(shape, int | np.integer) else tuple(int(s) for s in shape)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        region = Region(self.pd, len(self.regions), nbytes, self.page_size, self.rank, self.size)
+        self.regions.append(region)  # before the allgather: peers may ask for its pages right after it
+        region.peers = self.rt.allgather(region.address())
+        return SharedArray(self, region, shape, np.dtype(dtype))
+
+    def lock(self) -> Any:
+        """Collective by convention (call in the same order everywhere): a new lock, homed at id mod size."""
+        from ._array import Lock
+
+        self.nlocks += 1
+        return Lock(self, self.nlocks - 1)
+
+    def barrier(self) -> None:
+        """Global barrier: diffs go home, every rank's write notices reach every rank."""
+        self._check()
+        started = time.perf_counter()
+        self._close_interval()
+        self.epoch += 1
+        notices = [[q, i, flat] for (q, i), flat in self.known.items() if i > self.floor[q]]
+        reply = self._request(0, [K_BARRIER, 0, self.epoch, self.vt, notices], f"barrier {self.epoch}")
+        self._merge(reply[2], reply[3], "barrier")
+        self.floor = list(self.vt)
+        self.known = {key: flat for key, flat in self.known.items() if key[1] > self.floor[key[0]]}
+        self.handler.prune(self.floor)
+        self.counters.barriers += 1
+        self.counters.barrier_seconds += time.perf_counter() - started
+        self.hook("dsm_barrier_passed", epoch=self.epoch)
+
+    def statistics(self) -> Statistics:
+        """This rank's counters and time breakdown since attach (frozen)."""
+        return self.counters.snapshot(self.protocol, self.rank)
+
+    # ------------------------------------------------------------------ locks
+    def acquire(self, lock: int) -> None:
+        self._check()
+        if lock in self.held:
+            raise DsmError(f"lock {lock} is already held by this rank (DSM locks are not re-entrant)")
+        started = time.perf_counter()
+        self._close_interval()
+        reply = self._request(lock % self.size, [K_ACQUIRE, 0, lock, self.vt], f"lock {lock}")
+        self._merge(reply[2], reply[3], f"lock {lock}")
+        self.held[lock] = list(reply[2])
+        seconds = time.perf_counter() - started
+        self.counters.lock_acquires += 1
+        self.counters.lock_seconds += seconds
+        self.hook("dsm_lock_acquired", lock=lock, seconds=seconds)
+
+    def release(self, lock: int) -> None:
+        self._check()
+        if lock not in self.held:
+            raise DsmError(f"lock {lock} is not held by this rank")
+        at_grant = self.held.pop(lock)
+        self._close_interval()
+        started = time.perf_counter()
+        notices = [[q, i, flat] for (q, i), flat in self.known.items() if i > max(at_grant[q], self.floor[q])]
+        self._request(lock % self.size, [K_RELEASE, 0, lock, self.vt, notices], f"release of lock {lock}")
+        self.counters.lock_seconds += time.perf_counter() - started
+        self.hook("dsm_lock_released", lock=lock)
+
+    # ------------------------------------------------------------------ faults
+    def read_fault(self, region: Region, pages: np.ndarray) -> None:
+        for page in pages[region.state[pages] == INVALID]:
+            self.counters.read_faults += 1
+            self._fetch(region, int(page))
+
+    def write_fault(self, region: Region, pages: np.ndarray) -> None:
+        for page in pages[region.state[pages] != DIRTY]:
+            page = int(page)
+            self.counters.write_faults += 1
+            if region.state[page] == INVALID:
+                self._fetch(region, page)
+            if region.home[page] < 0:
+                self._lookup_home(region, page)
+            if region.home[page] != self.rank:
+                region.twins[page] = region.page(page).copy()
+                self.counters.twins += 1
+            region.state[page] = DIRTY
+            self.dirty.add(gid_of(region.aid, page))
+
+    def _lookup_home(self, region: Region, page: int) -> None:
+        """First touch: claim the page at its default home, or learn who did."""
+        self._check()
+        owner, gid = region.default_home(page), gid_of(region.aid, page)
+        self.counters.home_lookups += 1
+        if self.protocol == "async":
+            home = int(self._request(owner, [K_HOME, 0, gid], f"the home of page {gid:#x}")[2])
+        else:
+            land = self.scratch_mr.buf + (len(self.scratch) - 2) * 8
+            wr = atomic(
+                verbs.IBV_WR_ATOMIC_CMP_AND_SWP,
+                (land, self.scratch_mr.lkey),
+                *region.remote_table(owner, page),
+                0,
+                self.rank + 1,
+            )
+            self.client.run(owner, [wr], self.seq)
+            self.counters.count("cas", 8)
+            old = int(self.scratch[-2])
+            home = self.rank if old == 0 else old - 1
+        region.home[page] = home
+        if home == self.rank:
+            self.counters.homes_taken += 1
+
+    def _fetch(self, region: Region, page: int) -> None:
+        self._check()
+        started = time.perf_counter()
+        home, gid, need = int(region.home[page]), gid_of(region.aid, page), region.need[page]
+        if home < 0 or home == self.rank:
+            raise DsmError(f"page {gid:#x} is invalid but its home is {home} (rank {self.rank})")
+        if self.protocol == "async":
+            reply = self._request(home, [K_PAGE, 0, gid, need.tolist()], f"page {gid:#x}")
+            region.page(page)[:] = np.frombuffer(reply[2], dtype=np.uint8)
+        else:
+            self._ardmar(region, page, home, need)
+        region.state[page] = VALID
+        self.counters.page_fetches += 1
+        self.counters.page_fetch_seconds += time.perf_counter() - started
+
+    def _ardmar(self, region: Region, page: int, home: int, need: np.ndarray) -> None:
+        """RDMA READ meta, page, meta until both metadata reads agree, show no diff in progress and suffice."""
+        n = META + self.size
+        base, lkey = self.scratch_mr.buf, self.scratch_mr.lkey
+        meta = region.remote_meta(home, page)
+        deadline = time.monotonic() + FETCH_TIMEOUT
+        while True:
+            wrs = [
+                rdma(verbs.IBV_WR_RDMA_READ, (base, n * 8, lkey), *meta),
+                rdma(verbs.IBV_WR_RDMA_READ, region.local_page(page), *region.remote_page(home, page)),
+                rdma(verbs.IBV_WR_RDMA_READ, (base + n * 8, n * 8, lkey), *meta),
+            ]
+            self.client.run(home, wrs, self.seq)
+            self.counters.count("rdma_read", 2 * n * 8 + self.page_size)
+            before, after = self.scratch[:n], self.scratch[n : 2 * n]
+            if before[0] == before[1] and np.array_equal(before, after) and np.all(before[META:] >= need):
+                return
+            self.counters.fetch_retries += 1
+            if time.monotonic() > deadline:
+                raise DsmError(
+                    f"page {gid_of(region.aid, page):#x}: no consistent copy at rank {home} after {FETCH_TIMEOUT:.0f} s"
+                )
+
+    # ------------------------------------------------------------------ intervals
+    def _close_interval(self) -> None:
+        """End the current interval: diffs to their homes, then this interval's write notices."""
+        if not self.dirty:
+            return
+        interval = self.vt[self.rank] + 1
+        written: list[int] = []
+        own: list[tuple[Region, int]] = []
+        outgoing: dict[int, list[tuple[Region, int, Diff]]] = {}
+        for gid in sorted(self.dirty):
+            aid, page = split_gid(gid)
+            region = self.regions[aid]
+            region.state[page] = VALID
+            home = int(region.home[page])
+            if home == self.rank:
+                own.append((region, page))
+                written += [gid, home]
+                continue
+            diff = make_diff(region.page(page), region.twins.pop(page))
+            if not diff:
+                continue
+            written += [gid, home]
+            outgoing.setdefault(home, []).append((region, page, diff))
+            self.counters.diffs += 1
+            self.counters.diff_bytes += diff_size(diff)
+            self.hook("dsm_diff_created", gid=gid, home=home, interval=interval, diff=diff)
+        self.dirty.clear()
+        if not written:
+            return
+        started = time.perf_counter()
+        self._send_diffs(outgoing, interval)
+        self.counters.flush_seconds += time.perf_counter() - started
+        for region, page in own:
+            region.meta[page, META + self.rank] = interval
+        self.vt[self.rank] = interval
+        self.known[(self.rank, interval)] = written
+        self.counters.intervals += 1
+        self.hook("dsm_interval_closed", interval=interval, pages=written[::2])
+
+    def _send_diffs(self, outgoing: dict[int, list[tuple[Region, int, Diff]]], interval: int) -> None:
+        if self.protocol == "async":
+            requests = [
+                (home, [K_DIFF, 0, gid_of(region.aid, page), interval, diff], f"diff ack from rank {home}")
+                for home, items in outgoing.items()
+                for region, page, diff in items
+            ]
+            self._request_many(requests)
+        else:
+            self._draw(outgoing, interval)
+        for home, items in outgoing.items():
+            for region, page, diff in items:
+                self.hook(
+                    "dsm_diff_sent", gid=gid_of(region.aid, page), home=home, interval=interval, nbytes=diff_size(diff)
+                )
+
+    def _draw(self, outgoing: dict[int, list[tuple[Region, int, Diff]]], interval: int) -> None:
+        """DRAW: per page, FETCH_ADD started, RDMA WRITE each run, WRITE applied[me], FETCH_ADD finished."""
+        lkey = self.scratch_mr.lkey
+        land = (self.scratch_mr.buf + (len(self.scratch) - 2) * 8, lkey)
+        stamp = (self.scratch_mr.buf + (len(self.scratch) - 1) * 8, 8, lkey)
+        self.scratch[-1] = interval
+        add = verbs.IBV_WR_ATOMIC_FETCH_AND_ADD
+        for home, items in outgoing.items():
+            wrs = []
+            for region, page, diff in items:
+                wrs.append(atomic(add, land, *region.remote_meta(home, page, 0), 1))
+                rkey, addr = region.remote_page(home, page)
+                for offset, data in diff:
+                    wrs.append(
+                        rdma(verbs.IBV_WR_RDMA_WRITE, region.local_page(page, offset, len(data)), rkey, addr + offset)
+                    )
+                    self.counters.count("rdma_write", len(data))
+                wrs.append(rdma(verbs.IBV_WR_RDMA_WRITE, stamp, *region.remote_meta(home, page, META + self.rank)))
+                wrs.append(atomic(add, land, *region.remote_meta(home, page, 1), 1))
+                self.counters.count("fetch_add", 16)
+            self.client.run(home, wrs, self.seq)
+
+    def _merge(self, vt: list[int], notices: list[Any], source: str) -> None:
+        """Take write notices this rank has not seen: invalidate those pages, raise what their fetch needs."""
+        fresh = []
+        for q, i, flat in notices:
+            if q == self.rank or i <= self.vt[q] or (q, i) in self.known:
+                continue
+            self.known[(q, i)] = flat
+            fresh.append((q, i, flat))
+            for k in range(0, len(flat), 2):
+                aid, page = split_gid(flat[k])
+                region, home = self.regions[aid], flat[k + 1]
+                region.home[page] = home
+                if home != self.rank:
+                    region.state[page] = INVALID
+                    region.need[page, q] = max(int(region.need[page, q]), i)
+        self.vt = [max(a, b) for a, b in zip(self.vt, vt, strict=True)]
+        if fresh:
+            self.counters.write_notices_received += len(fresh)
+            self.hook("dsm_write_notices_received", source=source, notices=fresh)
+
+    # ------------------------------------------------------------------ requests
+    def _request(self, dst: int, msg: list[Any], what: str) -> list[Any]:
+        return self._request_many([(dst, msg, what)])[0]
+
+    def _request_many(self, requests: list[tuple[int, list[Any], str]]) -> list[list[Any]]:
+        """Send requests (at most WINDOW in flight per destination) and return their replies in order."""
+        rids: list[int] = []
+        in_flight: dict[int, list[int]] = {}
+        for dst, msg, what in requests:
+            mine = in_flight.setdefault(dst, [])
+            while len(mine) >= WINDOW:
+                self._await(mine[:1], what)
+                mine[:] = [r for r in mine if r not in self.replies]
+            self.rid += 1
+            msg[1] = self.rid
+            self.counters.count(KIND_NAMES[msg[0]], self.client.send(dst, msg))
+            rids.append(self.rid)
+            mine.append(self.rid)
+        self._await(rids, requests[-1][2] if requests else "")
+        return [self.replies.pop(rid) for rid in rids]
+
+    def _await(self, rids: Iterable[int], what: str) -> None:
+        rids = list(rids)
+
+        def done() -> bool:
+            for _, msg, _ in self.client.inbox:
+                if msg[0] == K_ERROR:
+                    raise DsmError(msg[2])
+                self.replies[msg[1]] = msg
+            self.client.inbox.clear()
+            self._check()
+            return all(rid in self.replies for rid in rids)
+
+        self.client.wait(done, what, timeout=FETCH_TIMEOUT)
+
+    # ------------------------------------------------------------------ hooks and the handler thread
+    def hook(self, name: str, **kwargs: Any) -> None:
+        if name in self._fire:
+            getattr(self._pm.hook, name)(memory=self, **kwargs)
+
+    def _live(self) -> None:
+        """Per-process parts (thread, plugin manager): at attach, and again after unpickling."""
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._failure: BaseException | None = None
+        host = getattr(self.rt, "plugins", None)
+        self._pm = host.pm if host is not None else None
+        self._fire: set[str] = set()
+        if self._pm is None:
+            return
+        if not hasattr(self._pm.hook, "dsm_barrier_passed"):
+            self._pm.add_hookspecs(hookspecs)
+        self._pm.register(self, name=f"dsm-memory-{id(self)}")
+        self._fire = {name for name in HOOKS if getattr(self._pm.hook, name).get_hookimpls()}
+
+    def _start(self) -> None:
+        if self._thread is not None:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._serve, name=f"dsm-handler-{self.rank}", daemon=True)
+        self._thread.start()
+
+    def _halt(self) -> None:
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join(timeout=30)
+        if self._thread.is_alive():
+            raise DsmError("the DSM protocol handler did not stop within 30 s")
+        self._thread = None
+
+    def _serve(self) -> None:
+        server = self.server
+        try:
+            while server.wait(lambda: bool(server.inbox), "requests", math.inf, self._stop.is_set):
+                while server.inbox:
+                    peer, msg, _ = server.inbox.pop(0)
+                    self.handler.serve(peer, msg)
+        except BaseException as exc:  # reported on the program thread at its next DSM call
+            self._failure = exc
+            log.error("rank %d: the DSM protocol handler failed: %s", self.rank, exc)
+
+    def _check(self) -> None:
+        if self._failure is not None:
+            raise DsmError(f"the DSM protocol handler of rank {self.rank} failed: {self._failure}")
+
+    @ckpt.hookimpl(tryfirst=True)
+    def ckpt_drain(self) -> None:
+        self._halt()  # every program thread is parked: nothing is waiting for this handler
+
+    @ckpt.hookimpl(trylast=True)
+    def ckpt_resume(self) -> None:
+        self._start()  # after the verbs plugin refilled / rebuilt the queues
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        for name in ("_thread", "_stop", "_failure", "_pm", "_fire"):
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._live()
+        if self._pm is None:  # unpickled outside a ckpt rank: nothing will call ckpt_resume
+            self._start()
+
+    def __repr__(self) -> str:
+        return f"<dsm.Memory rank {self.rank}/{self.size} {self.protocol} {len(self.regions)} arrays>"

@@ -1,0 +1,84 @@
+"""One shared array's pages on one rank: the local copy, its registered memory, and per-page protocol state.
+
+Per page a rank keeps its access state (``INVALID``, ``VALID``: readable,
+``DIRTY``: written in the current interval), the home it knows (-1: not known
+yet), and ``need``: for every writer, the latest interval whose diff its next
+fetch must contain (raised by write notices).  A home keeps, in registered
+memory, the page's metadata ``[started, finished, applied[0..N-1]]``: the two
+counters are the seqlock of the one-sided protocol (a writer adds 1 to
+``started`` before its RDMA WRITEs and to ``finished`` after), ``applied[w]``
+the latest interval of writer ``w`` whose changes are in the home's copy.
+A default home (``(array + page) mod N``) keeps the page's home-table word:
+0 while unassigned, else home + 1; first touch claims it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ckpt import verbs
+
+from ._net import ACCESS
+
+INVALID, VALID, DIRTY = 0, 1, 2
+META = 2  # started, finished: then applied[rank] for every rank
+
+
+def gid_of(aid: int, page: int) -> int:
+    return aid << 32 | page
+
+
+def split_gid(gid: int) -> tuple[int, int]:
+    return gid >> 32, gid & 0xFFFFFFFF
+
+
+class Region:
+    """The pages of one shared array on this rank."""
+
+    def __init__(self, pd: verbs.PD, aid: int, nbytes: int, page_size: int, rank: int, size: int) -> None:
+        self.aid, self.page_size, self.rank, self.size = aid, page_size, rank, size
+        self.npages = max(1, -(-nbytes // page_size))
+        self.data = np.zeros(self.npages * page_size, dtype=np.uint8)
+        self.meta = np.zeros((self.npages, META + size), dtype=np.int64)
+        self.table = np.zeros(self.npages, dtype=np.int64)
+        self.data_mr = verbs.MR(pd, self.data, ACCESS)
+        self.meta_mr = verbs.MR(pd, self.meta, ACCESS)
+        self.table_mr = verbs.MR(pd, self.table, ACCESS)
+        self.state = np.full(self.npages, VALID, dtype=np.int8)  # every copy starts as the same zeros
+        self.home = np.full(self.npages, -1, dtype=np.int32)
+        self.need = np.zeros((self.npages, size), dtype=np.int64)
+        self.twins: dict[int, np.ndarray] = {}
+        self.peers: list[dict[str, int]] = []
+
+    def address(self) -> dict[str, int]:
+        return {
+            "data": self.data_mr.buf,
+            "data_rkey": self.data_mr.rkey,
+            "meta": self.meta_mr.buf,
+            "meta_rkey": self.meta_mr.rkey,
+            "table": self.table_mr.buf,
+            "table_rkey": self.table_mr.rkey,
+        }
+
+    def default_home(self, page: int) -> int:
+        return (self.aid + page) % self.size
+
+    def page(self, page: int) -> np.ndarray:
+        return self.data[page * self.page_size : (page + 1) * self.page_size]
+
+    # remote addresses ------------------------------------------------------------
+    def remote_page(self, home: int, page: int) -> tuple[int, int]:
+        peer = self.peers[home]
+        return peer["data_rkey"], peer["data"] + page * self.page_size
+
+    def remote_meta(self, home: int, page: int, word: int = 0) -> tuple[int, int]:
+        peer = self.peers[home]
+        return peer["meta_rkey"], peer["meta"] + (page * (META + self.size) + word) * 8
+
+    def remote_table(self, owner: int, page: int) -> tuple[int, int]:
+        peer = self.peers[owner]
+        return peer["table_rkey"], peer["table"] + page * 8
+
+    def local_page(self, page: int, offset: int = 0, length: int | None = None) -> tuple[int, int, int]:
+        length = self.page_size - offset if length is None else length
+        return self.data_mr.buf + page * self.page_size + offset, length, self.data_mr.lkey

@@ -1,0 +1,113 @@
+"""What one rank's DSM did: counters kept while it runs, and the frozen snapshot `Memory.statistics()` returns."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Statistics:
+    """One rank's DSM activity since `dsm.attach` (times in seconds, wall clock).
+
+    The breakdown: ``page_seconds`` (faults waiting for pages), ``wait_seconds``
+    (barriers and diff propagation at releases), ``lock_seconds`` (waiting for
+    grants), and ``compute_seconds``: the rest of the rank's time.
+    """
+
+    protocol: str
+    rank: int
+    read_faults: int
+    write_faults: int
+    twins: int
+    diffs: int
+    diff_bytes: int
+    intervals: int
+    home_lookups: int
+    homes_taken: int
+    page_fetches: int
+    page_fetch_seconds: float
+    fetch_retries: int
+    pages_served: int
+    diffs_applied: int
+    write_notices_received: int
+    lock_acquires: int
+    lock_seconds: float
+    barriers: int
+    barrier_seconds: float
+    flush_seconds: float
+    messages: dict[str, int]
+    message_bytes: dict[str, int]
+    total_seconds: float
+    page_seconds: float
+    wait_seconds: float
+    compute_seconds: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class Counters:
+    """The mutable counters behind `Statistics` (the handler thread adds to some of them)."""
+
+    read_faults: int = 0
+    write_faults: int = 0
+    twins: int = 0
+    diffs: int = 0
+    diff_bytes: int = 0
+    intervals: int = 0
+    home_lookups: int = 0
+    homes_taken: int = 0
+    page_fetches: int = 0
+    page_fetch_seconds: float = 0.0
+    fetch_retries: int = 0
+    pages_served: int = 0
+    diffs_applied: int = 0
+    write_notices_received: int = 0
+    lock_acquires: int = 0
+    lock_seconds: float = 0.0
+    barriers: int = 0
+    barrier_seconds: float = 0.0
+    flush_seconds: float = 0.0
+    messages: Counter[str] = field(default_factory=Counter)
+    message_bytes: Counter[str] = field(default_factory=Counter)
+    started: float = field(default_factory=time.perf_counter)
+    elapsed_before: float = 0.0  # time accumulated before a restart (perf_counter does not survive one)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["elapsed_before"] = self.elapsed()
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.started = time.perf_counter()
+
+    def elapsed(self) -> float:
+        return self.elapsed_before + time.perf_counter() - self.started
+
+    def count(self, kind: str, nbytes: int) -> None:
+        self.messages[kind] += 1
+        self.message_bytes[kind] += nbytes
+
+    def snapshot(self, protocol: str, rank: int) -> Statistics:
+        total = self.elapsed()
+        page = self.page_fetch_seconds
+        wait = self.barrier_seconds + self.flush_seconds
+        skip = {"started", "elapsed_before", "messages", "message_bytes"}
+        plain = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
+        return Statistics(
+            protocol=protocol,
+            rank=rank,
+            messages=dict(self.messages),
+            message_bytes=dict(self.message_bytes),
+            total_seconds=total,
+            page_seconds=page,
+            wait_seconds=wait,
+            compute_seconds=max(0.0, total - page - wait - self.lock_seconds),
+            **plain,
+        )

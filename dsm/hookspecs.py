@@ -1,0 +1,72 @@
+"""The DSM's plugin contract: hooks fired by the HLRC protocol, for plugins such as remote logging.
+
+They are added to the rank's plugin manager (the one ``ckpt.hookimpl`` plugins
+live in) by the ``dsm`` plugin, or by ``dsm.attach`` when that plugin is not
+loaded.  Implement them with ``@ckpt.hookimpl`` like any ckpt hook.
+
+Threads: hooks marked *handler* run on the rank's protocol-handler thread, the
+others on the program thread.  ``memory`` is the rank's :class:`dsm.Memory`;
+pages are named by their global page id ``gid = (array_id << 32) | page_index``.
+A hook must not block and must not call back into the DSM.  Under the
+``onesided`` protocol the home's CPU takes no part in page service or diff
+application, so ``dsm_page_served``, ``dsm_diff_received`` and
+``dsm_diff_applied`` fire only under ``async``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ckpt.runtime.hookspecs import hookspec
+
+Notices = list[tuple[int, int, list[int]]]  # (writer rank, interval, [gid, home, gid, home, ...])
+
+
+@hookspec
+def dsm_interval_closed(memory: Any, interval: int, pages: list[int]) -> None:
+    """This rank closed interval `interval` (at a release, an acquire or a barrier) having written `pages` (gids)."""
+
+
+@hookspec
+def dsm_diff_created(memory: Any, gid: int, home: int, interval: int, diff: list[tuple[int, bytes]]) -> None:
+    """A diff of page `gid` against its twin, for its `home`; `diff` is a list of (offset, bytes) runs."""
+
+
+@hookspec
+def dsm_diff_sent(memory: Any, gid: int, home: int, interval: int, nbytes: int) -> None:
+    """The diff of page `gid` reached its home (acknowledged, or its RDMA WRITEs completed)."""
+
+
+@hookspec
+def dsm_diff_received(memory: Any, writer: int, gid: int, interval: int, diff: list[tuple[int, bytes]]) -> None:
+    """*handler*, async only: this rank, the home of `gid`, received `writer`'s diff for `interval`."""
+
+
+@hookspec
+def dsm_diff_applied(memory: Any, writer: int, gid: int, interval: int) -> None:
+    """*handler*, async only: that diff is now in the home's copy of the page."""
+
+
+@hookspec
+def dsm_write_notices_received(memory: Any, source: str, notices: Notices) -> None:
+    """New write notices (ones this rank did not know) arrived with a lock grant or a barrier (`source`)."""
+
+
+@hookspec
+def dsm_page_served(memory: Any, requester: int, gid: int) -> None:
+    """*handler*, async only: this rank, the page's home, sent page `gid` to `requester`."""
+
+
+@hookspec
+def dsm_lock_acquired(memory: Any, lock: int, seconds: float) -> None:
+    """This rank holds lock `lock` (after waiting `seconds`); the grant's notices are already applied."""
+
+
+@hookspec
+def dsm_lock_released(memory: Any, lock: int) -> None:
+    """This rank released lock `lock`; its diffs reached their homes first."""
+
+
+@hookspec
+def dsm_barrier_passed(memory: Any, epoch: int) -> None:
+    """Every rank arrived at barrier number `epoch`; its write notices are applied here."""
