@@ -87,7 +87,7 @@ class SharedArray:
         view[index] = value
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        data = self[...]
+        data: np.ndarray = self[...]
         return data if dtype is None else data.astype(dtype)
 
     # ------------------------------------------------------------------ pages

@@ -389,7 +389,7 @@ class Memory:
 
     # ------------------------------------------------------------------ hooks and the handler thread
     def hook(self, name: str, **kwargs: Any) -> None:
-        if name in self._fire:
+        if name in self._fire and self._pm is not None:
             getattr(self._pm.hook, name)(memory=self, **kwargs)
 
     def _live(self) -> None:
@@ -398,14 +398,14 @@ class Memory:
         self._stop = threading.Event()
         self._failure: BaseException | None = None
         host = getattr(self.rt, "plugins", None)
-        self._pm = host.pm if host is not None else None
+        self._pm: Any = None
         self._fire: set[str] = set()
-        if self._pm is None:
+        if host is None:
             return
-        if not hasattr(self._pm.hook, "dsm_barrier_passed"):
-            self._pm.add_hookspecs(hookspecs)
-        self._pm.register(self, name=f"dsm-memory-{id(self)}")
-        self._fire = {name for name in HOOKS if getattr(self._pm.hook, name).get_hookimpls()}
+        host.add_hookspecs(hookspecs)  # when the dsm plugin is not loaded
+        self._pm = pm = host.pm
+        pm.register(self, name=f"dsm-memory-{id(self)}")
+        self._fire = {name for name in HOOKS if getattr(pm.hook, name).get_hookimpls()}
 
     def _start(self) -> None:
         if self._thread is not None:

@@ -47,7 +47,7 @@ RDMA_CHUNK = 128  # one-sided WRs posted before waiting for the chunk's (signale
 
 
 def pack(obj: Any) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
+    return bytes(msgpack.packb(obj, use_bin_type=True))
 
 
 def unpack(data: bytes | memoryview) -> Any:
@@ -176,8 +176,11 @@ class Endpoint:
             last = chunk[-1]
             last.send_flags, last.wr_id = verbs.IBV_SEND_SIGNALED, RDMA | (seq[0] & 0xFFFFFFFFFF)
             self.qps[peer].post_send(last)
-            self.wait(lambda w=last.wr_id: w in self.rdma_done, f"one-sided operations on rank {peer}")
-            self.rdma_done.discard(last.wr_id)
+            self._wait_rdma(last.wr_id, peer)
+
+    def _wait_rdma(self, wr_id: int, peer: int) -> None:
+        self.wait(lambda: wr_id in self.rdma_done, f"one-sided operations on rank {peer}")
+        self.rdma_done.discard(wr_id)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)

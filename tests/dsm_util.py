@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import importlib
 import itertools
+import logging
 import threading
 from collections.abc import Callable
 from typing import Any
 
+import ckpt
 import dsm
 
 _hcas = itertools.count(10)  # HCA indexes no other test uses: every group of ranks gets fresh ones
@@ -32,14 +35,17 @@ class Group:
 
 
 class ThreadRuntime:
-    """`rt` for one thread-rank (no plugins, no coordinator)."""
+    """`rt` for one thread-rank (no plugins, no coordinator): rank, size, device, argv, options, collectives."""
 
     plugins = None
-    options: dict[str, Any] = {}
 
-    def __init__(self, group: Group, rank: int) -> None:
+    def __init__(self, group: Group, rank: int, argv: list[str] | None = None, protocol: str | None = None) -> None:
         self.group, self.rank, self.size = group, rank, group.size
         self.device = f"simib{group.first + rank}"
+        self.argv = list(argv or [])
+        self.options: dict[str, Any] = {"dsm_protocol": protocol}
+        self.restarted = False
+        self.log = logging.getLogger(f"dsm.test.rank{rank}")
 
     def allgather(self, obj: Any) -> list[Any]:
         return self.group.allgather(self.rank, obj)
@@ -50,15 +56,44 @@ class ThreadRuntime:
 
 def run_ranks(size: int, body: Callable[[dsm.Memory, ThreadRuntime], Any], protocol: str, **attach: Any) -> list[Any]:
     """Run body(mem, rt) on `size` thread-ranks attached to one DSM; their return values, by rank."""
+    return _threads(size, lambda rt: body(dsm.attach(rt, protocol, **attach), rt), protocol, [])
+
+
+def program_class(name: str) -> type[ckpt.Program]:
+    """The ckpt.Program subclass of dsm/programs/<name>.py."""
+    module = importlib.import_module(f"dsm.programs.{name}")
+    found = [
+        c
+        for c in vars(module).values()
+        if isinstance(c, type) and issubclass(c, ckpt.Program) and c.__module__ == module.__name__
+    ]
+    assert len(found) == 1, f"{name}: expected one ckpt.Program subclass, found {found}"
+    return found[0]
+
+
+def run_program(name: str, argv: list[str], size: int, protocol: str) -> list[Any]:
+    """Run dsm/programs/<name>.py on `size` thread-ranks as `ckpt launch` would (setup, steps); its results."""
+    cls = program_class(name)
+
+    def rank_body(rt: ThreadRuntime) -> Any:
+        program = cls()
+        program.setup(rt)  # type: ignore[arg-type]
+        while program.step(rt):  # type: ignore[arg-type]
+            pass
+        return program.result()
+
+    return _threads(size, rank_body, protocol, argv)
+
+
+def _threads(size: int, body: Callable[[ThreadRuntime], Any], protocol: str, argv: list[str]) -> list[Any]:
     group = Group(size)
     results: list[Any] = [None] * size
     errors: list[BaseException] = []
 
     def rank_main(rank: int) -> None:
-        rt = ThreadRuntime(group, rank)
+        rt = ThreadRuntime(group, rank, argv, protocol)
         try:
-            mem = dsm.attach(rt, protocol, **attach)
-            results[rank] = body(mem, rt)
+            results[rank] = body(rt)
         except BaseException as exc:  # re-raised in the test thread
             errors.append(exc)
             group.barrier.abort()

@@ -5,8 +5,10 @@ whose names are the hooks below.  It is found through the ``ckpt.plugins``
 entry-point group, or named with ``ckpt launch --with-plugin MODULE``, and it
 declares the API it was written for with a module attribute
 ``CKPT_PLUGIN_API = 1``.  Optional attributes: ``CKPT_PLUGIN_ORDER`` (an int,
-default 100: lower registers first, i.e. sits lower in the stack) and
-``__version__``.
+default 100: lower registers first, i.e. sits lower in the stack),
+``__version__``, and ``CKPT_HOOKSPECS`` (a module of further hookspecs the
+plugin brings, added to the same manager before plugins are checked: the
+``dsm`` plugin adds ``dsm.hookspecs`` this way).
 
 Ordering, as in DMTCP: hooks on the way *down* (``ckpt_presuspend``,
 ``ckpt_drain``, ``ckpt_precheckpoint``) run in registration order; hooks on the

@@ -128,6 +128,10 @@ class PluginHost:
             except (ValueError, pluggy.PluginValidationError) as exc:
                 raise PluginError(f"plugin {info.name!r} cannot be registered: {exc}") from None
             self.plugins.append(info)
+        for plugin in self.pm.get_plugins():  # a plugin may bring hookspecs of its own (the DSM's)
+            specs = getattr(plugin, "CKPT_HOOKSPECS", None)
+            if specs is not None:
+                self.add_hookspecs(specs)
         try:
             self.pm.check_pending()
         except pluggy.PluginValidationError as exc:
@@ -135,7 +139,10 @@ class PluginHost:
         return self
 
     def add_hookspecs(self, module: Any) -> None:
-        """Extra hookspecs (e.g. the DSM's) on the same manager."""
+        """Extra hookspecs (e.g. the DSM's) on the same manager; adding a module twice is a no-op."""
+        names = [n for n in dir(module) if not n.startswith("_") and hasattr(getattr(module, n), "ckpt_spec")]
+        if names and all(getattr(self.pm.hook, n, None) is not None and getattr(self.pm.hook, n).spec for n in names):
+            return
         self.pm.add_hookspecs(module)
 
     def has_impl(self, hook: str) -> bool:

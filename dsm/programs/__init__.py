@@ -1,0 +1,1 @@
+"""DSM example programs: each runs under `ckpt launch` and checks its answer against plain numpy."""
