@@ -196,6 +196,8 @@ def _add_plugin_options(argv: list[str]) -> None:
             taken.add(flag)
             kind = spec.get("type", "str")
             extra: dict[str, Any] = {"is_flag": True} if kind == "flag" else {"type": _OPTION_TYPES[kind]}
+            if spec.get("choices"):
+                extra["type"] = click.Choice([str(c) for c in spec["choices"]])
             option = click.Option(
                 [flag, _PLUGIN_OPTION + name.replace("-", "_")],
                 default=spec.get("default"),

@@ -53,9 +53,9 @@ def ckpt_add_options() -> list[dict[str, Any]]:
     """Declare command-line options for ``ckpt launch`` / ``ckpt restart``.
 
     Called in the CLI process before arguments are parsed.  Return a list of
-    dicts ``{"name": "log-home", "help": "...", "default": None, "type": "int"|"float"|"str"|"flag"}``;
-    each becomes ``--NAME`` and its value reaches every rank as
-    ``rt.options["log_home"]``.
+    dicts ``{"name": "log-home", "help": "...", "default": None, "type": "int"|"float"|"str"|"flag"}``
+    (a ``"choices": [...]`` list restricts a value to those words); each becomes
+    ``--NAME`` and its value reaches every rank as ``rt.options["log_home"]``.
     """
     raise NotImplementedError
 

@@ -29,5 +29,6 @@ def ckpt_add_options() -> list[dict[str, Any]]:
             "help": f"DSM protocol for dsm.attach(rt): {' or '.join(dsm.PROTOCOLS)} (default async)",
             "default": None,
             "type": "str",
+            "choices": list(dsm.PROTOCOLS),
         }
     ]

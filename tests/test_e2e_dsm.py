@@ -1,0 +1,88 @@
+"""End-to-end: DSM programs under `ckpt launch`, checkpointed mid-run, killed and restarted, via the CLI.
+
+Each program runs 4 ranks on one protocol; the test takes a checkpoint the job
+resumes from, then one it is killed at, restarts it, and compares the result
+lines with an uninterrupted run of the same program (thread-ranks in process,
+tests/dsm_util.py: the same code, no checkpoint).  Each program also checks its
+own answer against plain numpy (`numpy=match`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from dsm_cases import CASES, PROTOCOLS, DsmCase
+from dsm_util import run_program
+from ib_cases import RANKS, Hold, launch_args, take
+
+from harness import PROGRAMS, Job, results, run
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+PROGRAM_ENV = "CKPT_TEST_DSM_PROGRAM"
+
+
+def uninterrupted(case: DsmCase, protocol: str) -> dict[int, str]:
+    lines = run_program(case.name, list(case.long), RANKS, protocol)
+    assert all("numpy=match" in line for line in lines), lines
+    return dict(enumerate(lines))
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_checkpoint_resume_kill_restart_gives_the_uninterrupted_result(
+    case: DsmCase, protocol: str, start_job: Callable[..., Job], tmp_path: Path
+) -> None:
+    ckpt_dir, hold = tmp_path / "ckpt", Hold(tmp_path)
+    env = {PROGRAM_ENV: case.name, **hold.env}
+    argv = [str(PROGRAMS / "dsm_held.py"), *case.long]
+    job = start_job(*launch_args(ckpt_dir, argv, "--dsm-protocol", protocol), ckpt_dir=ckpt_dir, extra_env=env)
+    job.wait_step(case.checkpoint_at // 2)
+    take(ckpt_dir, "--wait")
+    job.wait_step(case.checkpoint_at)
+    take(ckpt_dir, "--kill")
+    assert job.wait() == 0, job.stderr
+    hold.release()
+    again = start_job("restart", "--ckpt-dir", str(ckpt_dir), ckpt_dir=ckpt_dir, extra_env=env)
+    assert again.wait() == 0, again.stderr
+    assert results(again.stdout) == uninterrupted(case, protocol)
+
+
+def test_a_dsm_job_restarts_over_tcp_and_runs_native(start_job: Callable[..., Job], tmp_path: Path) -> None:
+    case = CASES[0]
+    ckpt_dir, hold = tmp_path / "ckpt", Hold(tmp_path)
+    env = {PROGRAM_ENV: case.name, **hold.env}
+    argv = [str(PROGRAMS / "dsm_held.py"), *case.long]
+    job = start_job(*launch_args(ckpt_dir, argv, "--dsm-protocol", "onesided"), ckpt_dir=ckpt_dir, extra_env=env)
+    job.wait_step(case.checkpoint_at)
+    take(ckpt_dir, "--kill")
+    assert job.wait() == 0, job.stderr
+    hold.release()
+    again = start_job("restart", "--transport", "tcp", "--ckpt-dir", str(ckpt_dir), ckpt_dir=ckpt_dir, extra_env=env)
+    assert again.wait() == 0, again.stderr
+    expected = uninterrupted(case, "onesided")
+    assert results(again.stdout) == expected
+    native = run(
+        "launch",
+        "-n",
+        str(RANKS),
+        "--native",
+        "--dsm-protocol",
+        "onesided",
+        "--ckpt-dir",
+        str(tmp_path / "native"),
+        str(Path(__file__).resolve().parents[1] / "dsm" / "programs" / f"{case.name}.py"),
+        *case.long,
+        timeout=120,
+    )
+    assert native.returncode == 0, native.stderr
+    assert results(native.stdout) == expected
+
+
+def test_an_unknown_protocol_is_one_clear_error(tmp_path: Path) -> None:
+    program = Path(__file__).resolve().parents[1] / "dsm" / "programs" / "sor.py"
+    done = run("launch", "-n", "2", "--dsm-protocol", "twosided", "--ckpt-dir", str(tmp_path / "c"), str(program))
+    assert done.returncode != 0
+    assert "'twosided' is not one of 'async', 'onesided'" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
