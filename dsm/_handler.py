@@ -28,6 +28,7 @@ import numpy as np
 from ._diff import apply_diff
 from ._errors import DsmError
 from ._region import META, split_gid
+from ._stats import Counters
 
 if TYPE_CHECKING:
     from ._memory import Memory
@@ -54,6 +55,7 @@ class Handler:
         self.locks: dict[int, LockState] = {}
         self.arrivals: list[tuple[int, int, int, list[int], list[Any]]] = []  # rank, rid, epoch, vt, notices
         self.waiting: list[tuple[int, int, int, list[int]]] = []  # page requests: rank, rid, gid, need
+        self.counters = Counters()  # the handler's own: two threads never add to one counter
         self.mutex = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -88,7 +90,7 @@ class Handler:
             self.reply(src, [K_ERROR, rid, f"rank {self.mem.rank}: {exc}"], "error")
 
     def reply(self, dst: int, msg: list[Any], name: str) -> None:
-        self.mem.counters.count(name, self.mem.server.send(dst, msg))
+        self.counters.count(name, self.mem.server.send(dst, msg))
 
     # ------------------------------------------------------------------ pages
     def _home(self, src: int, rid: int, gid: int) -> None:
@@ -103,7 +105,7 @@ class Handler:
             self.waiting.append((src, rid, gid, need))  # a diff it needs is still on its way
             return
         self.reply(src, [K_REPLY, rid, region.page(page).tobytes()], "page_reply")
-        self.mem.counters.pages_served += 1
+        self.counters.pages_served += 1
         self.mem.hook("dsm_page_served", requester=src, gid=gid)
 
     def _diff(self, src: int, rid: int, gid: int, interval: int, runs: list[Any]) -> None:
@@ -113,7 +115,7 @@ class Handler:
         apply_diff(region.page(page), diff)
         column = META + src
         region.meta[page, column] = max(int(region.meta[page, column]), interval)
-        self.mem.counters.diffs_applied += 1
+        self.counters.diffs_applied += 1
         self.mem.hook("dsm_diff_applied", writer=src, gid=gid, interval=interval)
         self.reply(src, [K_REPLY, rid], "diff_ack")
         waiting, self.waiting = self.waiting, []

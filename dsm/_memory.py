@@ -144,7 +144,7 @@ class Memory:
 
     def statistics(self) -> Statistics:
         """This rank's counters and time breakdown since attach (frozen)."""
-        return self.counters.snapshot(self.protocol, self.rank)
+        return self.counters.snapshot(self.protocol, self.rank, self.handler.counters)
 
     # ------------------------------------------------------------------ locks
     def acquire(self, lock: int) -> None:

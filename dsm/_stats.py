@@ -52,7 +52,7 @@ class Statistics:
 
 @dataclass
 class Counters:
-    """The mutable counters behind `Statistics` (the handler thread adds to some of them)."""
+    """The mutable counters behind `Statistics`: one set per thread (program, handler), added up by `snapshot`."""
 
     read_faults: int = 0
     write_faults: int = 0
@@ -94,17 +94,22 @@ class Counters:
         self.messages[kind] += 1
         self.message_bytes[kind] += nbytes
 
-    def snapshot(self, protocol: str, rank: int) -> Statistics:
+    def snapshot(self, protocol: str, rank: int, handler: Counters) -> Statistics:
+        """The program thread's counters (self) and the handler thread's, as one frozen record."""
         total = self.elapsed()
         page = self.page_fetch_seconds
         wait = self.barrier_seconds + self.flush_seconds
         skip = {"started", "elapsed_before", "messages", "message_bytes"}
-        plain = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
+        plain = {
+            f.name: getattr(self, f.name) + getattr(handler, f.name)
+            for f in dataclasses.fields(self)
+            if f.name not in skip
+        }
         return Statistics(
             protocol=protocol,
             rank=rank,
-            messages=dict(self.messages),
-            message_bytes=dict(self.message_bytes),
+            messages=dict(self.messages + handler.messages),
+            message_bytes=dict(self.message_bytes + handler.message_bytes),
             total_seconds=total,
             page_seconds=page,
             wait_seconds=wait,
