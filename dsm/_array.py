@@ -67,12 +67,21 @@ class SharedArray:
 
     @contextmanager
     def write(self, index: Any = ...) -> Iterator[np.ndarray]:
-        """A writable numpy view of ``a[index]``: its pages fetched if invalid, twinned on first write."""
+        """A writable numpy view of ``a[index]``: its pages fetched if invalid, twinned on first write.
+
+        The index must be basic (slices, integers, ``...``): a fancy index or a mask
+        selects a copy, which could not write back; use ``a[index] = values`` for those.
+        """
         view = self._view
-        self._mem.write_fault(self._region, self._pages(view, index))
         sub = view[index]
         if not isinstance(sub, np.ndarray):
             raise DsmError("a.write(index) needs an index that selects an array; use a[index] = value for one element")
+        if not np.may_share_memory(sub, view):
+            raise DsmError(
+                "a.write(index) needs a basic index (slices, integers, ...); use a[index] = values "
+                "for a fancy index or a mask"
+            )
+        self._mem.write_fault(self._region, self._pages(view, index))
         yield sub
 
     def __getitem__(self, index: Any) -> Any:
@@ -94,9 +103,11 @@ class SharedArray:
     def _pages(self, view: np.ndarray, index: Any) -> np.ndarray:
         """The pages `view[index]` touches (a superset for strided basic indexes)."""
         page_size = self._region.page_size
-        probe = view[..., np.newaxis] if view.ndim else view.reshape(1)
+        probe = index if isinstance(index, tuple) else (index,)
+        if not any(item is Ellipsis for item in probe):
+            probe = (*probe, Ellipsis)  # a full integer index then gives a 0-d view, not a scalar copy
         try:
-            sub = probe[index] if index is not ... else probe
+            sub = view[probe]
         except IndexError as exc:
             raise IndexError(f"{exc} (shared array of shape {self.shape})") from None
         if sub.size == 0:

@@ -53,7 +53,7 @@ import ckpt
 from ckpt import verbs
 
 from . import hookspecs
-from ._diff import Diff, diff_size, make_diff
+from ._diff import Diff, diff_size, diff_unit, make_diff
 from ._errors import DsmError
 from ._handler import K_ACQUIRE, K_BARRIER, K_DIFF, K_ERROR, K_HOME, K_PAGE, K_RELEASE, KIND_NAMES, Handler
 from ._net import ACCESS, Endpoint, atomic, rdma
@@ -115,6 +115,7 @@ class Memory:
         shape = (shape,) if isinstance(shape, int | np.integer) else tuple(int(s) for s in shape)
         nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
         region = Region(self.pd, len(self.regions), nbytes, self.page_size, self.rank, self.size)
+        region.unit = diff_unit(np.dtype(dtype))
         self.regions.append(region)  # before the allgather: peers may ask for its pages right after it
         region.peers = self.rt.allgather(region.address())
         return SharedArray(self, region, shape, np.dtype(dtype))
@@ -129,8 +130,8 @@ class Memory:
     def barrier(self) -> None:
         """Global barrier: diffs go home, every rank's write notices reach every rank."""
         self._check()
+        self._close_interval()  # its diffs count as flush time, not barrier time
         started = time.perf_counter()
-        self._close_interval()
         self.epoch += 1
         notices = [[q, i, flat] for (q, i), flat in self.known.items() if i > self.floor[q]]
         reply = self._request(0, [K_BARRIER, 0, self.epoch, self.vt, notices], f"barrier {self.epoch}")
@@ -151,8 +152,8 @@ class Memory:
         self._check()
         if lock in self.held:
             raise DsmError(f"lock {lock} is already held by this rank (DSM locks are not re-entrant)")
-        started = time.perf_counter()
         self._close_interval()
+        started = time.perf_counter()
         reply = self._request(lock % self.size, [K_ACQUIRE, 0, lock, self.vt], f"lock {lock}")
         self._merge(reply[2], reply[3], f"lock {lock}")
         self.held[lock] = list(reply[2])
@@ -273,7 +274,7 @@ class Memory:
                 own.append((region, page))
                 written += [gid, home]
                 continue
-            diff = make_diff(region.page(page), region.twins.pop(page))
+            diff = make_diff(region.page(page), region.twins.pop(page), region.unit)
             if not diff:
                 continue
             written += [gid, home]

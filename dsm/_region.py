@@ -48,6 +48,7 @@ class Region:
         self.home = np.full(self.npages, -1, dtype=np.int32)
         self.need = np.zeros((self.npages, size), dtype=np.int64)
         self.twins: dict[int, np.ndarray] = {}
+        self.unit = 1  # bytes compared at a time by its diffs: the element size (see _diff.diff_unit)
         self.peers: list[dict[str, int]] = []
 
     def address(self) -> dict[str, int]:

@@ -1,0 +1,168 @@
+"""Unit tests of the run-length page diffs (dsm._diff): make_diff, apply_diff, diff_size."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from dsm._diff import Diff, apply_diff, diff_size, diff_unit, make_diff
+
+PAGE = 4096
+
+
+def page_of(values: dict[int, int], size: int = 64) -> np.ndarray:
+    page = np.zeros(size, dtype=np.uint8)
+    for offset, value in values.items():
+        page[offset] = value
+    return page
+
+
+def assert_maximal(diff: Diff, page: np.ndarray, twin: np.ndarray) -> None:
+    """Every run is changed bytes only, runs are sorted and never touch, and they cover every changed byte."""
+    covered = np.zeros(page.size, dtype=bool)
+    end = -1
+    for offset, data in diff:
+        assert data, "empty run"
+        assert offset > end, f"run at {offset} touches or overlaps the previous one (ending at {end})"
+        run = slice(offset, offset + len(data))
+        assert bytes(page[run]) == data
+        assert np.all(page[run] != twin[run]), f"run at {offset} holds unchanged bytes"
+        covered[run] = True
+        end = offset + len(data)
+    assert np.array_equal(covered, page != twin)
+
+
+# ----------------------------------------------------------------- make_diff
+def test_an_unchanged_page_has_an_empty_diff() -> None:
+    page = np.arange(PAGE, dtype=np.int64).astype(np.uint8)
+    assert make_diff(page, page.copy()) == []
+    assert diff_size([]) == 0
+
+
+def test_adjacent_changed_bytes_merge_into_one_run() -> None:
+    twin = page_of({})
+    page = page_of({3: 1, 4: 2, 5: 3})
+    assert make_diff(page, twin) == [(3, b"\x01\x02\x03")]
+
+
+def test_one_unchanged_byte_between_changes_splits_the_run() -> None:
+    twin = page_of({})
+    page = page_of({3: 1, 5: 2, 6: 3, 10: 4})
+    assert make_diff(page, twin) == [(3, b"\x01"), (5, b"\x02\x03"), (10, b"\x04")]
+
+
+def test_a_byte_written_with_its_old_value_is_not_a_change() -> None:
+    twin = page_of({4: 7})
+    page = page_of({3: 1, 4: 7, 5: 2})
+    assert make_diff(page, twin) == [(3, b"\x01"), (5, b"\x02")]
+
+
+def test_changes_at_the_first_and_last_byte_are_kept() -> None:
+    twin = page_of({})
+    page = page_of({0: 9, 63: 8})
+    assert make_diff(page, twin) == [(0, b"\x09"), (63, b"\x08")]
+
+
+def test_a_fully_rewritten_page_is_one_run() -> None:
+    twin = np.zeros(PAGE, dtype=np.uint8)
+    page = np.full(PAGE, 0xFF, dtype=np.uint8)
+    diff = make_diff(page, twin)
+    assert diff == [(0, bytes(page))]
+    assert diff_size(diff) == PAGE
+
+
+def test_diff_size_counts_the_runs_data_not_their_headers() -> None:
+    assert diff_size([(0, b"abc"), (100, b"de")]) == 5
+
+
+def test_the_diff_holds_copies_not_views_of_the_page() -> None:
+    twin = page_of({})
+    page = page_of({1: 5})
+    diff = make_diff(page, twin)
+    page[1] = 6
+    assert diff == [(1, b"\x05")]
+
+
+# ----------------------------------------------------------------- apply_diff
+def test_applying_an_empty_diff_leaves_the_page_alone() -> None:
+    page = np.arange(64, dtype=np.uint8)
+    apply_diff(page, [])
+    assert np.array_equal(page, np.arange(64, dtype=np.uint8))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_applying_the_diff_to_the_twin_reproduces_the_page(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    twin = rng.integers(0, 256, PAGE, dtype=np.uint8)
+    page = twin.copy()
+    for _ in range(int(rng.integers(0, 40))):  # writes of random lengths, some overlapping, some adjacent
+        start = int(rng.integers(0, PAGE))
+        length = int(rng.integers(1, 200))
+        page[start : start + length] = rng.integers(0, 256, min(length, PAGE - start), dtype=np.uint8)
+    flips = rng.random(PAGE) < 0.01  # and scattered single bytes
+    page[flips] ^= 0x5A
+    diff = make_diff(page, twin)
+    assert_maximal(diff, page, twin)
+    assert diff_size(diff) == int(np.count_nonzero(page != twin))
+    rebuilt = twin.copy()
+    apply_diff(rebuilt, diff)
+    assert np.array_equal(rebuilt, page)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_diffs_of_disjoint_writes_against_one_twin_both_apply_in_either_order(seed: int) -> None:
+    """Two writers of one page (false sharing): the home applies both diffs and loses neither."""
+    rng = np.random.default_rng(100 + seed)
+    twin = rng.integers(0, 256, PAGE, dtype=np.uint8)
+    mine = rng.random(PAGE) < 0.5  # writer A owns these bytes, writer B the others
+    a, b = twin.copy(), twin.copy()
+    a[mine] = ~twin[mine]
+    b[~mine] = ~twin[~mine]
+    expected = np.where(mine, a, b)
+    diff_a, diff_b = make_diff(a, twin), make_diff(b, twin)
+    for first, second in ((diff_a, diff_b), (diff_b, diff_a)):
+        home = twin.copy()
+        apply_diff(home, first)
+        apply_diff(home, second)
+        assert np.array_equal(home, expected)
+
+
+def test_interleaved_writers_produce_interleaved_runs_that_merge_at_the_home() -> None:
+    twin = np.zeros(64, dtype=np.uint8)
+    even, odd = twin.copy(), twin.copy()
+    even[0::2] = 1
+    odd[1::2] = 2
+    diff_even, diff_odd = make_diff(even, twin), make_diff(odd, twin)
+    assert len(diff_even) == len(diff_odd) == 32
+    home = twin.copy()
+    apply_diff(home, diff_odd)
+    apply_diff(home, diff_even)
+    assert home.tolist() == [1, 2] * 32
+
+
+# ----------------------------------------------------------------- element-sized units
+@pytest.mark.parametrize("dtype", [np.int16, np.int32, np.int64, np.float64])
+def test_a_diff_in_element_units_is_one_run_for_consecutive_changed_elements(dtype: Any) -> None:
+    twin = np.arange(4096 // np.dtype(dtype).itemsize, dtype=dtype)
+    page = twin.copy()
+    page[10:20] += 1  # only the low byte of each changes: bytewise that would be ten runs
+    unit = diff_unit(np.dtype(dtype))
+    diff = make_diff(page.view(np.uint8), twin.view(np.uint8), unit)
+    size = np.dtype(dtype).itemsize
+    assert diff == [(10 * size, page[10:20].tobytes())]
+    rebuilt = twin.copy()
+    apply_diff(rebuilt.view(np.uint8), diff)
+    assert np.array_equal(rebuilt, page)
+
+
+def test_the_unit_is_the_element_size_for_2_4_8_bytes_and_one_byte_otherwise() -> None:
+    assert [diff_unit(np.dtype(t)) for t in (np.int8, np.int16, np.float32, np.complex64, np.complex128, "V12")] == [
+        1,
+        2,
+        4,
+        8,
+        1,
+        1,
+    ]
