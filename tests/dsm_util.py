@@ -37,7 +37,7 @@ class Group:
 class ThreadRuntime:
     """`rt` for one thread-rank (no plugins, no coordinator): rank, size, device, argv, options, collectives."""
 
-    plugins = None
+    plugins: Any = None
 
     def __init__(self, group: Group, rank: int, argv: list[str] | None = None, protocol: str | None = None) -> None:
         self.group, self.rank, self.size = group, rank, group.size
@@ -54,9 +54,24 @@ class ThreadRuntime:
         self.group.allgather(self.rank, None)
 
 
-def run_ranks(size: int, body: Callable[[dsm.Memory, ThreadRuntime], Any], protocol: str, **attach: Any) -> list[Any]:
-    """Run body(mem, rt) on `size` thread-ranks attached to one DSM; their return values, by rank."""
-    return _threads(size, lambda rt: body(dsm.attach(rt, protocol, **attach), rt), protocol, [])
+def run_ranks(
+    size: int,
+    body: Callable[[dsm.Memory, ThreadRuntime], Any],
+    protocol: str,
+    plugins: Callable[[int], Any] | None = None,
+    **attach: Any,
+) -> list[Any]:
+    """Run body(mem, rt) on `size` thread-ranks attached to one DSM; their return values, by rank.
+
+    `plugins(rank)`, if given, makes each rank's `rt.plugins` (a ckpt PluginHost).
+    """
+
+    def rank_body(rt: ThreadRuntime) -> Any:
+        if plugins is not None:
+            rt.plugins = plugins(rt.rank)
+        return body(dsm.attach(rt, protocol, **attach), rt)
+
+    return _threads(size, rank_body, protocol, [])
 
 
 def program_class(name: str) -> type[ckpt.Program]:

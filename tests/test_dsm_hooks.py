@@ -1,0 +1,154 @@
+"""The DSM hookspecs: which hooks fire where under each protocol, and how a plugin implementing them loads."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from dsm_util import ThreadRuntime, run_ranks
+
+import ckpt
+import dsm
+from ckpt.runtime.plugins import PluginError, PluginHost
+
+WORDS = 512  # float64 per 4 KiB page
+
+
+class Recorder:
+    """A plugin object counting the DSM hooks fired on one rank (some on the handler thread: hence the lock)."""
+
+    def __init__(self) -> None:
+        self.seen: Counter[str] = Counter()
+        self.lock = threading.Lock()
+        self.applied: list[tuple[int, int, int]] = []
+
+    def _note(self, name: str) -> None:
+        with self.lock:
+            self.seen[name] += 1
+
+    @ckpt.hookimpl
+    def dsm_interval_closed(self, memory: Any, interval: int, pages: list[int]) -> None:
+        self._note("interval_closed")
+
+    @ckpt.hookimpl
+    def dsm_diff_created(self, gid: int, home: int, interval: int, diff: list[tuple[int, bytes]]) -> None:
+        self._note("diff_created")
+
+    @ckpt.hookimpl
+    def dsm_diff_sent(self, gid: int, home: int, interval: int, nbytes: int) -> None:
+        self._note("diff_sent")
+
+    @ckpt.hookimpl
+    def dsm_diff_received(self, writer: int, gid: int, interval: int, diff: list[tuple[int, bytes]]) -> None:
+        self._note("diff_received")
+
+    @ckpt.hookimpl
+    def dsm_diff_applied(self, writer: int, gid: int, interval: int) -> None:
+        self._note("diff_applied")
+        with self.lock:
+            self.applied.append((writer, gid, interval))
+
+    @ckpt.hookimpl
+    def dsm_write_notices_received(self, source: str, notices: list[Any]) -> None:
+        self._note("write_notices_received")
+
+    @ckpt.hookimpl
+    def dsm_page_served(self, requester: int, gid: int) -> None:
+        self._note("page_served")
+
+    @ckpt.hookimpl
+    def dsm_lock_acquired(self, lock: int, seconds: float) -> None:
+        self._note("lock_acquired")
+
+    @ckpt.hookimpl
+    def dsm_lock_released(self, lock: int) -> None:
+        self._note("lock_released")
+
+    @ckpt.hookimpl
+    def dsm_barrier_passed(self, epoch: int) -> None:
+        self._note("barrier_passed")
+
+
+def exchange(mem: dsm.Memory, rt: ThreadRuntime) -> None:
+    """Rank 0 homes a page; rank 1 writes into it under a lock; both pass barriers; rank 1 reads it back."""
+    a = mem.array(WORDS, np.float64)
+    lock = mem.lock()  # id 0: homed at rank 0
+    if rt.rank == 0:
+        a[0] = 1.0  # first touch: rank 0 is the home
+    mem.barrier()
+    if rt.rank == 1:
+        with lock:
+            a[1] = 2.0  # a twin, then a diff to rank 0 at the release
+    mem.barrier()
+    if rt.rank == 0:
+        a[2] = 3.0
+    mem.barrier()
+    if rt.rank == 1:
+        assert a[2] == 3.0  # invalidated by the barrier: fetched from rank 0
+    mem.barrier()
+
+
+def recorded(protocol: str) -> list[Recorder]:
+    recorders = [Recorder(), Recorder()]
+
+    def host(rank: int) -> PluginHost:
+        plugins = PluginHost()
+        plugins.pm.register(recorders[rank])
+        return plugins
+
+    run_ranks(2, exchange, protocol, plugins=host)
+    return recorders
+
+
+def test_async_fires_the_writer_side_and_the_home_side_hooks() -> None:
+    home, writer = recorded("async")
+    assert writer.seen["diff_created"] == writer.seen["diff_sent"] == 1
+    assert writer.seen["lock_acquired"] == writer.seen["lock_released"] == 1
+    assert home.seen["diff_received"] == home.seen["diff_applied"] == 1
+    assert home.applied == [(1, 0, 1)]  # rank 1's first interval, page 0 of array 0
+    assert home.seen["page_served"] >= 1 and writer.seen["page_served"] == 0
+    assert writer.seen["write_notices_received"] >= 1
+    for rec in (home, writer):
+        assert rec.seen["barrier_passed"] == 4
+        assert rec.seen["interval_closed"] >= 1
+
+
+def test_onesided_homes_see_no_diff_or_page_service_but_writers_do() -> None:
+    home, writer = recorded("onesided")
+    assert writer.seen["diff_created"] == writer.seen["diff_sent"] == 1
+    assert home.seen["diff_received"] == home.seen["diff_applied"] == home.seen["page_served"] == 0
+    assert home.seen["barrier_passed"] == writer.seen["barrier_passed"] == 4
+
+
+PLUGIN = """
+import ckpt
+CKPT_PLUGIN_API = 1
+
+@ckpt.hookimpl
+def dsm_barrier_passed(memory, epoch):
+    pass
+"""
+
+
+def test_a_plugin_implementing_dsm_hooks_loads_with_the_dsm_plugin_and_not_without(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "ckpt_dsmprobe.py").write_text(PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    plugin = "ckpt_dsmprobe"
+    host = PluginHost().load([plugin], [])
+    assert {"dsm", "ckpt_dsmprobe"} <= {p.name for p in host.plugins}
+    assert host.pm.hook.dsm_barrier_passed.spec is not None
+    with pytest.raises(PluginError, match="dsm_barrier_passed"):
+        PluginHost().load([plugin], ["dsm"])
+
+
+def test_adding_the_dsm_hookspecs_twice_is_harmless() -> None:
+    host = PluginHost().load([], [])
+    host.add_hookspecs(dsm.hookspecs)
+    host.add_hookspecs(dsm.hookspecs)
+    assert host.pm.hook.dsm_diff_applied.spec is not None
