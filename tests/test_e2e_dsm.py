@@ -3,7 +3,9 @@
 Each program runs 4 ranks on one protocol; the test takes a checkpoint the job
 resumes from, then one it is killed at, restarts it, and compares the result
 lines with an uninterrupted run of the same program (thread-ranks in process,
-tests/dsm_util.py: the same code, no checkpoint).  Each program also checks its
+tests/dsm_util.py: the same code, no checkpoint).  The job idles at two chosen
+steps until the test lets it go on (tests/programs/dsm_held.py), so both
+checkpoints are mid-run however fast the program is.  Each program also checks its
 own answer against plain numpy (`numpy=match`).
 """
 
@@ -13,14 +15,28 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from dsm_cases import CASES, PROTOCOLS, DsmCase
+from dsm_cases import CASES, RESTARTS, DsmCase
 from dsm_util import run_program
 from ib_cases import RANKS, Hold, launch_args, take
 
-from harness import PROGRAMS, Job, results, run
+from harness import PROGRAMS, Job, results, run, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 PROGRAM_ENV = "CKPT_TEST_DSM_PROGRAM"
+
+
+class Pauses:
+    """Steps where a dsm_held.py job idles until the test opens the gate: `env`, `wait(step)`, `open(step)`."""
+
+    def __init__(self, tmp_path: Path, *steps: int) -> None:
+        self.prefix = tmp_path / "pause"
+        self.env = {"CKPT_TEST_PAUSE": str(self.prefix), "CKPT_TEST_PAUSE_AT": ",".join(map(str, steps))}
+
+    def wait(self, step: int) -> None:
+        wait_for(Path(f"{self.prefix}.{step}.reached").exists, 60, f"the job to pause before step {step}")
+
+    def open(self, step: int) -> None:
+        Path(f"{self.prefix}.{step}").touch()
 
 
 def uninterrupted(case: DsmCase, protocol: str) -> dict[int, str]:
@@ -29,20 +45,23 @@ def uninterrupted(case: DsmCase, protocol: str) -> dict[int, str]:
     return dict(enumerate(lines))
 
 
-@pytest.mark.parametrize("protocol", PROTOCOLS)
-@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize(("case", "protocol"), RESTARTS, ids=[f"{c}-{p}" for c, p in RESTARTS])
 def test_checkpoint_resume_kill_restart_gives_the_uninterrupted_result(
     case: DsmCase, protocol: str, start_job: Callable[..., Job], tmp_path: Path
 ) -> None:
     ckpt_dir, hold = tmp_path / "ckpt", Hold(tmp_path)
-    env = {PROGRAM_ENV: case.name, **hold.env}
+    first, second = case.checkpoint_at // 2, case.checkpoint_at
+    pauses = Pauses(tmp_path, first, second)
+    env = {PROGRAM_ENV: case.name, **hold.env, **pauses.env}
     argv = [str(PROGRAMS / "dsm_held.py"), *case.long]
     job = start_job(*launch_args(ckpt_dir, argv, "--dsm-protocol", protocol), ckpt_dir=ckpt_dir, extra_env=env)
-    job.wait_step(case.checkpoint_at // 2)
+    pauses.wait(first)
     take(ckpt_dir, "--wait")
-    job.wait_step(case.checkpoint_at)
+    pauses.open(first)  # the job resumes and runs on to the second pause
+    pauses.wait(second)
     take(ckpt_dir, "--kill")
     assert job.wait() == 0, job.stderr
+    pauses.open(second)
     hold.release()
     again = start_job("restart", "--ckpt-dir", str(ckpt_dir), ckpt_dir=ckpt_dir, extra_env=env)
     assert again.wait() == 0, again.stderr
@@ -51,13 +70,14 @@ def test_checkpoint_resume_kill_restart_gives_the_uninterrupted_result(
 
 def test_a_dsm_job_restarts_over_tcp_and_runs_native(start_job: Callable[..., Job], tmp_path: Path) -> None:
     case = CASES[0]
-    ckpt_dir, hold = tmp_path / "ckpt", Hold(tmp_path)
-    env = {PROGRAM_ENV: case.name, **hold.env}
+    ckpt_dir, hold, pauses = tmp_path / "ckpt", Hold(tmp_path), Pauses(tmp_path, case.checkpoint_at)
+    env = {PROGRAM_ENV: case.name, **hold.env, **pauses.env}
     argv = [str(PROGRAMS / "dsm_held.py"), *case.long]
     job = start_job(*launch_args(ckpt_dir, argv, "--dsm-protocol", "onesided"), ckpt_dir=ckpt_dir, extra_env=env)
-    job.wait_step(case.checkpoint_at)
+    pauses.wait(case.checkpoint_at)
     take(ckpt_dir, "--kill")
     assert job.wait() == 0, job.stderr
+    pauses.open(case.checkpoint_at)
     hold.release()
     again = start_job("restart", "--transport", "tcp", "--ckpt-dir", str(ckpt_dir), ckpt_dir=ckpt_dir, extra_env=env)
     assert again.wait() == 0, again.stderr

@@ -92,8 +92,8 @@ def test(extra: list[str]) -> int:
     """Lint, type-check and run the whole test suite (what CI runs)."""
     os.chdir(ROOT)
     steps = [
-        [str(BIN / "ruff"), "check", "ckpt", "plugins", "tests", "benchmarks", "examples", "tools"],
-        [str(BIN / "ruff"), "format", "--check", "ckpt", "plugins", "tests", "benchmarks", "examples", "tools"],
+        [str(BIN / "ruff"), "check", "ckpt", "plugins", "dsm", "tests", "benchmarks", "examples", "tools"],
+        [str(BIN / "ruff"), "format", "--check", "ckpt", "plugins", "dsm", "tests", "benchmarks", "examples", "tools"],
         [str(BIN / "mypy")],
         [str(BIN / "python"), "-m", "pytest", "-q", *extra],
     ]
