@@ -76,7 +76,7 @@ class SharedArray:
         sub = view[index]
         if not isinstance(sub, np.ndarray):
             raise DsmError("a.write(index) needs an index that selects an array; use a[index] = value for one element")
-        if not np.may_share_memory(sub, view):
+        if sub.size and not np.may_share_memory(sub, view):
             raise DsmError(
                 "a.write(index) needs a basic index (slices, integers, ...); use a[index] = values "
                 "for a fancy index or a mask"

@@ -30,6 +30,9 @@ CASES = [
     DsmCase("jacobi", (), ("128", "60"), 30, ("onesided",)),
     DsmCase("matmul", (), ("128", "4"), 20, ("async",)),
     DsmCase("lu", (), ("128", "4"), 20, ("onesided",)),
+    DsmCase("isort", ("2048", "128", "3"), ("4096", "256", "30"), 20, ("async",)),
+    DsmCase("tsp", ("8", "3", "8"), ("10", "4", "4"), 10, ("onesided",)),  # ~37 steps on 4 ranks (timing-dependent)
+    DsmCase("water", ("64", "4", "4"), ("128", "30", "8"), 20, ("async",)),
 ]
 #: (case, protocol) of the CLI restart tests: every program once, the protocols alternating, SOR on both.
 RESTARTS = [(case, protocol) for case in CASES for protocol in case.protocols]

@@ -206,3 +206,13 @@ def test_the_smallest_page_size_64_is_accepted() -> None:
         return mem.page_size, a._region.npages
 
     assert on_one_rank(body, page_size=64) == (64, 13)
+
+
+def test_write_of_an_empty_basic_slice_is_a_no_op() -> None:
+    def body(mem: dsm.Memory, rt: ThreadRuntime) -> int:
+        a = mem.array(8, np.float64)
+        with a.write(slice(2, 2)) as v:
+            assert v.size == 0
+        return mem.statistics().write_faults
+
+    assert on_one_rank(body) == 0
