@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -37,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_ib import alternate, launch, results
+from bench_ib import alternate, launch
 from bench_image import machine
 from bench_overhead import Jobs
 
@@ -47,15 +48,16 @@ WITH_STATS = ROOT / "benchmarks" / "programs" / "dsm_stats.py"
 PROTOCOLS = ("async", "onesided")
 RANKS = 4
 TARGET = 0.8
+_RESULT = re.compile(r"^\[rank (\d+)\] result: (.*)$", re.M)
 #: Arguments of each program for the breakdown: each runs a few seconds on 4 ranks.
 BENCH_ARGS: dict[str, list[str]] = {
     "sor": ["256", "40"],
     "jacobi": ["256", "60"],
-    "matmul": ["192"],
-    "lu": ["128"],
-    "isort": ["65536", "1024", "4"],
-    "tsp": ["10"],
-    "water": ["256", "6"],
+    "matmul": ["256", "16"],
+    "lu": ["256", "2"],
+    "isort": ["4096", "256", "40"],
+    "tsp": ["10", "4", "4"],
+    "water": ["128", "30", "8"],
 }
 #: (name, --fabric-latency, --fabric-bandwidth) of the link-model runs; None: no model.
 LINKS: list[tuple[str, str | None, str | None]] = [
@@ -63,6 +65,11 @@ LINKS: list[tuple[str, str | None, str | None]] = [
     ("fast: 2us, 4GB/s", "2us", "4GB/s"),
     ("slow: 50us, 200MB/s", "50us", "200MB/s"),
 ]
+
+
+def results(stdout: str) -> dict[int, str]:
+    """Each rank's result line (the DSM programs' lines have spaces in them)."""
+    return {int(rank): value for rank, value in _RESULT.findall(stdout)}
 
 
 def pagefetch(jobs: Jobs, directory: Path, tag: str, protocol: str, pages: int, link: list[str]) -> tuple[float, float]:
