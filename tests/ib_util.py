@@ -55,10 +55,16 @@ HCA_GENERATIONS = (("simib0", "simib1"), ("ibrestart0", "ibrestart1"))
 
 
 class FakeKV:
-    """`rt.kv` on a dict: publish / get / subscribe (nobody else can publish here, so subscribe does not wait)."""
+    """`rt.kv` on a dict: publish / get / subscribe (nobody else can publish here, so subscribe does not wait),
+    and incrby on counters of its own."""
 
     def __init__(self) -> None:
         self.values: dict[tuple[str, str], Any] = {}
+        self.counters: dict[tuple[str, str], int] = {}
+
+    def incrby(self, ns: str, key: str, delta: int = 1) -> int:
+        self.counters[ns, key] = self.counters.get((ns, key), 0) + delta
+        return self.counters[ns, key]
 
     def publish(self, ns: str, key: str, value: Any) -> None:
         self.values[ns, key] = value

@@ -11,11 +11,11 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 import ckpt_ib2tcp
 import numpy as np
 import pytest
+from ib_util import FakeKV
 from verbs_util import ACCESS_ALL, contexts, poll_one, rdma_wr, wait_for
 
 from ckpt import verbs as v
@@ -109,24 +109,6 @@ def test_listen_host_without_a_route_to_the_coordinator_is_loopback(
     assert route_probe.targets == [("192.0.2.10", 9)]
 
 
-class CountingKV:
-    """The part of rt.kv a KvDirectory uses: publish / get / incrby."""
-
-    def __init__(self) -> None:
-        self.values: dict[tuple[str, str], Any] = {}
-        self.counters: dict[tuple[str, str], int] = {}
-
-    def publish(self, ns: str, key: str, value: Any) -> None:
-        self.values[ns, key] = value
-
-    def get(self, ns: str, key: str, default: Any = None) -> Any:
-        return self.values.get((ns, key), default)
-
-    def incrby(self, ns: str, key: str, delta: int = 1) -> int:
-        self.counters[ns, key] = self.counters.get((ns, key), 0) + delta
-        return self.counters[ns, key]
-
-
 def _fresh_device() -> str:
     """A tcp device name whose HCA this process has not created (an HCA keeps the directory it was made with)."""
     return next(f"tcp{i}" for i in itertools.count(7) if f"tcp{i}" not in _hca._hcas)
@@ -136,7 +118,7 @@ def test_under_a_runtime_hcas_register_in_the_coordinators_kv(monkeypatch: pytes
     monkeypatch.setattr(ckpt_ib2tcp, "_kv", ckpt_ib2tcp._kv)  # restored after the test, whatever ckpt_init sets
     monkeypatch.setattr(ckpt_ib2tcp, "_coordinator", ckpt_ib2tcp._coordinator)
     monkeypatch.delenv(ckpt_ib2tcp.HOST_ENV, raising=False)
-    kv = CountingKV()
+    kv = FakeKV()
     ckpt_ib2tcp.ckpt_init(SimpleNamespace(kv=kv, coordinator="127.0.0.1:1"))  # type: ignore[arg-type]
     name = _fresh_device()
     device = ckpt_ib2tcp.make_ops().open_device(name)

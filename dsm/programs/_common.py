@@ -20,6 +20,12 @@ def band(n: int, rank: int, size: int) -> tuple[int, int]:
     return rank * n // size, (rank + 1) * n // size
 
 
+def interior(n: int, rank: int, size: int) -> tuple[int, int]:
+    """`band` without a grid's first and last rows (fixed boundary values); may be empty."""
+    lo, hi = band(n, rank, size)
+    return max(lo, 1), min(hi, n - 1)
+
+
 def verdict(name: str, got: np.ndarray, want: np.ndarray, exact: bool = True) -> str:
     """`result()`'s line: a checksum of the DSM answer and whether plain numpy computed the same.
 

@@ -18,7 +18,7 @@ import numpy as np
 
 import ckpt
 import dsm
-from dsm.programs._common import answer_or_raise, args, band, verdict
+from dsm.programs._common import answer_or_raise, args, band, interior, verdict
 
 SEED = 2024
 
@@ -56,8 +56,7 @@ class Jacobi(ckpt.Program):
         self.answer: str | None = None
 
     def step(self, rt: ckpt.Runtime) -> bool:
-        lo, hi = band(self.n, rt.rank, rt.size)
-        lo, hi = max(lo, 1), min(hi, self.n - 1)  # the grid's first and last rows are fixed
+        lo, hi = interior(self.n, rt.rank, rt.size)  # the grid's first and last rows are fixed
         if lo < hi:
             with self.old.read((slice(lo - 1, hi + 1), slice(None))) as rows:
                 fresh = relax(rows)

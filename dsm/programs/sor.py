@@ -14,7 +14,7 @@ import numpy as np
 
 import ckpt
 import dsm
-from dsm.programs._common import answer_or_raise, args, band, verdict
+from dsm.programs._common import answer_or_raise, args, band, interior, verdict
 
 OMEGA = 1.25
 
@@ -57,8 +57,7 @@ class SOR(ckpt.Program):
         self.answer: str | None = None
 
     def step(self, rt: ckpt.Runtime) -> bool:
-        lo, hi = band(self.n, rt.rank, rt.size)
-        lo, hi = max(lo, 1), min(hi, self.n - 1)  # the grid's first and last rows are fixed
+        lo, hi = interior(self.n, rt.rank, rt.size)  # the grid's first and last rows are fixed
         for color in (0, 1):
             if lo < hi:
                 with self.grid.read((slice(lo - 1, hi + 1), slice(None))) as rows:
