@@ -70,6 +70,13 @@ FETCH_TIMEOUT = 120.0
 class Memory:
     """One rank's handle on the shared memory; `dsm.attach(rt)` makes it (collectively)."""
 
+    # per-process parts, made by _live() (at attach and after unpickling), never pickled
+    _thread: threading.Thread | None
+    _stop: threading.Event
+    _failure: BaseException | None
+    _pm: Any
+    _fire: set[str]
+
     def __init__(self, rt: Any, protocol: str, page_size: int) -> None:
         if protocol not in PROTOCOLS:
             raise DsmError(f"unknown DSM protocol {protocol!r}: choose one of {', '.join(PROTOCOLS)}")
@@ -142,6 +149,20 @@ class Memory:
         self.counters.barriers += 1
         self.counters.barrier_seconds += time.perf_counter() - started
         self.hook("dsm_barrier_passed", epoch=self.epoch)
+
+    def close(self) -> None:
+        """Leave the shared memory: stop the handler, destroy this rank's verbs objects.
+
+        Not collective, and final: peers that still ask this rank for pages or
+        locks get errors.  A program normally never calls it (its memory lives as
+        long as the job); tests and long-lived processes that attach many times do.
+        """
+        self._halt()
+        if self._pm is not None and self._pm.is_registered(self):
+            self._pm.unregister(self)
+        self._pm = None
+        self._fire = set()
+        self.ctx.close()
 
     def statistics(self) -> Statistics:
         """This rank's counters and time breakdown since attach (frozen)."""
@@ -395,12 +416,12 @@ class Memory:
 
     def _live(self) -> None:
         """Per-process parts (thread, plugin manager): at attach, and again after unpickling."""
-        self._thread: threading.Thread | None = None
+        self._thread = None
         self._stop = threading.Event()
-        self._failure: BaseException | None = None
+        self._failure = None
         host = getattr(self.rt, "plugins", None)
-        self._pm: Any = None
-        self._fire: set[str] = set()
+        self._pm = None
+        self._fire = set()
         if host is None:
             return
         host.add_hookspecs(hookspecs)  # when the dsm plugin is not loaded

@@ -1,9 +1,8 @@
-"""In-process DSM ranks for the dsm unit tests: each rank is a thread with its own HCA (simib<rank+N>)."""
+"""In-process DSM ranks for the dsm unit tests: each rank is a thread with its own HCA (simib<10 + rank>)."""
 
 from __future__ import annotations
 
 import importlib
-import itertools
 import logging
 import threading
 from collections.abc import Callable
@@ -12,7 +11,7 @@ from typing import Any
 import ckpt
 import dsm
 
-_hcas = itertools.count(10)  # HCA indexes no other test uses: every group of ranks gets fresh ones
+FIRST_HCA = 10  # rank r opens simib<10 + r>: HCAs no other test uses, shared by the DSM tests (each closes its own)
 
 
 class Group:
@@ -22,9 +21,7 @@ class Group:
         self.size = size
         self.barrier = threading.Barrier(size, timeout=60)
         self.slots: list[Any] = [None] * size
-        self.first = next(_hcas)
-        for _ in range(size - 1):
-            next(_hcas)
+        self.first = FIRST_HCA
 
     def allgather(self, rank: int, obj: Any) -> list[Any]:
         self.slots[rank] = obj
@@ -46,6 +43,7 @@ class ThreadRuntime:
         self.options: dict[str, Any] = {"dsm_protocol": protocol}
         self.restarted = False
         self.log = logging.getLogger(f"dsm.test.rank{rank}")
+        self.memory: dsm.Memory | None = None  # closed when all the group's ranks are done
 
     def allgather(self, obj: Any) -> list[Any]:
         return self.group.allgather(self.rank, obj)
@@ -69,7 +67,8 @@ def run_ranks(
     def rank_body(rt: ThreadRuntime) -> Any:
         if plugins is not None:
             rt.plugins = plugins(rt.rank)
-        return body(dsm.attach(rt, protocol, **attach), rt)
+        rt.memory = dsm.attach(rt, protocol, **attach)
+        return body(rt.memory, rt)
 
     return _threads(size, rank_body, protocol, [])
 
@@ -93,6 +92,7 @@ def run_program(name: str, argv: list[str], size: int, protocol: str) -> list[An
     def rank_body(rt: ThreadRuntime) -> Any:
         program = cls()
         program.setup(rt)  # type: ignore[arg-type]
+        rt.memory = program.mem  # type: ignore[attr-defined]  (the programs keep theirs as `mem`)
         while program.step(rt):  # type: ignore[arg-type]
             pass
         return program.result()
@@ -104,9 +104,10 @@ def _threads(size: int, body: Callable[[ThreadRuntime], Any], protocol: str, arg
     group = Group(size)
     results: list[Any] = [None] * size
     errors: list[BaseException] = []
+    runtimes = [ThreadRuntime(group, rank, argv, protocol) for rank in range(size)]
 
     def rank_main(rank: int) -> None:
-        rt = ThreadRuntime(group, rank, argv, protocol)
+        rt = runtimes[rank]
         try:
             results[rank] = body(rt)
         except BaseException as exc:  # re-raised in the test thread
@@ -118,6 +119,10 @@ def _threads(size: int, body: Callable[[ThreadRuntime], Any], protocol: str, arg
         t.start()
     for t in threads:
         t.join(timeout=120)
+    if not any(t.is_alive() for t in threads):
+        for rt in runtimes:  # stop the handler threads, free the QPs: the HCAs serve the next test
+            if rt.memory is not None:
+                rt.memory.close()
     if errors:
         raise errors[0]
     if any(t.is_alive() for t in threads):

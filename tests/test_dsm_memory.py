@@ -538,3 +538,23 @@ def test_the_pickled_state_drops_the_per_process_fields(protocol: str) -> None:
         assert not keys & {"_thread", "_stop", "_failure", "_pm", "_fire"}
         assert {"vt", "regions", "known", "counters", "handler", "client", "server", "epoch"} <= keys
         assert "mutex" not in handler_keys and {"locks", "arrivals", "waiting"} <= handler_keys
+
+
+def test_close_stops_the_handler_thread_and_frees_the_verbs_objects(protocol: str) -> None:
+    def body(mem: dsm.Memory, rt: ThreadRuntime) -> tuple[bool, bool]:
+        a = mem.array(16, np.int64)
+        a[rt.rank] = rt.rank
+        mem.barrier()
+        return mem._thread is not None and mem._thread.is_alive(), True
+
+    closed: list[dsm.Memory] = []
+
+    def keep(mem: dsm.Memory, rt: ThreadRuntime) -> tuple[bool, bool]:
+        closed.append(mem)
+        return body(mem, rt)
+
+    assert run_ranks(2, keep, protocol) == [(True, True), (True, True)]
+    for mem in closed:  # run_ranks closed them
+        assert mem._thread is None
+        assert mem.ctx._closed
+        assert mem.statistics().barriers == 1
