@@ -11,6 +11,9 @@ own answer against plain numpy (`numpy=match`).
 
 from __future__ import annotations
 
+import os
+import random
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -106,3 +109,30 @@ def test_an_unknown_protocol_is_one_clear_error(tmp_path: Path) -> None:
     assert done.returncode != 0
     assert "'twosided' is not one of 'async', 'onesided'" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("protocol", ["async", "onesided"])
+def test_checkpoints_at_random_moments_of_a_lock_heavy_run(
+    protocol: str, start_job: Callable[..., Job], tmp_path: Path
+) -> None:
+    """TSP (task queue and bound under locks): three checkpoints it resumes from and one kill -> restart, each
+    while requests, grants and diffs are in flight, at random moments; the answer is still the optimum."""
+    seed = int(os.environ.get("CKPT_TEST_SEED") or random.SystemRandom().randrange(1 << 32))
+    print(f"seed {seed}")  # CKPT_TEST_SEED=<seed> replays the same moments
+    rng = random.Random(seed)
+    case = next(c for c in CASES if c.name == "tsp")
+    ckpt_dir, hold = tmp_path / "ckpt", Hold(tmp_path)
+    env = {PROGRAM_ENV: case.name, **hold.env}
+    argv = [str(PROGRAMS / "dsm_held.py"), *case.long]
+    job = start_job(*launch_args(ckpt_dir, argv, "--dsm-protocol", protocol), ckpt_dir=ckpt_dir, extra_env=env)
+    job.wait_step(2)
+    for how in ["--wait", "--wait", "--kill", "--wait"]:
+        time.sleep(rng.uniform(0.0, 0.4))  # a random moment, on purpose: what is in flight differs every time
+        take(ckpt_dir, how)
+        if how == "--kill":
+            assert job.wait() == 0, job.stderr
+            job = start_job("restart", "--ckpt-dir", str(ckpt_dir), ckpt_dir=ckpt_dir, extra_env=env)
+            job.wait_step(1)
+    hold.release()
+    assert job.wait(timeout=240) == 0, job.stderr
+    assert results(job.stdout) == uninterrupted(case, protocol), f"seed {seed}"
