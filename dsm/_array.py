@@ -71,6 +71,8 @@ class SharedArray:
 
         The index must be basic (slices, integers, ``...``): a fancy index or a mask
         selects a copy, which could not write back; use ``a[index] = values`` for those.
+        No lock or barrier call may happen inside the block (it raises DsmError): the
+        interval it would close could not include the block's later writes.
         """
         view = self._view
         sub = view[index]
@@ -82,7 +84,11 @@ class SharedArray:
                 "for a fancy index or a mask"
             )
         self._mem.write_fault(self._region, self._pages(view, index))
-        yield sub
+        self._mem.writing += 1
+        try:
+            yield sub
+        finally:
+            self._mem.writing -= 1
 
     def __getitem__(self, index: Any) -> Any:
         view = self._view

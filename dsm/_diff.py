@@ -3,10 +3,11 @@
 A diff is a list of runs ``(offset, bytes)``: maximal stretches of *units* that differ
 from the twin.  Only changed units travel, so two ranks writing disjoint elements of
 one page (false sharing) never overwrite each other at the home: that is what makes
-the protocol multiple-writer.  The unit is the array's element size when it is 2, 4
-or 8 bytes (a race-free program never has two writers of one element, and an
-element whose low byte alone changed stays one run with its neighbours: one RDMA
-WRITE under DRAW instead of one per byte), else one byte.
+the protocol multiple-writer.  The unit is the array's element size for plain
+integers and floats of 2, 4 or 8 bytes (a race-free program never has two writers
+of one such element, and an element whose low byte alone changed stays one run
+with its neighbours: one RDMA WRITE under DRAW instead of one per byte), else one
+byte.
 """
 
 from __future__ import annotations
@@ -22,8 +23,13 @@ _WORDS = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
 def diff_unit(dtype: np.dtype[Any]) -> int:
-    """The unit a shared array of `dtype` is diffed in: its element size if 2, 4 or 8 bytes, else 1."""
-    return dtype.itemsize if dtype.itemsize in _WORDS else 1
+    """The unit a shared array of `dtype` is diffed in: a plain integer or float's size if 2, 4 or 8 bytes, else 1.
+
+    Records, complex numbers and byte strings are diffed bytewise: two ranks may write
+    different fields (real and imaginary parts, characters) of one element.
+    """
+    plain = dtype.fields is None and dtype.subdtype is None and dtype.kind in "iuf"
+    return dtype.itemsize if plain and dtype.itemsize in _WORDS else 1
 
 
 def make_diff(page: np.ndarray, twin: np.ndarray, unit: int = 1) -> Diff:

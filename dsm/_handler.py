@@ -86,8 +86,9 @@ class Handler:
                     self._barrier(src, rid, msg[2], msg[3], msg[4])
                 else:
                     raise DsmError(f"unknown DSM request kind {kind}")
-        except DsmError as exc:
-            self.reply(src, [K_ERROR, rid, f"rank {self.mem.rank}: {exc}"], "error")
+        except Exception as exc:  # a bad request, or a plugin hook that failed: the requester gets the error
+            what = str(exc) if isinstance(exc, DsmError) else f"{type(exc).__name__}: {exc}"
+            self.reply(src, [K_ERROR, rid, f"rank {self.mem.rank}: {what}"], "error")
 
     def reply(self, dst: int, msg: list[Any], name: str) -> None:
         self.counters.count(name, self.mem.server.send(dst, msg))
@@ -104,9 +105,9 @@ class Handler:
         if not bool(np.all(region.meta[page, META:] >= need)):
             self.waiting.append((src, rid, gid, need))  # a diff it needs is still on its way
             return
+        self.mem.hook("dsm_page_served", requester=src, gid=gid)  # hooks before the reply: one reply per request
         self.reply(src, [K_REPLY, rid, region.page(page).tobytes()], "page_reply")
         self.counters.pages_served += 1
-        self.mem.hook("dsm_page_served", requester=src, gid=gid)
 
     def _diff(self, src: int, rid: int, gid: int, interval: int, runs: list[Any]) -> None:
         region, page = self._region(gid)

@@ -44,7 +44,6 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -99,6 +98,7 @@ class Memory:
         self.dirty: set[int] = set()
         self.held: dict[int, list[int]] = {}  # lock -> the lock's vector timestamp at the grant
         self.nlocks = 0
+        self.writing = 0  # open `with a.write(...)` blocks: no synchronisation may close their interval
         self.epoch = 0
         self.rid = 0
         self.seq = [0]
@@ -136,12 +136,13 @@ class Memory:
 
     def barrier(self) -> None:
         """Global barrier: diffs go home, every rank's write notices reach every rank."""
-        self._check()
+        self._check("barrier()")
         self._close_interval()  # its diffs count as flush time, not barrier time
         started = time.perf_counter()
         self.epoch += 1
         notices = [[q, i, flat] for (q, i), flat in self.known.items() if i > self.floor[q]]
-        reply = self._request(0, [K_BARRIER, 0, self.epoch, self.vt, notices], f"barrier {self.epoch}")
+        # a barrier waits for the slowest rank, however long it computes: no timeout (a dead peer is a QP error)
+        reply = self._request(0, [K_BARRIER, 0, self.epoch, self.vt, notices], f"barrier {self.epoch}", math.inf)
         self._merge(reply[2], reply[3], "barrier")
         self.floor = list(self.vt)
         self.known = {key: flat for key, flat in self.known.items() if key[1] > self.floor[key[0]]}
@@ -166,16 +167,17 @@ class Memory:
 
     def statistics(self) -> Statistics:
         """This rank's counters and time breakdown since attach (frozen)."""
-        return self.counters.snapshot(self.protocol, self.rank, self.handler.counters)
+        with self.handler.mutex:  # the handler counts under it
+            return self.counters.snapshot(self.protocol, self.rank, self.handler.counters)
 
     # ------------------------------------------------------------------ locks
     def acquire(self, lock: int) -> None:
-        self._check()
+        self._check("acquiring a lock")
         if lock in self.held:
             raise DsmError(f"lock {lock} is already held by this rank (DSM locks are not re-entrant)")
         self._close_interval()
         started = time.perf_counter()
-        reply = self._request(lock % self.size, [K_ACQUIRE, 0, lock, self.vt], f"lock {lock}")
+        reply = self._request(lock % self.size, [K_ACQUIRE, 0, lock, self.vt], f"lock {lock}", math.inf)
         self._merge(reply[2], reply[3], f"lock {lock}")
         self.held[lock] = list(reply[2])
         seconds = time.perf_counter() - started
@@ -184,14 +186,15 @@ class Memory:
         self.hook("dsm_lock_acquired", lock=lock, seconds=seconds)
 
     def release(self, lock: int) -> None:
-        self._check()
+        self._check("releasing a lock")
         if lock not in self.held:
             raise DsmError(f"lock {lock} is not held by this rank")
-        at_grant = self.held.pop(lock)
+        at_grant = self.held[lock]
         self._close_interval()
         started = time.perf_counter()
         notices = [[q, i, flat] for (q, i), flat in self.known.items() if i > max(at_grant[q], self.floor[q])]
         self._request(lock % self.size, [K_RELEASE, 0, lock, self.vt, notices], f"release of lock {lock}")
+        del self.held[lock]  # only now: a release that failed can be retried
         self.counters.lock_seconds += time.perf_counter() - started
         self.hook("dsm_lock_released", lock=lock)
 
@@ -272,6 +275,8 @@ class Memory:
             if before[0] == before[1] and np.array_equal(before, after) and np.all(before[META:] >= need):
                 return
             self.counters.fetch_retries += 1
+            # back off (10 µs doubling to 1 ms): a writer's DRAW chain is in progress on that page
+            time.sleep(min(1e-3, 1e-5 * 2 ** min(self.counters.fetch_retries, 7)))
             if time.monotonic() > deadline:
                 raise DsmError(
                     f"page {gid_of(region.aid, page):#x}: no consistent copy at rank {home} after {FETCH_TIMEOUT:.0f} s"
@@ -375,39 +380,48 @@ class Memory:
             self.hook("dsm_write_notices_received", source=source, notices=fresh)
 
     # ------------------------------------------------------------------ requests
-    def _request(self, dst: int, msg: list[Any], what: str) -> list[Any]:
-        return self._request_many([(dst, msg, what)])[0]
+    def _request(self, dst: int, msg: list[Any], what: str, timeout: float = FETCH_TIMEOUT) -> list[Any]:
+        return self._request_many([(dst, msg, what)], timeout)[0]
 
-    def _request_many(self, requests: list[tuple[int, list[Any], str]]) -> list[list[Any]]:
-        """Send requests (at most WINDOW in flight per destination) and return their replies in order."""
+    def _request_many(
+        self, requests: list[tuple[int, list[Any], str]], timeout: float = FETCH_TIMEOUT
+    ) -> list[list[Any]]:
+        """Send requests (at most WINDOW in flight per destination) and return their replies in order.
+
+        Every reply is collected before an error reply raises, so none is left behind to
+        be mistaken for a later request's.
+        """
         rids: list[int] = []
+        what_of: dict[int, str] = {}
         in_flight: dict[int, list[int]] = {}
         for dst, msg, what in requests:
             mine = in_flight.setdefault(dst, [])
             while len(mine) >= WINDOW:
-                self._await(mine[:1], what)
+                self._await(mine[:1], what_of[mine[0]], timeout)
                 mine[:] = [r for r in mine if r not in self.replies]
             self.rid += 1
             msg[1] = self.rid
             self.counters.count(KIND_NAMES[msg[0]], self.client.send(dst, msg))
             rids.append(self.rid)
+            what_of[self.rid] = what
             mine.append(self.rid)
-        self._await(rids, requests[-1][2] if requests else "")
-        return [self.replies.pop(rid) for rid in rids]
+        for rid in rids:
+            self._await([rid], what_of[rid], timeout)
+        replies = [self.replies.pop(rid) for rid in rids]
+        for reply in replies:
+            if reply[0] == K_ERROR:
+                raise DsmError(reply[2])
+        return replies
 
-    def _await(self, rids: Iterable[int], what: str) -> None:
-        rids = list(rids)
-
+    def _await(self, rids: list[int], what: str, timeout: float) -> None:
         def done() -> bool:
             for _, msg, _ in self.client.inbox:
-                if msg[0] == K_ERROR:
-                    raise DsmError(msg[2])
                 self.replies[msg[1]] = msg
             self.client.inbox.clear()
             self._check()
             return all(rid in self.replies for rid in rids)
 
-        self.client.wait(done, what, timeout=FETCH_TIMEOUT)
+        self.client.wait(done, what, timeout=timeout)
 
     # ------------------------------------------------------------------ hooks and the handler thread
     def hook(self, name: str, **kwargs: Any) -> None:
@@ -456,9 +470,14 @@ class Memory:
             self._failure = exc
             log.error("rank %d: the DSM protocol handler failed: %s", self.rank, exc)
 
-    def _check(self) -> None:
+    def _check(self, synchronising: str = "") -> None:
         if self._failure is not None:
             raise DsmError(f"the DSM protocol handler of rank {self.rank} failed: {self._failure}")
+        if synchronising and self.writing:
+            raise DsmError(
+                f"{synchronising} inside a `with a.write(...)` block: the interval it closes would miss the "
+                "block's later writes; leave the block first"
+            )
 
     @ckpt.hookimpl(tryfirst=True)
     def ckpt_drain(self) -> None:

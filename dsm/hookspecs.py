@@ -7,7 +7,10 @@ loaded.  Implement them with ``@ckpt.hookimpl`` like any ckpt hook.
 Threads: hooks marked *handler* run on the rank's protocol-handler thread, the
 others on the program thread.  ``memory`` is the rank's :class:`dsm.Memory`;
 pages are named by their global page id ``gid = (array_id << 32) | page_index``.
-A hook must not block and must not call back into the DSM.  Under the
+A hook must not block and must not call back into the DSM.  An exception
+raised by a *handler* hook fails that one request (the requester gets a
+DsmError naming it); one raised on the program thread propagates to the
+program.  Under the
 ``onesided`` protocol the home's CPU takes no part in page service or diff
 application, so ``dsm_page_served``, ``dsm_diff_received`` and
 ``dsm_diff_applied`` fire only under ``async``.
@@ -54,7 +57,7 @@ def dsm_write_notices_received(memory: Any, source: str, notices: Notices) -> No
 
 @hookspec
 def dsm_page_served(memory: Any, requester: int, gid: int) -> None:
-    """*handler*, async only: this rank, the page's home, sent page `gid` to `requester`."""
+    """*handler*, async only: this rank, the page's home, serves page `gid` to `requester` (the reply leaves next)."""
 
 
 @hookspec

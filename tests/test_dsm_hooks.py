@@ -152,3 +152,35 @@ def test_adding_the_dsm_hookspecs_twice_is_harmless() -> None:
     host.add_hookspecs(dsm.hookspecs)
     host.add_hookspecs(dsm.hookspecs)
     assert host.pm.hook.dsm_diff_applied.spec is not None
+
+
+class Failing:
+    """A plugin whose hook fails on the handler thread (async homes fire dsm_page_served there)."""
+
+    @ckpt.hookimpl
+    def dsm_page_served(self, requester: int, gid: int) -> None:
+        raise ValueError("the plugin is broken")
+
+
+def test_a_hook_failing_on_the_handler_fails_that_request_and_the_handler_serves_on() -> None:
+    def body(mem: dsm.Memory, rt: ThreadRuntime) -> str:
+        a = mem.array(WORDS, np.float64)
+        if rt.rank == 0:
+            a[0] = 1.0
+        mem.barrier()
+        outcome = "home"
+        if rt.rank == 1:
+            try:
+                a[0]  # a page fault: rank 0 serves it, then its hook raises
+                outcome = "no error"
+            except dsm.DsmError as exc:
+                outcome = "refused" if "ValueError: the plugin is broken" in str(exc) else str(exc)
+        mem.barrier()  # the handler on rank 0 still serves: barriers go through it
+        return outcome
+
+    def host(rank: int) -> PluginHost:
+        plugins = PluginHost()
+        plugins.pm.register(Failing())
+        return plugins
+
+    assert run_ranks(2, body, "async", plugins=host) == ["home", "refused"]

@@ -558,3 +558,109 @@ def test_close_stops_the_handler_thread_and_frees_the_verbs_objects(protocol: st
         assert mem._thread is None
         assert mem.ctx._closed
         assert mem.statistics().barriers == 1
+
+
+def test_two_ranks_writing_different_fields_of_one_record_both_survive(protocol: str) -> None:
+    record = np.dtype([("a", "i4"), ("b", "i4")])
+
+    def body(mem: dsm.Memory, rt: ThreadRuntime) -> tuple[int, int]:
+        a = mem.array(4, record)
+        if rt.rank == 0:
+            a[3] = (0, 0)  # rank 0 is the home; ranks 1 and 2 write through twins and diffs
+        mem.barrier()
+        if rt.rank in (1, 2):
+            with a.write(np.s_[0:1]) as v:
+                v["a" if rt.rank == 1 else "b"] = 11 * rt.rank
+        mem.barrier()
+        got = a[0]
+        return int(got["a"]), int(got["b"])
+
+    assert run_ranks(3, body, protocol) == [(11, 22)] * 3
+
+
+def test_an_error_reply_fails_its_own_request_only(protocol: str) -> None:
+    """After a refused request, the next request gets its own reply (not the old error), and locks work."""
+
+    def body(mem: dsm.Memory, rt: ThreadRuntime) -> list[str]:
+        lock = mem.lock()
+        seen = []
+        if rt.rank == 1:
+            try:
+                mem._request(0, [5, 0, lock.id, mem.vt, []], "a forged release")  # K_RELEASE of a lock not held
+            except DsmError as exc:
+                seen.append("refused" if "does not hold" in str(exc) else str(exc))
+            with lock:
+                seen.append("acquired")
+        mem.barrier()
+        with lock:
+            seen.append("again")
+        return seen
+
+    assert run_ranks(2, body, protocol) == [["again"], ["refused", "acquired", "again"]]
+
+
+def test_a_lock_or_barrier_inside_a_write_block_is_refused(protocol: str) -> None:
+    def body(mem: dsm.Memory, rt: ThreadRuntime) -> list[str]:
+        a = mem.array(8, np.int64)
+        lock = mem.lock()
+        refused = []
+        with a.write(np.s_[:]) as v:
+            v[rt.rank] = 1
+            for call in (lock.acquire, mem.barrier):
+                try:
+                    call()
+                except DsmError as exc:
+                    refused.append("refused" if "inside a `with a.write" in str(exc) else str(exc))
+        mem.barrier()  # outside the block: fine
+        return refused
+
+    assert run_ranks(2, body, protocol) == [["refused", "refused"]] * 2
+
+
+def test_a_barrier_waits_for_a_slow_rank_longer_than_the_fetch_timeout(
+    protocol: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import dsm._memory
+
+    monkeypatch.setattr(dsm._memory, "FETCH_TIMEOUT", 0.2)
+    gate = threading.Event()
+
+    def body(mem: dsm.Memory, rt: ThreadRuntime) -> str:
+        if rt.rank == 0:
+            gate.wait(timeout=0.6)  # rank 1 waits in the barrier well past the (patched) timeout
+        mem.barrier()
+        return "passed"
+
+    assert run_ranks(2, body, protocol) == ["passed", "passed"]
+
+
+def test_a_release_that_fails_leaves_the_lock_held_so_it_can_be_retried(
+    protocol: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def body(mem: dsm.Memory, rt: ThreadRuntime) -> tuple[bool, bool]:
+        lock = mem.lock()
+        still_held = True
+        if rt.rank == 0:
+            lock.acquire()
+            real = mem._request
+            calls = []
+
+            def failing(*args: Any, **kwargs: Any) -> Any:
+                if not calls:
+                    calls.append(1)
+                    raise DsmError("simulated failure")
+                return real(*args, **kwargs)
+
+            mem._request = failing  # type: ignore[method-assign]
+            try:
+                lock.release()
+            except DsmError:
+                still_held = lock.held
+            lock.release()
+            mem._request = real  # type: ignore[method-assign]
+        mem.barrier()
+        with lock:
+            pass
+        return still_held, lock.held
+
+    assert run_ranks(2, body, protocol) == [(True, False), (True, False)]
