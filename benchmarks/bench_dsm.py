@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import sys
 import tempfile
@@ -38,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_ib import alternate, launch
+from bench_ib import alternate, launch, results
 from bench_image import machine
 from bench_overhead import Jobs
 
@@ -48,7 +47,6 @@ WITH_STATS = ROOT / "benchmarks" / "programs" / "dsm_stats.py"
 PROTOCOLS = ("async", "onesided")
 RANKS = 4
 TARGET = 0.8
-_RESULT = re.compile(r"^\[rank (\d+)\] result: (.*)$", re.M)
 #: Arguments of each program for the breakdown: each runs a few seconds on 4 ranks.
 BENCH_ARGS: dict[str, list[str]] = {
     "sor": ["256", "40"],
@@ -65,11 +63,6 @@ LINKS: list[tuple[str, str | None, str | None]] = [
     ("fast: 2us, 4GB/s", "2us", "4GB/s"),
     ("slow: 50us, 200MB/s", "50us", "200MB/s"),
 ]
-
-
-def results(stdout: str) -> dict[int, str]:
-    """Each rank's result line (the DSM programs' lines have spaces in them)."""
-    return {int(rank): value for rank, value in _RESULT.findall(stdout)}
 
 
 def pagefetch(jobs: Jobs, directory: Path, tag: str, protocol: str, pages: int, link: list[str]) -> tuple[float, float]:

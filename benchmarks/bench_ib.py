@@ -71,7 +71,7 @@ RING_TARGET = 1.02
 PINGPONG_TARGET = 1.10
 MODES = ("native", "plugin")
 QUIET_SHARE = 0.05
-_RESULT = re.compile(r"^\[rank (\d+)\] result: (\S+)$", re.M)
+_RESULT = re.compile(r"^\[rank (\d+)\] result: (.*)$", re.M)  # a result may have spaces (the DSM programs')
 
 
 def launch(jobs: Jobs, directory: Path, tag: str, native: bool, ranks: int, program: list[str]) -> tuple[str, float]:

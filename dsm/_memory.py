@@ -121,8 +121,8 @@ class Memory:
         self._check()
         shape = (shape,) if isinstance(shape, int | np.integer) else tuple(int(s) for s in shape)
         nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-        region = Region(self.pd, len(self.regions), nbytes, self.page_size, self.rank, self.size)
-        region.unit = diff_unit(np.dtype(dtype))
+        unit = diff_unit(np.dtype(dtype))
+        region = Region(self.pd, len(self.regions), nbytes, unit, self.page_size, self.rank, self.size)
         self.regions.append(region)  # before the allgather: peers may ask for its pages right after it
         region.peers = self.rt.allgather(region.address())
         return SharedArray(self, region, shape, np.dtype(dtype))

@@ -35,8 +35,9 @@ def split_gid(gid: int) -> tuple[int, int]:
 class Region:
     """The pages of one shared array on this rank."""
 
-    def __init__(self, pd: verbs.PD, aid: int, nbytes: int, page_size: int, rank: int, size: int) -> None:
+    def __init__(self, pd: verbs.PD, aid: int, nbytes: int, unit: int, page_size: int, rank: int, size: int) -> None:
         self.aid, self.page_size, self.rank, self.size = aid, page_size, rank, size
+        self.unit = unit  # bytes its diffs compare at a time: the element size (_diff.diff_unit)
         self.npages = max(1, -(-nbytes // page_size))
         self.data = np.zeros(self.npages * page_size, dtype=np.uint8)
         self.meta = np.zeros((self.npages, META + size), dtype=np.int64)
@@ -48,7 +49,6 @@ class Region:
         self.home = np.full(self.npages, -1, dtype=np.int32)
         self.need = np.zeros((self.npages, size), dtype=np.int64)
         self.twins: dict[int, np.ndarray] = {}
-        self.unit = 1  # bytes compared at a time by its diffs: the element size (see _diff.diff_unit)
         self.peers: list[dict[str, int]] = []
 
     def address(self) -> dict[str, int]:

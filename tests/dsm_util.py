@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import importlib
 import logging
 import threading
 from collections.abc import Callable
 from typing import Any
 
-import ckpt
 import dsm
+from dsm.programs import program_class
 
 FIRST_HCA = 10  # rank r opens simib<10 + r>: HCAs no other test uses, shared by the DSM tests (each closes its own)
 
@@ -71,18 +70,6 @@ def run_ranks(
         return body(rt.memory, rt)
 
     return _threads(size, rank_body, protocol, [])
-
-
-def program_class(name: str) -> type[ckpt.Program]:
-    """The ckpt.Program subclass of dsm/programs/<name>.py."""
-    module = importlib.import_module(f"dsm.programs.{name}")
-    found = [
-        c
-        for c in vars(module).values()
-        if isinstance(c, type) and issubclass(c, ckpt.Program) and c.__module__ == module.__name__
-    ]
-    assert len(found) == 1, f"{name}: expected one ckpt.Program subclass, found {found}"
-    return found[0]
 
 
 def run_program(name: str, argv: list[str], size: int, protocol: str) -> list[Any]:

@@ -7,6 +7,8 @@ tests/test_e2e_ib2tcp.py (the same programs across transports).
 from __future__ import annotations
 
 import json
+import os
+import random
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -132,3 +134,8 @@ class Hold:
 
     def release(self) -> None:
         self.path.touch()
+
+
+def random_seed() -> int:
+    """$CKPT_TEST_SEED, or a fresh seed: a test that picks random moments prints it so a failure can be replayed."""
+    return int(os.environ.get("CKPT_TEST_SEED") or random.SystemRandom().randrange(1 << 32))

@@ -11,7 +11,6 @@ own answer against plain numpy (`numpy=match`).
 
 from __future__ import annotations
 
-import os
 import random
 import time
 from collections.abc import Callable
@@ -20,7 +19,7 @@ from pathlib import Path
 import pytest
 from dsm_cases import CASES, RESTARTS, DsmCase
 from dsm_util import run_program
-from ib_cases import RANKS, Hold, launch_args, take
+from ib_cases import RANKS, Hold, launch_args, random_seed, take
 
 from harness import PROGRAMS, Job, results, run, wait_for
 
@@ -117,7 +116,7 @@ def test_checkpoints_at_random_moments_of_a_lock_heavy_run(
 ) -> None:
     """TSP (task queue and bound under locks): three checkpoints it resumes from and one kill -> restart, each
     while requests, grants and diffs are in flight, at random moments; the answer is still the optimum."""
-    seed = int(os.environ.get("CKPT_TEST_SEED") or random.SystemRandom().randrange(1 << 32))
+    seed = random_seed()
     print(f"seed {seed}")  # CKPT_TEST_SEED=<seed> replays the same moments
     rng = random.Random(seed)
     case = next(c for c in CASES if c.name == "tsp")

@@ -8,7 +8,6 @@ of what each program computes (tests/ib_cases.py).
 from __future__ import annotations
 
 import json
-import os
 import random
 import time
 from collections.abc import Callable
@@ -26,6 +25,7 @@ from ib_cases import (
     expected_pingpong,
     expected_seq,
     launch_args,
+    random_seed,
     take,
     traced,
 )
@@ -134,18 +134,14 @@ def checkpoint_storm(
     assert results(job.stdout) == expected_seq(RANKS, steps), f"seed {seed}"
 
 
-def _seed() -> int:
-    return int(os.environ.get("CKPT_TEST_SEED") or random.SystemRandom().randrange(1 << 32))
-
-
 def test_exactly_once_across_checkpoints_and_restarts(start_job: Callable[..., Job], tmp_path: Path) -> None:
-    checkpoint_storm(start_job, tmp_path, steps=2500, resumes=6, restarts=2, seed=_seed())
+    checkpoint_storm(start_job, tmp_path, steps=2500, resumes=6, restarts=2, seed=random_seed())
 
 
 @pytest.mark.stress
 @pytest.mark.timeout(900)
 def test_exactly_once_across_20_checkpoints_and_5_restarts(start_job: Callable[..., Job], tmp_path: Path) -> None:
-    checkpoint_storm(start_job, tmp_path, steps=8000, resumes=20, restarts=5, seed=_seed())
+    checkpoint_storm(start_job, tmp_path, steps=8000, resumes=20, restarts=5, seed=random_seed())
 
 
 # ------------------------------------------------------------------ what is in flight at the checkpoint

@@ -8,19 +8,14 @@ JSON to $CKPT_BENCH_DSM_STATS.<rank> (the programs keep their Memory as `self.me
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 from typing import Any
 
 import ckpt
+from dsm.programs import program_class
 
-_module = importlib.import_module(f"dsm.programs.{os.environ['CKPT_BENCH_DSM_PROGRAM']}")
-(_base,) = [
-    c
-    for c in vars(_module).values()
-    if isinstance(c, type) and issubclass(c, ckpt.Program) and c.__module__ == _module.__name__
-]
+_base = program_class(os.environ["CKPT_BENCH_DSM_PROGRAM"])
 
 
 class WithStatistics(_base):  # type: ignore[valid-type,misc]

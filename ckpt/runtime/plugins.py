@@ -106,6 +106,7 @@ class PluginHost:
     def __init__(self) -> None:
         self.pm = pluggy.PluginManager(hookspecs.PROJECT)
         self.pm.add_hookspecs(hookspecs)
+        self._spec_modules: list[Any] = [hookspecs]
         self.plugins: list[PluginInfo] = []
 
     def load(self, with_plugins: list[str], disabled: list[str]) -> PluginHost:
@@ -140,10 +141,9 @@ class PluginHost:
 
     def add_hookspecs(self, module: Any) -> None:
         """Extra hookspecs (e.g. the DSM's) on the same manager; adding a module twice is a no-op."""
-        names = [n for n in dir(module) if not n.startswith("_") and hasattr(getattr(module, n), "ckpt_spec")]
-        if names and all(getattr(self.pm.hook, n, None) is not None and getattr(self.pm.hook, n).spec for n in names):
-            return
-        self.pm.add_hookspecs(module)
+        if module not in self._spec_modules:
+            self._spec_modules.append(module)
+            self.pm.add_hookspecs(module)
 
     def has_impl(self, hook: str) -> bool:
         """Does any loaded plugin implement `hook`?"""

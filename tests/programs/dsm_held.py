@@ -15,7 +15,6 @@ this file's class).
 
 from __future__ import annotations
 
-import importlib
 import os
 import time
 from pathlib import Path
@@ -23,15 +22,11 @@ from pathlib import Path
 from ib_common import held
 
 import ckpt
+from dsm.programs import program_class
 
 PROGRAM_ENV, PAUSE_ENV, PAUSE_AT_ENV = "CKPT_TEST_DSM_PROGRAM", "CKPT_TEST_PAUSE", "CKPT_TEST_PAUSE_AT"
 
-_module = importlib.import_module(f"dsm.programs.{os.environ[PROGRAM_ENV]}")
-(_base,) = [
-    c
-    for c in vars(_module).values()
-    if isinstance(c, type) and issubclass(c, ckpt.Program) and c.__module__ == _module.__name__
-]
+_base = program_class(os.environ[PROGRAM_ENV])
 
 
 def _paused(real_steps: int, rank: int) -> bool:
