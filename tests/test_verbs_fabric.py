@@ -7,6 +7,7 @@ import os
 import queue
 import random
 import socket
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -210,6 +211,25 @@ def test_stop_closes_every_connection_without_link_pushes(start_sm: StartSM, con
         FabricClient(sm.address, sm.token, timeout=5)
     sm.stop()  # idempotent
     hca.close()
+
+
+def test_wait_returns_only_after_the_reply_to_stop_has_been_sent(
+    start_sm: StartSM, connect: Connect, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`ckpt fabric start` exits when wait() returns: the connections' writers must be done by then."""
+    writers_may_finish = threading.Event()
+    shutdown = _subnet._Connection._shutdown
+
+    def held_shutdown(conn: Any) -> None:  # a writer that has sent its frames but is not done yet
+        writers_may_finish.wait(timeout=PUSH_TIMEOUT)
+        shutdown(conn)
+
+    monkeypatch.setattr(_subnet._Connection, "_shutdown", held_shutdown)
+    sm = start_sm()
+    connect(sm).stop()  # its reply came: the frame was sent before the writer's shutdown
+    assert not sm.wait(0.3), "wait() returned while a connection's writer was still running"
+    writers_may_finish.set()
+    assert sm.wait(PUSH_TIMEOUT)
 
 
 # ----------------------------------------------------------- security and errors

@@ -135,6 +135,11 @@ class _Connection:
             self.closed = True
             self._outbox.put(None)
 
+    def flushed(self, timeout: float) -> None:
+        """Wait (at most `timeout` s) until the writer has sent what was posted before `close`."""
+        if threading.current_thread() is not self._writer:
+            self._writer.join(timeout)
+
     def abort(self) -> None:
         self.closed = True
         self._outbox.put(None)
@@ -189,6 +194,7 @@ class SubnetManager:
         self._connections: set[_Connection] = set()
         self._sock: socket.socket | None = None
         self._stopped = threading.Event()
+        self._down = threading.Event()  # set by stop() last, once the posted frames have left: what wait() waits for
         self._counts = dict.fromkeys(("registered", "lost", "resolves", "failed", "restored"), 0)
 
     def start(self) -> SubnetManager:
@@ -217,11 +223,14 @@ class SubnetManager:
             self._sock.close()
         for conn in connections:
             conn.close()
+        for conn in connections:  # the reply to `stop` must leave before the process that waits may exit
+            conn.flushed(timeout=5.0)
+        self._down.set()
         log.info("subnet manager of fabric %s stopped", self.fabric_id)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the SM has stopped (stop(), or a `stop` request); False on timeout."""
-        return self._stopped.wait(timeout)
+        return self._down.wait(timeout)
 
     def fail_link(self, lid: int) -> None:
         """Take the link of `lid` down, as if its cable were pulled; every HCA is told."""
