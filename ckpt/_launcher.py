@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -14,14 +15,17 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from ckpt import _jobdir as jobdir
 from ckpt._errors import CoordinatorError, ImageError
+from ckpt._jobdir import read_job_file, write_job_file
 from ckpt.coordinator import protocol
-from ckpt.coordinator.client import read_job_file, write_job_file
 from ckpt.coordinator.server import Coordinator
 from ckpt.runtime import images
 from ckpt.runtime import manifest as manifests
 from ckpt.runtime.rank import SPEC_ENV
 from ckpt.verbs import fabric
+
+log = logging.getLogger(__name__)
 
 #: Exit statuses of `ckpt launch` / `ckpt restart`.
 EXIT_OK, EXIT_FAILED = 0, 1
@@ -60,6 +64,7 @@ class JobOptions:
     fabric_latency: float = 0.0  # link model of the job's own fabric (seconds, bytes/s; 0 = ideal)
     fabric_bandwidth: float = 0.0
     debug: int | None = None  # restart: this rank stops in pdb before its next step (stdin is its)
+    claim: jobdir.DirectoryClaim | None = None  # the CLI's claim on ckpt_dir, taken before anything else
 
 
 def external_rank() -> tuple[int, int | None] | None:
@@ -92,25 +97,48 @@ def rank_spec(opts: JobOptions, rank: int, address: str, token: str, job: str) -
         m = opts.restart
         spec["restart"] = {
             "image": str(opts.ckpt_dir / m["ranks"][rank]["file"]),
+            "sha256": m["ranks"][rank].get("sha256"),
             "job": m["job"],
             "generation": m["generation"],
             "number": m["number"],
             "id_counters": m.get("id_counters", {}),
+            "last_checkpoint": last_checkpoint(m, opts.ckpt_dir),
         }
         spec["debug"] = opts.debug == rank
     return spec
 
 
-def prepare_restart(target: str | None, ckpt_dir: Path, token: str | None) -> tuple[dict[str, Any], Path, str]:
-    """Find, authenticate and sanity-check a checkpoint: (manifest, its directory, token).
+def last_checkpoint(manifest: dict[str, Any], directory: Path) -> dict[str, Any]:
+    """What `ckpt status` shows as the last checkpoint, for the checkpoint a job restarts from."""
+    return {
+        "number": manifest["number"],
+        "manifest": str(directory / manifests.manifest_name(manifest["program"]["name"], manifest["number"])),
+        "bytes": sum(int(r.get("bytes", 0)) for r in manifest["ranks"]),
+        "seconds": float(manifest.get("seconds", 0.0)),
+    }
 
-    Every check that needs no full read happens here, before any process starts;
-    the ranks verify each image's checksum and HMAC while loading it.
+
+def restart_directory(target: str | None, ckpt_dir: Path) -> tuple[Path, Path | None]:
+    """(the checkpoint directory, the manifest asked for or None for the latest) of a restart's TARGET."""
+    if target is None:
+        return ckpt_dir.resolve(), None
+    path = Path(target)
+    if path.is_dir():
+        return path.resolve(), None
+    if not path.exists():
+        raise ImageError(f"no checkpoint at {target}: no such file or directory")
+    return path.resolve().parent, path.resolve()
+
+
+def prepare_restart(manifest_path: Path | None, directory: Path, token: str | None) -> tuple[dict[str, Any], str]:
+    """Find, authenticate and sanity-check a checkpoint: (manifest, token).
+
+    Every check that needs no full read happens here, before any process starts: each image must be
+    the one the manifest names (program, job, rank, checkpoint, step, size and the checksum its
+    trailer records); the ranks verify each image's content against that checksum and its HMAC
+    while loading it.
     """
-    if target is not None and Path(target).is_dir():
-        ckpt_dir, target = Path(target), None
-    path = Path(target) if target is not None else manifests.latest_manifest(ckpt_dir)
-    directory = path.resolve().parent
+    path = manifest_path if manifest_path is not None else manifests.latest_manifest(directory)
     if token is None:
         job = read_job_file(directory)
         token = job["token"] if job else None
@@ -123,24 +151,39 @@ def prepare_restart(target: str | None, ckpt_dir: Path, token: str | None) -> tu
     if len(manifest["ranks"]) != manifest["size"]:
         raise ImageError(f"manifest {path} lists {len(manifest['ranks'])} images for {manifest['size']} ranks")
     for entry in manifest["ranks"]:
-        image = directory / entry["file"]
-        if not image.is_file():
-            raise ImageError(f"image {image} of checkpoint {manifest['number']} is missing")
-        size = image.stat().st_size
-        if size != entry["bytes"]:
-            raise ImageError(f"image {image} is truncated or damaged: {size} bytes, the manifest says {entry['bytes']}")
-        header = images.read_header(image)
-        if (header.get("program"), header.get("job")) != (program["name"], manifest["job"]):
-            raise ImageError(
-                f"image {image} belongs to program {header.get('program')!r} (job {header.get('job')}), "
-                f"not to {program['name']!r} (job {manifest['job']}) of manifest {path.name}"
-            )
-        if (header.get("rank"), header.get("number")) != (entry["rank"], manifest["number"]):
-            raise ImageError(
-                f"image {image} is rank {header.get('rank')} of checkpoint {header.get('number')}, "
-                f"the manifest expects rank {entry['rank']} of checkpoint {manifest['number']}"
-            )
-    return manifest, directory, token
+        check_image(directory / entry["file"], entry, manifest, path.name)
+    return manifest, token
+
+
+def check_image(image: Path, entry: dict[str, Any], manifest: dict[str, Any], manifest_name: str) -> None:
+    """Is `image` the one `entry` of the manifest names? Identity first, so a wrong image is called wrong."""
+    if not image.is_file():
+        raise ImageError(f"image {image} of checkpoint {manifest['number']} is missing")
+    header = images.read_header(image)
+    program = manifest["program"]
+    if (header.get("program"), header.get("job")) != (program["name"], manifest["job"]):
+        raise ImageError(
+            f"image {image} belongs to program {header.get('program')!r} (job {header.get('job')}), "
+            f"not to {program['name']!r} (job {manifest['job']}) of manifest {manifest_name}"
+        )
+    if (header.get("rank"), header.get("number")) != (entry["rank"], manifest["number"]):
+        raise ImageError(
+            f"image {image} is rank {header.get('rank')} of checkpoint {header.get('number')}, "
+            f"the manifest expects rank {entry['rank']} of checkpoint {manifest['number']}"
+        )
+    if "step" in entry and header.get("step") != entry["step"]:
+        raise ImageError(
+            f"image {image} was taken at step {header.get('step')}, the manifest's at step {entry['step']}: "
+            "it is another checkpoint's image with the same name (from a copy of this directory?)"
+        )
+    size = image.stat().st_size
+    if size != entry["bytes"]:
+        raise ImageError(f"image {image} is truncated or damaged: {size} bytes, the manifest says {entry['bytes']}")
+    if "sha256" in entry and images.stored_checksum(image) != entry["sha256"]:
+        raise ImageError(
+            f"image {image} is not the one manifest {manifest_name} names (its checksum differs): "
+            "another checkpoint's image with the same name (from a copy of this directory?)"
+        )
 
 
 class _Job:
@@ -160,8 +203,15 @@ class _Job:
             raise CoordinatorError(f"no token for the coordinator at {opts.coordinator}: set CKPT_TOKEN")
         self.token = given or existing.get("token") or protocol.new_token()
         self.job_id = restart["job"] if restart else uuid.uuid4().hex[:12]
-        self._refuse_standalone_fabric()
         self.coordinator: Coordinator | None = None
+        self.claim: jobdir.DirectoryClaim | None = None
+        if opts.coordinator is None:
+            # The directory is this job's (the CLI claims it before anything else; claim it here if not):
+            # what a killed job left there can go, and nothing else writes there.
+            self.claim = opts.claim or jobdir.claim(opts.ckpt_dir)
+            self.claim.note(job=self.job_id)
+            jobdir.remove_leftovers(opts.ckpt_dir, Path(opts.program).stem)
+        self._refuse_standalone_fabric()
         if opts.coordinator is None:
             self.coordinator = Coordinator(
                 token=self.token,
@@ -171,10 +221,12 @@ class _Job:
                 interval=opts.interval,
                 keep=opts.keep,
                 phase_timeout=opts.phase_timeout,
+                job_id=self.job_id,
             ).start()
             self.address = self.coordinator.address
             threading.Thread(target=self._watch_coordinator, daemon=True).start()
-            write_job_file(opts.ckpt_dir, address=self.address, token=self.token, job=self.job_id, pid=os.getpid())
+            self._write_job_file()
+            log.info("coordinator of job %s listening on %s", self.job_id, self.address)
         else:
             self.address = opts.coordinator  # its own coordinator.json stays as `ckpt coordinator` wrote it
         self.fabric: fabric.SubnetManager | None = None
@@ -277,6 +329,23 @@ class _Job:
             self.coordinator.remove_aborted_images()
         self._stop_fabric()
 
+    def _write_job_file(self, ended: dict[str, Any] | None = None) -> None:
+        assert self.claim is not None
+        write_job_file(
+            self.opts.ckpt_dir,
+            address=self.address,
+            token=self.token,
+            job=self.job_id,
+            pid=os.getpid(),
+            claim=self.claim.id,
+            ended=ended,
+        )
+
+    def record_end(self) -> None:
+        """Write the job's final status into coordinator.json, where `ckpt status` finds it from now on."""
+        if self.coordinator is not None:
+            self._write_job_file(ended=self.coordinator.status())
+
     def terminate(self) -> None:
         for process in self.processes:
             if process.poll() is None:
@@ -307,7 +376,8 @@ class _Progress:
         from tqdm import tqdm
 
         self._coordinator = coordinator
-        self._bar = tqdm(total=total, unit="B", unit_scale=True, desc="loading images", file=sys.stderr)
+        # disable=None: no bar (and no \r updates) when stderr is not a terminal
+        self._bar = tqdm(total=total, unit="B", unit_scale=True, desc="loading images", file=sys.stderr, disable=None)
         self._closed = False
 
     def update(self) -> None:
@@ -334,6 +404,7 @@ def run_job(opts: JobOptions) -> int:
     previous = signal.signal(signal.SIGTERM, on_signal)
     progress = None
     try:
+        _announce(job)
         job.spawn()
         if opts.restart is not None and job.coordinator is not None:
             total = sum(int(r["bytes"]) for r in opts.restart["ranks"])
@@ -342,6 +413,9 @@ def run_job(opts: JobOptions) -> int:
         outcome = job.wait(progress)
     except KeyboardInterrupt:
         print("ckpt: interrupted; killing the job's ranks", file=sys.stderr)
+        if job.coordinator is not None:
+            job.coordinator.kill("interrupted (Ctrl-C or SIGTERM to ckpt launch)")
+            job.record_end()
         job.terminate()
         job.stop()
         return 130
@@ -351,13 +425,29 @@ def run_job(opts: JobOptions) -> int:
         signal.signal(signal.SIGTERM, previous)
     if outcome["status"] == "failed":
         job.terminate()
-    if job.coordinator is not None:
-        final = job.coordinator.status()
-        write_job_file(
-            opts.ckpt_dir, address=job.address, token=job.token, job=job.job_id, pid=os.getpid(), ended=final
-        )
+    job.record_end()
     job.stop()
     return report(outcome, opts.ckpt_dir)
+
+
+def _announce(job: _Job) -> None:
+    """Say, before anything runs, which job this is, where it checkpoints and how to reach it."""
+    opts = job.opts
+    name = Path(opts.program).name
+    if opts.restart is not None:
+        m = opts.restart
+        what = f"restarting checkpoint {m['number']} of {name} ({opts.ranks} ranks, generation {m['generation'] + 1})"
+    else:
+        what = f"{opts.ranks} rank{'s' if opts.ranks != 1 else ''} of {name}"
+    if job.coordinator is None:
+        print(f"ckpt: {what} on the coordinator at {job.address}", file=sys.stderr, flush=True)
+        return
+    print(f"ckpt: job {job.job_id}: {what}; checkpoint directory {opts.ckpt_dir}", file=sys.stderr)
+    if opts.native:
+        print("ckpt: --native: no plugins and no checkpoints", file=sys.stderr, flush=True)
+        return
+    where = f"--ckpt-dir {opts.ckpt_dir}"
+    print(f"ckpt: checkpoint it with: ckpt checkpoint {where}  (and: ckpt status {where})", file=sys.stderr, flush=True)
 
 
 def report(outcome: dict[str, Any], ckpt_dir: Path) -> int:

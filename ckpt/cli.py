@@ -1,20 +1,22 @@
-"""The `ckpt` command line: launch, checkpoint, status, restart, kill, coordinator, fabric, plugins, inspect."""
+"""The `ckpt` command line: launch and restart here; the other commands in _cli_control and _cli_fabric."""
 
 from __future__ import annotations
 
-import json
+import logging
 import os
-import signal
 import sys
-import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
+from click.core import ParameterSource
 
+from ckpt import _jobdir as jobdir
+from ckpt._cli_common import ckpt_dir_option, coordinator_option, link_model, plugin_options
+from ckpt._cli_control import checkpoint, coordinator_cmd, inspect, kill, plugins, status
+from ckpt._cli_fabric import fabric_group
 from ckpt._errors import CkptError
 from ckpt.coordinator import client as coord_client
-from ckpt.coordinator import protocol
 
 if TYPE_CHECKING:
     from ckpt._launcher import JobOptions
@@ -26,6 +28,8 @@ if TYPE_CHECKING:
 DEBUG_PHASE_TIMEOUT = 7 * 24 * 3600.0
 #: Transport -> the plugin that provides its verbs provider (None: built in).
 _TRANSPORTS: dict[str, str | None] = {"simib": None, "tcp": "ib2tcp"}
+#: Job settings a restart takes from the checkpoint's manifest unless its command line gives them.
+_RECORDED_SETTINGS = ("interval", "keep", "phase_timeout")
 
 
 class _Group(click.Group):
@@ -39,39 +43,18 @@ class _Group(click.Group):
             ctx.exit(1)
 
 
-def _ckpt_dir_option(f: Any) -> Any:
-    return click.option(
-        "--ckpt-dir",
-        type=click.Path(file_okay=False, path_type=Path),
-        default=lambda: os.environ.get("CKPT_DIR", "ckpt"),
-        show_default="$CKPT_DIR or ./ckpt",
-        help="Directory of images, manifests and coordinator.json.",
-    )(f)
-
-
-def _coordinator_option(f: Any) -> Any:
-    return click.option(
-        "--coordinator",
-        envvar="CKPT_COORDINATOR",
-        metavar="HOST:PORT",
-        help="An existing coordinator (default: the one recorded in the ckpt dir).",
-    )(f)
-
-
-def _plugin_options(f: Any) -> Any:
-    f = click.option("--with-plugin", "with_plugins", multiple=True, metavar="MODULE", help="Load a plugin module.")(f)
-    f = click.option("--disable-plugin", "disabled", multiple=True, metavar="NAME", help="Do not load this plugin.")(f)
-    return f
-
-
 def _job_options(f: Any) -> Any:
-    f = click.option("--interval", type=click.FloatRange(min=0.01), help="Checkpoint every SECONDS.")(f)
+    f = click.option(
+        "--interval",
+        type=click.FloatRange(min=0.01),
+        help="Checkpoint every SECONDS  [default: only on request; restart: the checkpoint's]",
+    )(f)
     f = click.option(
         "--keep",
         type=click.IntRange(min=0),
         default=0,
         show_default=True,
-        help="Keep the newest K checkpoints (0 = all).",
+        help="Keep the newest K checkpoints (0 = all) [restart: the checkpoint's].",
     )(f)
     f = click.option("--host", default="127.0.0.1", show_default=True, help="Address the coordinator binds to.")(f)
     f = click.option("--port", type=click.IntRange(0, 65535), default=0, help="Coordinator port (0 = any free).")(f)
@@ -82,10 +65,10 @@ def _job_options(f: Any) -> Any:
     )(f)
     f = click.option(
         "--phase-timeout",
-        type=float,
+        type=click.FloatRange(min=0.01),
         default=300.0,
         show_default=True,
-        help="Abort a checkpoint whose phase takes longer (seconds).",
+        help="Abort a checkpoint whose phase takes longer (seconds) [restart: the checkpoint's].",
     )(f)
     f = click.option(
         "--fabric",
@@ -99,18 +82,10 @@ def _job_options(f: Any) -> Any:
         "--log-level",
         default=lambda: os.environ.get("CKPT_LOG_LEVEL", "WARNING"),
         type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+        show_default="$CKPT_LOG_LEVEL or WARNING",
+        help="What the launcher, coordinator and ranks log on stderr (DEBUG: every phase and message).",
     )(f)
     return f
-
-
-def _link_model(latency: str | None, bandwidth: str | None) -> tuple[float, float]:
-    """(seconds, bytes/s) from --fabric-latency / --fabric-bandwidth; CkptError with one line if malformed."""
-    from ckpt.verbs.fabric import parse_bandwidth, parse_latency
-
-    try:
-        return parse_latency(latency or "0"), parse_bandwidth(bandwidth or "0")
-    except ValueError as exc:
-        raise CkptError(str(exc)) from None
 
 
 def _fabric_job_options(job: dict[str, Any], transport: str) -> None:
@@ -123,7 +98,7 @@ def _fabric_job_options(job: dict[str, Any], transport: str) -> None:
             "--fabric-latency / --fabric-bandwidth set the link model of a fabric the job starts itself; "
             "an existing fabric (--fabric) keeps the one it was started with"
         )
-    job["fabric_latency"], job["fabric_bandwidth"] = _link_model(latency, bandwidth)
+    job["fabric_latency"], job["fabric_bandwidth"] = link_model(latency, bandwidth)
 
 
 def _check_transport(name: str, *, native: bool, disabled: list[str]) -> str:
@@ -153,15 +128,27 @@ def cli() -> None:
 
 
 def main() -> None:
-    """The `ckpt` console script: plugin-declared options are added to launch/restart first."""
+    """The `ckpt` console script: plugin-declared options are added to launch/restart first; every error
+    a user can make is one line on stderr (usage errors exit 2, the others 1)."""
     argv = sys.argv[1:]
-    if argv and argv[0] in ("launch", "restart"):
-        try:
+    try:
+        if argv and argv[0] in ("launch", "restart"):
             _add_plugin_options(argv)
-        except CkptError as exc:
-            click.echo(f"error: {exc}", err=True)
-            sys.exit(1)
-    cli()
+        code = cli.main(args=argv, prog_name="ckpt", standalone_mode=False)
+    except click.UsageError as exc:
+        where = exc.ctx.command_path if exc.ctx is not None else "ckpt"
+        click.echo(f"error: {exc.format_message()} (see: {where} --help)", err=True)
+        sys.exit(exc.exit_code)
+    except click.ClickException as exc:
+        click.echo(f"error: {exc.format_message()}", err=True)
+        sys.exit(exc.exit_code)
+    except click.Abort:
+        click.echo("ckpt: aborted", err=True)
+        sys.exit(1)
+    except CkptError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 _PLUGIN_OPTION = "plugin_option_"
@@ -182,7 +169,8 @@ def _values_of(argv: list[str], flag: str) -> list[str]:
 
 
 def _add_plugin_options(argv: list[str]) -> None:
-    """Turn every plugin's ckpt_add_options() declarations into --NAME options of launch and restart."""
+    """Turn every plugin's ckpt_add_options() declarations into --NAME options of launch and restart
+    (of launch only, for a "launch_only" option: the choice is in the images)."""
     from ckpt.runtime.plugins import PluginHost
 
     host = PluginHost().load(_values_of(argv, "--with-plugin"), _values_of(argv, "--disable-plugin"))
@@ -205,7 +193,8 @@ def _add_plugin_options(argv: list[str]) -> None:
                 **extra,
             )
             launch.params.append(option)
-            restart.params.append(option)
+            if not spec.get("launch_only"):
+                restart.params.append(option)
 
 
 def _plugin_values(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -213,12 +202,26 @@ def _plugin_values(kwargs: dict[str, Any]) -> dict[str, Any]:
     return {k[len(_PLUGIN_OPTION) :]: kwargs.pop(k) for k in list(kwargs) if k.startswith(_PLUGIN_OPTION)}
 
 
-@cli.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+def _configure_logging(level: str) -> None:
+    """The launcher's (and embedded coordinator's) log lines, in the ranks' format."""
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=getattr(logging, level.upper(), logging.WARNING),
+        format="[launcher] %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def _claim(ckpt_dir: Path) -> jobdir.DirectoryClaim:
+    """Take the checkpoint directory before anything else: one live job per directory."""
+    return jobdir.claim(ckpt_dir)
+
+
+@cli.command(context_settings={"allow_interspersed_args": False})
 @click.option("-n", "--ranks", type=click.IntRange(min=1), default=1, show_default=True, help="Number of ranks.")
-@_coordinator_option
+@coordinator_option
 @click.option("--new-coordinator", is_flag=True, help="Start an embedded coordinator even if CKPT_COORDINATOR is set.")
-@_ckpt_dir_option
-@_plugin_options
+@ckpt_dir_option
+@plugin_options
 @_job_options
 @click.option("--native", is_flag=True, help="No plugins, no checkpoint thread: the overhead baseline.")
 @click.argument("program", type=click.Path())
@@ -235,10 +238,18 @@ def launch(
     native: bool,
     **job: Any,
 ) -> None:
-    """Run PROGRAM (a file defining one ckpt.Program) on N ranks, printing each rank's result."""
+    """Run PROGRAM (a file defining one ckpt.Program) on N ranks, printing each rank's result.
+
+    ckpt's options come before PROGRAM; what follows it are the program's own arguments (rt.argv).
+    """
     from ckpt._launcher import JobOptions, external_rank, run_job
     from ckpt.runtime.rank import load_program
 
+    _configure_logging(job["log_level"])
+    ckpt_dir = ckpt_dir.resolve()
+    coordinator = None if new_coordinator else coordinator
+    outside = external_rank()
+    claim = _claim(ckpt_dir) if coordinator is None else None
     load_program(program)  # one clear error here rather than one per rank
     options = _plugin_values(job)
     transport = _check_transport(job.pop("transport") or "simib", native=native, disabled=list(disabled))
@@ -247,16 +258,16 @@ def launch(
         program=str(Path(program).resolve()),
         argv=list(args),
         ranks=ranks,
-        ckpt_dir=ckpt_dir.resolve(),
-        coordinator=None if new_coordinator else coordinator,
-        with_plugins=list(with_plugins),
+        ckpt_dir=ckpt_dir,
+        coordinator=coordinator,
+        with_plugins=list(dict.fromkeys(with_plugins)),
         disabled=list(disabled),
         options=options,
         native=native,
         transport=transport,
+        claim=claim,
         **job,
     )
-    outside = external_rank()
     if outside is not None and opts.coordinator:
         _run_one_rank(opts, *outside)
     sys.exit(run_job(opts))
@@ -283,9 +294,9 @@ def _run_one_rank(opts: JobOptions, rank: int, size: int | None) -> None:
 
 @cli.command()
 @click.argument("target", required=False)
-@_ckpt_dir_option
-@_coordinator_option
-@_plugin_options
+@ckpt_dir_option
+@coordinator_option
+@plugin_options
 @_job_options
 @click.option(
     "--debug",
@@ -302,12 +313,30 @@ def restart(
     debug: int | None,
     **job: Any,
 ) -> None:
-    """Restart the latest checkpoint in the ckpt dir (or TARGET: a manifest or a directory)."""
-    from ckpt._launcher import JobOptions, external_rank, prepare_restart, run_job
+    """Restart the latest checkpoint in the ckpt dir (or TARGET: a manifest or a directory).
 
-    manifest, directory, token = prepare_restart(target, ckpt_dir, os.environ.get("CKPT_TOKEN"))
+    The job runs again with the plugins, plugin options and settings its manifest recorded; options given
+    here override them.
+    """
+    from ckpt._launcher import JobOptions, external_rank, prepare_restart, restart_directory, run_job
+
+    _configure_logging(job["log_level"])
+    directory, manifest_path = restart_directory(target, ckpt_dir)
+    outside = external_rank()
+    claim = _claim(directory) if coordinator is None else None
+    manifest, token = prepare_restart(manifest_path, directory, os.environ.get("CKPT_TOKEN"))
+    with_plugins = tuple(dict.fromkeys([*manifest.get("with_plugins", []), *with_plugins]))
     _check_restart_plugins(manifest, list(with_plugins), list(disabled))
-    options = _plugin_values(job)
+    context = click.get_current_context()
+    given = {name for name in context.params if context.get_parameter_source(name) != ParameterSource.DEFAULT}
+    options = {
+        **manifest.get("options", {}),
+        **{k: v for k, v in _plugin_values(job).items() if _PLUGIN_OPTION + k in given},
+    }
+    for name in _RECORDED_SETTINGS:
+        recorded = manifest.get("settings", {}).get(name)
+        if name not in given and recorded is not None:
+            job[name] = recorded
     transport = _check_transport(
         job.pop("transport") or manifest.get("transport") or "simib", native=False, disabled=list(disabled)
     )
@@ -329,18 +358,13 @@ def restart(
         options=options,
         restart=manifest,
         debug=debug,
+        claim=claim,
         **job,
     )
-    outside = external_rank()
     if outside is not None and opts.coordinator:  # under mpiexec / srun: this process restarts one rank
         if outside[1] is not None and outside[1] != opts.ranks:
             raise CkptError(f"the checkpoint has {opts.ranks} ranks; the launcher started {outside[1]}")
         _run_one_rank(opts, *outside)
-    click.echo(
-        f"ckpt: restarting checkpoint {manifest['number']} of {manifest['program']['name']} "
-        f"({manifest['size']} ranks, generation {manifest['generation'] + 1})",
-        err=True,
-    )
     sys.exit(run_job(opts))
 
 
@@ -364,396 +388,5 @@ def _check_restart_plugins(manifest: dict[str, Any], with_plugins: list[str], di
         click.echo(f"ckpt: warning: {program['path']} changed since checkpoint {manifest['number']}", err=True)
 
 
-def _control(coordinator: str | None, ckpt_dir: Path) -> coord_client.CoordinatorClient:
-    ended = None if coordinator else (coord_client.read_job_file(ckpt_dir) or {}).get("ended")
-    if ended is not None:
-        raise CkptError(f"the job in {ckpt_dir} has ended ({ended['state']}): {ended['message']}")
-    address, token = coord_client.locate(coordinator, ckpt_dir, os.environ.get("CKPT_TOKEN"))
-    return coord_client.control(address, token)
-
-
-@cli.command()
-@click.option("--wait", is_flag=True, help="Block until the checkpoint is written.")
-@click.option("--kill", is_flag=True, help="Kill the job once the checkpoint is written.")
-@_coordinator_option
-@_ckpt_dir_option
-def checkpoint(wait: bool, kill: bool, coordinator: str | None, ckpt_dir: Path) -> None:
-    """Request a checkpoint of the running job."""
-    conn = _control(coordinator, ckpt_dir)
-    answer = conn.call("checkpoint", wait=wait or kill, kill=kill)
-    if "checkpoint" in answer:
-        last = answer["checkpoint"]
-        click.echo(
-            f"checkpoint {last['number']} written: {last['manifest']} "
-            f"({last['bytes']} bytes, {last['seconds']:.2f} s){'; job killed' if kill else ''}"
-        )
-    elif answer.get("queued"):
-        click.echo("checkpoint requested (it starts once every rank has joined the job)")
-    else:
-        click.echo(f"checkpoint {answer['number']} requested")
-    conn.close()
-
-
-@cli.command()
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-@_coordinator_option
-@_ckpt_dir_option
-def status(as_json: bool, coordinator: str | None, ckpt_dir: Path) -> None:
-    """Show the job's ranks, states, generation and last checkpoint."""
-    ended = None if coordinator else (coord_client.read_job_file(ckpt_dir) or {}).get("ended")
-    if ended is not None:
-        state = ended  # the job is over: its coordinator is gone, its final status stays
-    else:
-        conn = _control(coordinator, ckpt_dir)
-        state = conn.call("status")["status"]
-        conn.close()
-    if as_json:
-        click.echo(json.dumps(state, indent=2))
-        return
-    click.echo(
-        f"job {state['job']}  generation {state['generation']}  state {state['state']}"
-        f"{'' if state['unanimous'] else ' (not unanimous)'}  coordinator {state['coordinator']}"
-    )
-    for r in state["ranks"]:
-        click.echo(f"  rank {r['rank']:>3}  {r['state']:<11} step {r['step']:<8} pid {r['pid']:<8} {r['host']}")
-    last = state["last_checkpoint"]
-    if last:
-        click.echo(
-            f"last checkpoint: {last['number']}  {last['manifest']}  {last['bytes']} bytes  {last['seconds']:.2f} s"
-        )
-    else:
-        click.echo("last checkpoint: none")
-    if state["message"]:
-        click.echo(f"last event: {state['message']}")
-
-
-@cli.command()
-@_coordinator_option
-@_ckpt_dir_option
-def kill(coordinator: str | None, ckpt_dir: Path) -> None:
-    """Kill the running job (its checkpoints stay)."""
-    conn = _control(coordinator, ckpt_dir)
-    conn.call("kill", reason="killed on request (ckpt kill)")
-    conn.close()
-    click.echo("job killed")
-
-
-@cli.command("coordinator")
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", type=click.IntRange(0, 65535), default=7779, show_default=True)
-@click.option("--interval", type=click.FloatRange(min=0.01), help="Checkpoint every SECONDS.")
-@click.option("--keep", type=click.IntRange(min=0), default=0, show_default=True)
-@click.option("--phase-timeout", type=float, default=300.0, show_default=True)
-@_ckpt_dir_option
-def coordinator_cmd(
-    host: str, port: int, interval: float | None, keep: int, phase_timeout: float, ckpt_dir: Path
-) -> None:
-    """Run a standalone coordinator in the foreground (for ranks started by mpiexec / srun)."""
-    from ckpt.coordinator.server import Coordinator
-
-    token = os.environ.get("CKPT_TOKEN") or protocol.new_token()
-    server = Coordinator(
-        token=token,
-        ckpt_dir=ckpt_dir,
-        host=host,
-        port=port,
-        interval=interval,
-        keep=keep,
-        phase_timeout=phase_timeout,
-        serve_forever=True,
-    ).start()
-    coord_client.write_job_file(ckpt_dir.resolve(), address=server.address, token=token, job="", pid=os.getpid())
-    click.echo(f"ckpt coordinator listening on {server.address}")
-    click.echo(f"export CKPT_COORDINATOR={server.address} CKPT_TOKEN={token}")
-
-    def on_signal(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_signal)
-    try:
-        threading.Event().wait()
-    except KeyboardInterrupt:
-        click.echo("ckpt coordinator: stopping", err=True)
-    finally:
-        server.stop()
-
-
-# ----------------------------------------------------------- the simulated fabric
-_FABRIC_START_TIMEOUT = 30.0
-
-
-def _fabric_dir_option(f: Any) -> Any:
-    return click.option(
-        "--dir",
-        "--ckpt-dir",
-        "directory",
-        type=click.Path(file_okay=False, path_type=Path),
-        default=lambda: os.environ.get("CKPT_DIR", "ckpt"),
-        show_default="$CKPT_DIR or ./ckpt",
-        help="Directory of the fabric's fabric.json.",
-    )(f)
-
-
-def _fabric_locating_options(f: Any) -> Any:
-    f = _fabric_dir_option(f)
-    return click.option(
-        "--fabric", "address", metavar="HOST:PORT", help="A running fabric (token from $CKPT_FABRIC_TOKEN)."
-    )(f)
-
-
-def _fabric_client(address: str | None, directory: Path) -> Any:
-    """A connection to the fabric named by --fabric, else by DIR/fabric.json, else by $CKPT_FABRIC."""
-    from ckpt.verbs import fabric
-
-    if address is None and fabric.read_fabric_file(directory) is None:
-        address = os.environ.get(fabric.ENV_ADDRESS) or None
-    return fabric.FabricClient(*fabric.locate(address, directory))
-
-
-@cli.group("fabric")
-def fabric_group() -> None:
-    """The simulated InfiniBand fabric: its subnet manager, LIDs, link states and fault injection."""
-
-
-@fabric_group.command("start")
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address the subnet manager binds to.")
-@click.option("--port", type=click.IntRange(0, 65535), default=0, help="Subnet manager port (0 = any free).")
-@_fabric_dir_option
-@click.option("--fabric-latency", "latency", default="0", show_default=True, metavar="TIME", help="e.g. 2us.")
-@click.option("--fabric-bandwidth", "bandwidth", default="0", show_default=True, metavar="RATE", help="e.g. 4GB/s.")
-@click.option("--foreground", is_flag=True, help="Serve in this process until SIGTERM / SIGINT / `fabric stop`.")
-def fabric_start(host: str, port: int, directory: Path, latency: str, bandwidth: str, foreground: bool) -> None:
-    """Start a subnet manager in the background; print its CKPT_FABRIC / CKPT_FABRIC_TOKEN."""
-    import subprocess
-
-    from ckpt.verbs import fabric
-
-    model = fabric.LinkModel(*_link_model(latency, bandwidth))
-    directory = directory.resolve()
-    running = fabric.running_fabric(directory)
-    if running is not None:
-        raise CkptError(
-            f"a fabric is already running at {running['address']} ({directory / fabric.FABRIC_FILE}); "
-            f"stop it first: ckpt fabric stop --dir {directory}"
-        )
-    if foreground:
-        _serve_fabric(fabric.SubnetManager(host, port, link_model=model), directory)
-        return
-    directory.mkdir(parents=True, exist_ok=True)
-    log_path = directory / "fabric.log"
-    command = [sys.executable, "-P", "-m", "ckpt", "fabric", "start", "--foreground", "--host", host]
-    command += ["--port", str(port), "--dir", str(directory), "--fabric-latency", latency]
-    command += ["--fabric-bandwidth", bandwidth]
-    with open(log_path, "ab") as log_file:
-        child = subprocess.Popen(
-            command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log_file, start_new_session=True
-        )
-    record = _wait_for_fabric(child, directory, log_path)
-    click.echo(f"{fabric.ENV_ADDRESS}={record['address']}")
-    click.echo(f"{fabric.ENV_TOKEN}={record['token']}")
-    click.echo(
-        f"ckpt fabric: subnet manager of fabric {record['fabric']} running at {record['address']} "
-        f"(pid {child.pid}); stop it with: ckpt fabric stop --dir {directory}",
-        err=True,
-    )
-
-
-def _wait_for_fabric(child: Any, directory: Path, log_path: Path) -> dict[str, Any]:
-    """Poll until the background subnet manager has written its fabric.json (or has died saying why)."""
-    import time
-
-    from ckpt.verbs import fabric
-
-    deadline = time.monotonic() + _FABRIC_START_TIMEOUT
-    while True:
-        record = fabric.read_fabric_file(directory)
-        if record is not None and record.get("pid") == child.pid:
-            return record
-        if child.poll() is not None:
-            lines = [line for line in log_path.read_text(errors="replace").splitlines() if line.startswith("error: ")]
-            reason = (
-                lines[-1][len("error: ") :] if lines else f"it exited with status {child.returncode}; see {log_path}"
-            )
-            raise CkptError(reason)
-        if time.monotonic() > deadline:
-            child.kill()
-            child.wait()
-            raise CkptError(f"the subnet manager did not start within {_FABRIC_START_TIMEOUT:g} s; see {log_path}")
-        time.sleep(0.02)  # the polling interval of a condition wait
-
-
-def _serve_fabric(sm: Any, directory: Path) -> None:
-    from ckpt.verbs import fabric
-
-    sm.start()
-    fabric.write_fabric_file(directory, sm)
-    click.echo(f"{fabric.ENV_ADDRESS}={sm.address}")
-    click.echo(f"{fabric.ENV_TOKEN}={sm.token}")
-
-    def on_signal(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_signal)
-    try:
-        sm.wait()
-    except KeyboardInterrupt:
-        click.echo("ckpt fabric: stopping", err=True)
-    finally:
-        sm.stop()
-        fabric.remove_fabric_file(directory, sm.address)
-
-
-@fabric_group.command("status")
-@_fabric_locating_options
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def fabric_status(address: str | None, directory: Path, as_json: bool) -> None:
-    """Show the fabric's HCAs, their LIDs and link states, the link model and statistics."""
-    with _fabric_client(address, directory) as client:
-        state = client.status()
-    if as_json:
-        click.echo(json.dumps(state, indent=2))
-        return
-    click.echo(
-        f"fabric {state['fabric']} at {state['address']}  SM LID {state['sm_lid']}  "
-        f"latency {_human_latency(state['latency'])}  bandwidth {_human_bandwidth(state['bandwidth'])}"
-    )
-    stats = state["statistics"]
-    click.echo(
-        f"statistics: {stats['hcas_registered']} HCA(s) registered ({stats['hcas_present']} present, "
-        f"{stats['hcas_lost']} lost), {stats['resolves']} resolves, "
-        f"{stats['links_failed']} link failure(s) injected, {stats['links_restored']} restored"
-    )
-    if not state["hcas"]:
-        click.echo("no HCAs registered")
-    for hca in state["hcas"]:
-        click.echo(f"  {hca['name']}  pid {hca['pid']}  host {hca['host']}  endpoint {hca['endpoint']}")
-        for port in hca["ports"]:
-            click.echo(f"    port {port['port']}  LID {port['lid']:<6} {'up' if port['up'] else 'DOWN'}")
-
-
-def _human_latency(seconds: float) -> str:
-    if seconds == 0:
-        return "0"
-    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
-        if seconds >= scale:
-            return f"{seconds / scale:g}{unit}"
-    return f"{seconds / 1e-9:g}ns"
-
-
-def _human_bandwidth(rate: float) -> str:
-    if rate == 0:
-        return "unlimited"
-    for unit, scale in (("TB/s", 1e12), ("GB/s", 1e9), ("MB/s", 1e6), ("KB/s", 1e3)):
-        if rate >= scale:
-            return f"{rate / scale:g}{unit}"
-    return f"{rate:g}B/s"
-
-
-def _lid(text: str) -> int:
-    try:
-        return int(text, 0)
-    except ValueError:
-        raise CkptError(f"bad LID {text!r}: expected a number (decimal, or hex with 0x)") from None
-
-
-@fabric_group.command("fail-link")
-@click.argument("lid")
-@_fabric_locating_options
-def fabric_fail_link(lid: str, address: str | None, directory: Path) -> None:
-    """Take the link of port LID down (every HCA is told, as when a cable is pulled)."""
-    number = _lid(lid)
-    with _fabric_client(address, directory) as client:
-        client.fail_link(number)
-    click.echo(f"link of LID {number} is down")
-
-
-@fabric_group.command("restore-link")
-@click.argument("lid")
-@_fabric_locating_options
-def fabric_restore_link(lid: str, address: str | None, directory: Path) -> None:
-    """Bring the link of port LID back up."""
-    number = _lid(lid)
-    with _fabric_client(address, directory) as client:
-        client.restore_link(number)
-    click.echo(f"link of LID {number} is up")
-
-
-@fabric_group.command("stop")
-@_fabric_locating_options
-def fabric_stop(address: str | None, directory: Path) -> None:
-    """Stop the fabric's subnet manager and remove its fabric.json."""
-    from ckpt.verbs import fabric
-
-    try:
-        client = _fabric_client(address, directory)
-    except fabric.FabricError as exc:
-        record = None if address else fabric.read_fabric_file(directory)
-        if record is None or _process_exists(record.get("pid")):
-            raise
-        (directory / fabric.FABRIC_FILE).unlink(missing_ok=True)
-        raise CkptError(f"{exc} (its process is gone: removed the stale {directory / fabric.FABRIC_FILE})") from None
-    with client:
-        client.stop()
-    fabric.remove_fabric_file(directory, client.address)
-    click.echo(f"fabric {client.fabric} at {client.address} stopped")
-
-
-def _process_exists(pid: object) -> bool:
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-@cli.command()
-@_plugin_options
-@click.option("--json", "as_json", is_flag=True)
-def plugins(with_plugins: tuple[str, ...], disabled: tuple[str, ...], as_json: bool) -> None:
-    """List the installed plugins, their versions and the hooks they implement."""
-    from ckpt.runtime.hookspecs import CKPT_PLUGIN_API
-    from ckpt.runtime.plugins import PluginHost
-
-    host = PluginHost().load(list(with_plugins), list(disabled))
-    if as_json:
-        click.echo(json.dumps([vars(p) | {"hooks": list(p.hooks)} for p in host.plugins], indent=2))
-        return
-    click.echo(f"plugin API {CKPT_PLUGIN_API}; {len(host.plugins)} plugin(s)")
-    for p in host.plugins:
-        click.echo(f"  {p.name} {p.version}  ({p.module}, {p.source}, order {p.order})")
-        click.echo(f"      hooks: {', '.join(p.hooks) or 'none'}")
-
-
-@cli.command()
-@click.argument("image", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--json", "as_json", is_flag=True)
-def inspect(image: Path, as_json: bool) -> None:
-    """Show an image's header, sizes, checksum and largest objects (exit 1 if it is damaged)."""
-    from ckpt.runtime.images import inspect_image
-
-    report = inspect_image(image)
-    if as_json:
-        click.echo(json.dumps(report, indent=2, default=str))
-    else:
-        _print_report(report)
-    if not report.get("ok", True):
-        raise CkptError(f"image {image} is damaged: {report.get('problem')}")
-
-
-def _print_report(report: dict[str, Any]) -> None:
-    for key, value in report.items():
-        if key == "objects":
-            click.echo("largest objects:")
-            for obj in value:
-                click.echo(f"  {obj['bytes']:>14,}  {obj['type']:<28} {obj['path']}")
-        elif key == "header" and isinstance(value, dict):
-            click.echo("header:")
-            for k, v in value.items():
-                if k != "objects":
-                    click.echo(f"  {k}: {v}")
-        else:
-            click.echo(f"{key}: {value}")
+for _command in (checkpoint, status, kill, coordinator_cmd, fabric_group, plugins, inspect):
+    cli.add_command(_command)

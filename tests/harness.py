@@ -43,10 +43,11 @@ def run(
     extra_env: dict[str, str] | None = None,
     cwd: Path | None = None,
     stdin: str | None = None,
+    prefix: list[str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """Run one ckpt command to completion (with `stdin` as its input, if given)."""
+    """Run one ckpt command to completion (with `stdin` as its input, if given; under `prefix`, e.g. setpriv)."""
     return subprocess.run(
-        [*CKPT, *args],
+        [*(prefix or []), *CKPT, *args],
         input=stdin,
         text=True,
         capture_output=True,

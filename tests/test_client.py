@@ -200,8 +200,8 @@ def test_status_shape(coordinator: Coordinator, ranks: Callable[..., list[Coordi
     assert st["unanimous"] is True
     assert st["last_checkpoint"] is None
     assert st["ranks"] == [
-        {"rank": 0, "state": "running", "step": 0, "host": "h", "pid": 1000},
-        {"rank": 1, "state": "running", "step": 0, "host": "h", "pid": 1001},
+        {"rank": 0, "state": "running", "step": 0, "host": "h", "pid": 1000, "incarnation": 0},
+        {"rank": 1, "state": "running", "step": 0, "host": "h", "pid": 1001, "incarnation": 0},
     ]
 
 
@@ -797,6 +797,36 @@ def test_a_collective_a_finished_rank_never_enters_fails(
             waiting.result(WAIT)
 
 
+def test_collectives_out_of_step_fail_instead_of_hanging(
+    coordinator: Coordinator, ranks: Callable[..., list[CoordinatorClient]]
+) -> None:
+    """Ranks restarted from images of different moments wait in different collectives: none can complete."""
+    r0, r1, r2 = ranks(3)
+    with ThreadPoolExecutor(3) as pool:
+        futures = [
+            pool.submit(_collective, r0, 7, "allgather", 40, "a"),
+            pool.submit(_collective, r1, 7, "allgather", 40, "b"),
+        ]
+        wait_until(lambda: [r["step"] for r in status(coordinator)["ranks"]] == [40, 40, 0])
+        assert not any(f.done() for f in futures)  # rank 2 may still come: not out of step yet
+        futures.append(pool.submit(_collective, r2, 9, "allgather", 42, "c"))
+        for future in futures:
+            with pytest.raises(CoordinatorError, match="collectives out of step, none can complete") as info:
+                future.result(WAIT)
+    assert "rank 0 in allgather #7 (step 40)" in str(info.value) and "rank 2 in allgather #9 (step 42)" in str(
+        info.value
+    )
+
+
+def test_status_names_the_job_before_any_rank_joins(tmp_path: Path) -> None:
+    coord = Coordinator(token=TOKEN, ckpt_dir=tmp_path, job_id="feedface0001").start()
+    try:
+        state = status(coord)
+        assert state["job"] == "feedface0001" and state["state"] == "waiting" and state["ranks"] == []
+    finally:
+        coord.stop()
+
+
 # ----------------------------------------------------------------- named barriers
 def test_named_barrier_gathers_values(ranks: Callable[..., list[CoordinatorClient]]) -> None:
     clients = ranks(3)
@@ -859,7 +889,7 @@ def test_a_rank_closing_its_socket_fails_the_job_naming_it(
     assert "rank 1" in reasons[0]
     st = status(coordinator)
     assert st["state"] == "failed"
-    assert [r["state"] for r in st["ranks"]] == ["running", "lost", "running"]
+    assert [r["state"] for r in st["ranks"]] == ["killed", "failed", "killed"]
 
 
 def test_a_lost_rank_ends_the_job_and_refuses_late_joiners(

@@ -16,13 +16,15 @@ from harness import EXAMPLES, PROGRAMS, Job, results, run
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
 HEAT = [str(EXAMPLES / "heat.py"), "300", "500", "2"]
+#: what launch / restart say at start (job id, directory, how to checkpoint it): not an error line
+BANNER = ("ckpt: job ", "ckpt: checkpoint it with")
 
 
 def _one_error_line(done: object, *needles: str) -> str:
     returncode, stderr = done.returncode, done.stderr  # type: ignore[attr-defined]
     assert returncode != 0
     assert "Traceback" not in stderr, stderr
-    lines = [line for line in stderr.strip().splitlines() if not line.startswith("ckpt: restarting")]
+    lines = [line for line in stderr.strip().splitlines() if not line.startswith(BANNER)]
     assert len(lines) == 1, stderr
     (line,) = lines
     assert line.startswith("error: "), line
@@ -204,7 +206,12 @@ def test_inspect_shows_header_sizes_checksum_and_objects_and_flags_damage(ckpt_c
     data[len(data) // 2] ^= 0xFF
     image.write_bytes(bytes(data))
     _one_error_line(run("inspect", str(image)), "damaged")
-    _one_error_line(run("inspect", str(ckpt_copy / "ckpt_heat_1.json")), "not a ckpt image")
+    manifest = run("inspect", str(ckpt_copy / "ckpt_heat_1.json"))
+    assert "manifest of checkpoint 1 of heat" in manifest.stdout and "authentic: yes" in manifest.stdout
+    assert "rank   1  ckpt_heat_1_1.ckpt" in manifest.stdout and " ok" in manifest.stdout
+    _one_error_line(manifest, "ckpt_heat_0_1.ckpt", "damaged")
+    (ckpt_copy / "notes.txt").write_text("hello")
+    _one_error_line(run("inspect", str(ckpt_copy / "notes.txt")), "neither a ckpt image nor a ckpt manifest")
 
 
 def test_a_changed_program_restarts_with_a_warning(start_job: Callable[..., Job], tmp_path: Path) -> None:

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
+import pty
+import struct
+import subprocess
+import termios
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from harness import EXAMPLES, PROGRAMS, Job, results, run, wait_for
+from harness import CKPT, EXAMPLES, PROGRAMS, Job, env, results, run, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -181,7 +187,34 @@ def test_restart_shows_a_progress_bar_for_large_images(start_job: Callable[..., 
     again = start_job("restart", "--ckpt-dir", str(ckpt_dir))
     assert again.wait() == 0, again.stderr
     assert results(again.stdout) == results(plain.stdout)
-    assert "loading images" in again.stderr and "100%" in again.stderr, again.stderr
+    # stderr is a file here: no bar, and no carriage-return updates written into it
+    assert "loading images" not in again.stderr and "\r" not in again.stderr, again.stderr
+    # on a terminal the same restart (checkpoint 1 again) shows the bar to its end
+    on_terminal = _stderr_on_a_terminal(["restart", str(ckpt_dir / "ckpt_heat_1.json")])
+    assert on_terminal.returncode == 0 and results(on_terminal.stdout) == results(plain.stdout)
+    assert "loading images" in on_terminal.stderr and "100%" in on_terminal.stderr, on_terminal.stderr
+
+
+def _stderr_on_a_terminal(args: list[str]) -> subprocess.CompletedProcess[str]:
+    """Run `ckpt ARGS` with its stderr on a pseudo-terminal (stdout captured as usual)."""
+    main, secondary = pty.openpty()
+    fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a bar needs a width
+    try:
+        process = subprocess.Popen([*CKPT, *args], stdout=subprocess.PIPE, stderr=secondary, text=True, env=env())
+        os.close(secondary)
+        chunks = []
+        while True:
+            try:
+                chunk = os.read(main, 65536)
+            except OSError:  # EIO: every writer of the terminal has closed it
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        stdout, _ = process.communicate(timeout=120)
+    finally:
+        os.close(main)
+    return subprocess.CompletedProcess(args, process.returncode, stdout, b"".join(chunks).decode(errors="replace"))
 
 
 def test_a_phase_that_takes_too_long_aborts_the_checkpoint(start_job: Callable[..., Job], tmp_path: Path) -> None:

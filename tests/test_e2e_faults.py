@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from ckpt import _jobdir as jobdir
 from harness import PROGRAMS, Job, results, run, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
@@ -64,7 +65,7 @@ def _assert_failed_and_restartable(
     state = json.loads(status.stdout)
     assert state["state"] == "failed" and f"rank {lost}" in state["message"]
     assert state["last_checkpoint"]["number"] == 1
-    assert any(r["state"] == "lost" for r in state["ranks"])
+    assert [r["state"] for r in state["ranks"]].count("failed") == 1  # the lost one; the others were killed
     again = start_job("restart", "--ckpt-dir", str(ckpt_dir), *plugins)  # the same plugins, unarmed now
     assert again.wait() == 0, again.stderr
     assert results(again.stdout) == expected
@@ -124,3 +125,47 @@ def test_a_failing_plugin_aborts_the_checkpoint_and_the_job_goes_on(
     assert job.wait() == 0, job.stderr
     assert results(job.stdout) == expected
     assert not list(ckpt_dir.glob("*ckpt_counter_*_2.ckpt*")) and not (ckpt_dir / "ckpt_counter_2.json").exists()
+
+
+def test_a_rank_lost_in_resume_after_the_commit_leaves_that_checkpoint_the_latest(
+    start_job: Callable[..., Job], tmp_path: Path, expected: dict[int, str]
+) -> None:
+    ckpt_dir = tmp_path / "ckpt"
+    job = _launch_with_faults(start_job, ckpt_dir, {"CKPT_TEST_FAULT": "resume:1:2"})
+    _first_checkpoint(job, ckpt_dir)
+    second = run("checkpoint", "--wait", "--ckpt-dir", str(ckpt_dir))
+    # the manifest was written before rank 1 died: --wait reports it written, not aborted
+    assert second.returncode == 0, second.stderr
+    assert "checkpoint 2 written" in second.stdout
+    assert job.wait() == 1
+    assert "rank 1" in job.stderr and "the latest checkpoint is 2" in job.stderr, job.stderr
+    assert (ckpt_dir / "latest").read_text().strip() == "ckpt_counter_2.json"
+    assert len(list(ckpt_dir.glob("ckpt_counter_*_2.ckpt"))) == 3
+    again = start_job("restart", "--ckpt-dir", str(ckpt_dir))
+    assert again.wait() == 0, again.stderr
+    assert results(again.stdout) == expected
+
+
+def test_the_coordinator_killed_mid_checkpoint_leaves_nothing_the_next_restart_keeps(
+    start_job: Callable[..., Job], tmp_path: Path, expected: dict[int, str]
+) -> None:
+    ckpt_dir = tmp_path / "ckpt"
+    gate = tmp_path / "gate"
+    job = _launch_with_faults(start_job, ckpt_dir, {"CKPT_TEST_FAULT": "gate:0:2", "CKPT_TEST_GATE": str(gate)})
+    _first_checkpoint(job, ckpt_dir)
+    second = start_job("checkpoint", "--wait", "--ckpt-dir", str(ckpt_dir))
+    wait_for((ckpt_dir / "ckpt_counter_2_2.ckpt").exists, 60, "rank 2's image of checkpoint 2")
+    assert job.process is not None
+    os.kill(job.process.pid, signal.SIGKILL)  # the launcher and its embedded coordinator (and fabric)
+    second.wait()
+    wait_for(lambda: jobdir.owner(ckpt_dir) is None, 30, "the killed launcher's claim on the directory to go")
+    gate.touch()
+    assert list(ckpt_dir.glob("ckpt_counter_*_2.ckpt")), "the test needs images of the unfinished checkpoint"
+    gone = run("status", "--ckpt-dir", str(ckpt_dir))
+    assert gone.returncode == 1 and "exited without recording an end" in gone.stderr, gone.stderr
+    assert "ckpt_counter_1.json" in gone.stderr
+    again = start_job("restart", "--ckpt-dir", str(ckpt_dir))
+    assert again.wait() == 0, again.stderr
+    assert results(again.stdout) == expected
+    assert not list(ckpt_dir.glob("ckpt_counter_*_2.ckpt*")), "the uncommitted images of checkpoint 2 are still there"
+    assert not list(ckpt_dir.glob("*.tmp"))

@@ -206,3 +206,38 @@ def test_remove_unreferenced(tmp_path: Path) -> None:
     assert sorted(p.name for p in deleted) == sorted(leftovers)
     assert (tmp_path / image_name("heat", 0, 12)).exists()
     assert (tmp_path / image_name("heat", 0, 1)).exists()
+
+
+def test_a_latest_pointer_that_cannot_be_written_takes_the_manifest_back(tmp_path: Path) -> None:
+    checkpoint(tmp_path, 1)
+    (tmp_path / "latest.tmp").mkdir()  # what a full disk does to the pointer, reproducibly
+    with pytest.raises(ImageError, match=r"cannot update .*latest"):
+        checkpoint(tmp_path, 2)
+    assert not (tmp_path / manifest_name("heat", 2)).exists(), "a manifest latest does not name was left behind"
+    assert latest_manifest(tmp_path).name == manifest_name("heat", 1)
+    # --keep counts only committed checkpoints: checkpoint 1 survives the next one's prune
+    (tmp_path / "latest.tmp").rmdir()
+    checkpoint(tmp_path, 3)
+    prune(tmp_path, "heat", 2)
+    assert sorted(p.name for p in tmp_path.glob("*.json")) == [manifest_name("heat", 1), manifest_name("heat", 3)]
+
+
+def test_prune_does_not_count_a_manifest_whose_images_are_gone(tmp_path: Path) -> None:
+    for number in (1, 2, 3):
+        checkpoint(tmp_path, number)
+    for rank in (0, 1):
+        (tmp_path / image_name("heat", rank, 3)).unlink()  # not restartable: it does not count
+    prune(tmp_path, "heat", 2)
+    assert (tmp_path / manifest_name("heat", 1)).exists() and (tmp_path / manifest_name("heat", 2)).exists()
+
+
+def test_manifests_and_latest_are_private(tmp_path: Path) -> None:
+    path = checkpoint(tmp_path, 1)
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert (tmp_path / LATEST).stat().st_mode & 0o777 == 0o600
+
+
+def test_a_garbage_latest_is_one_clear_line(tmp_path: Path) -> None:
+    (tmp_path / LATEST).write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(ImageError, match=r"latest is damaged \(it does not name a manifest\)"):
+        latest_manifest(tmp_path)

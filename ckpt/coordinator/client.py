@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import json
-import os
 import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ckpt._errors import CoordinatorError, ProtocolError
+from ckpt._jobdir import JOB_FILE, read_job_file
 from ckpt.coordinator import protocol
-
-JOB_FILE = "coordinator.json"
 
 
 class CoordinatorClient:
@@ -89,40 +86,6 @@ def _parse(address: str) -> tuple[str, int]:
 
 
 # ----------------------------------------------------------- finding a job
-def write_job_file(
-    ckpt_dir: Path, *, address: str, token: str, job: str, pid: int, ended: dict[str, Any] | None = None
-) -> Path:
-    """Record where the job's coordinator is, so later commands find it without flags (mode 0600).
-
-    When the job has ended, `ended` is its final status, which `ckpt status` shows from then on.
-    """
-    ckpt_dir.mkdir(parents=True, exist_ok=True)
-    path = ckpt_dir / JOB_FILE
-    tmp = path.with_suffix(".json.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        record: dict[str, Any] = {"address": address, "token": token, "job": job, "pid": pid}
-        if ended is not None:
-            record["ended"] = ended
-        json.dump(record, f)
-        f.write("\n")
-    os.replace(tmp, path)
-    return path
-
-
-def read_job_file(ckpt_dir: Path) -> dict[str, Any] | None:
-    path = ckpt_dir / JOB_FILE
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as exc:
-        raise CoordinatorError(f"{path} is unreadable: {exc}") from None
-    if not isinstance(data, dict) or not {"address", "token"} <= data.keys():
-        raise CoordinatorError(f"{path} is not a ckpt coordinator file")
-    return data
-
-
 def locate(coordinator: str | None, ckpt_dir: Path, token: str | None) -> tuple[str, str]:
     """(address, token) of the job: --coordinator / CKPT_COORDINATOR, else the ckpt dir's job file."""
     job = read_job_file(ckpt_dir)

@@ -39,7 +39,9 @@ from ckpt.runtime import manifest as manifests
 
 log = logging.getLogger(__name__)
 
-#: Rank states in the order `ckpt status` takes the minimum over.
+#: Rank states of a live job, in the order `ckpt status` takes the minimum over.  A rank that is lost
+#: is "failed"; when the job ends, ranks that had not finished are "killed" (by a request, or because
+#: another rank failed).  The job's own state is also "waiting" (ranks still joining) or its end.
 STATES = ("running", "presuspend", "drain", "checkpoint", "resume", "restart", "refresh", "finished")
 _PHASE_STATE = {
     "reach": "presuspend",
@@ -94,6 +96,7 @@ class JobSettings:
     keep: int = 0
     phase_timeout: float = 300.0
     address: str = ""
+    job_id: str = ""  # known before any rank joins when a launcher runs the coordinator
 
 
 class Job:
@@ -104,11 +107,14 @@ class Job:
         self._push = push
         self._scheduler = scheduler
         self.kv = KeyValueStore()
-        self.job_id = ""
+        self.job_id = settings.job_id
         self.size = 0
         self.generation = 0
         self.program: dict[str, Any] = {}
         self.argv: list[str] = []
+        #: what a restart reuses unless told otherwise: --with-plugin modules, plugin option values
+        self.with_plugins: list[str] = []
+        self.options: dict[str, Any] = {}
         self.transport = "simib"
         self.native = False
         self.restarting = False
@@ -178,6 +184,8 @@ class Job:
         self.size = int(hello["size"])
         self.program = dict(hello.get("program", {}))
         self.argv = list(hello.get("argv", []))
+        self.with_plugins = [str(m) for m in hello.get("with_plugins", [])]
+        self.options = dict(hello.get("options", {}))
         self.transport = str(hello.get("transport", "simib"))
         self.native = bool(hello.get("native", False))
         restart = hello.get("restart")
@@ -188,8 +196,10 @@ class Job:
             self.generation = int(restart["generation"]) + 1
             self.kv.id_counters = {str(k): int(v) for k, v in restart.get("id_counters", {}).items()}
             self._next_number = int(restart["number"]) + 1
+            self.last_checkpoint = restart.get("last_checkpoint")
         else:
-            self.job_id = str(hello.get("job") or uuid.uuid4().hex[:12])
+            self.job_id = str(hello.get("job") or self.job_id or uuid.uuid4().hex[:12])
+        log.info("job %s: %d ranks of %s", self.job_id, self.size, self.program.get("name"))
         name = str(self.program.get("name", "program"))
         self._next_number = max(self._next_number, manifests.next_number(self.settings.ckpt_dir, name))
         self.kv.new_generation(self.generation)
@@ -207,10 +217,10 @@ class Job:
         info.connected = False
         if self.outcome is not None:
             return  # the job already ended; ranks leaving is expected
+        info.state = "failed"
         where = f"during checkpoint {self._ckpt.number} ({self._ckpt.stage})" if self._ckpt else f"at step {info.step}"
         reason = f"rank {rank} (pid {info.pid} on {info.host}) was lost {where}"
-        if self._ckpt is not None:
-            self._abort(reason)
+        self._end_checkpoint(reason)
         latest = self.last_checkpoint["number"] if self.last_checkpoint else None
         tail = f"; the latest checkpoint is {latest}" if latest else "; there is no checkpoint to restart from"
         self.fail(reason + tail)
@@ -218,8 +228,7 @@ class Job:
     def fail(self, message: str) -> None:
         if self.outcome is not None:
             return
-        if self._ckpt is not None:
-            self._abort(message)
+        self._end_checkpoint(message)
         self.message = message
         self._end({"status": "failed", "message": message})
         for rank in self._live():
@@ -228,21 +237,43 @@ class Job:
     def kill(self, reason: str, *, push: bool = True) -> None:
         if self.outcome is not None:
             return
-        if self._ckpt is not None:
-            self._abort(reason)
+        self._end_checkpoint(reason)
         self.message = reason
         self._end({"status": "killed", "message": reason})
         for rank in self._live() if push else ():
             self._push(rank, {"op": "kill", "reason": reason})
 
+    def _end_checkpoint(self, reason: str) -> None:
+        """The job ends with a checkpoint in progress: abort it, unless its manifest is already written."""
+        ckpt = self._ckpt
+        if ckpt is None:
+            return
+        if ckpt.manifest is None:
+            self._abort(reason)
+            return
+        # Committed (a rank died in RESUME, say): it is the latest checkpoint, and its waiters hear so.
+        self._ckpt = None
+        if ckpt.timer:
+            ckpt.timer.cancel()
+        for waiter in ckpt.waiters:
+            waiter({"checkpoint": self.last_checkpoint})
+        ckpt.waiters = []
+
     def _end(self, outcome: dict[str, Any]) -> None:
         outcome["results"] = {r: info.result for r, info in sorted(self.ranks.items())}
         outcome["last_checkpoint"] = self.last_checkpoint
         self.outcome = outcome
+        status = outcome["status"]
+        for info in self.ranks.values():
+            if status == "finished" or (info.finished and info.state == "finished"):
+                info.state = "finished"
+            elif info.state != "failed":
+                info.state = "killed"  # by a kill request, or by the coordinator because the job failed
         if self._interval_timer:
             self._interval_timer.cancel()
         for waiter in self._take_waiters():
-            waiter({"error": f"job ended ({outcome['status']}) before the checkpoint completed"})
+            waiter({"error": f"job ended ({status}) before the checkpoint completed"})
+        log.info("job %s ended (%s): %s", self.job_id, status, outcome["message"])
         self.on_end()
 
     def finished(self, rank: int, result: str | None, step: int) -> None:
@@ -281,6 +312,25 @@ class Job:
             return
         self._fail_hopeless_collectives()
         self._check_stuck()
+        self._fail_deadlocked_collectives()
+
+    def _fail_deadlocked_collectives(self) -> None:
+        """Every rank that could still enter a collective waits in one, and none has every rank: none ever will.
+
+        A collective completes as soon as every rank has entered it (matched by per-rank sequence number), so
+        in a sound job all waiting ranks wait in the same one.  Ranks in different ones have images of
+        different moments (or a program whose ranks call collectives a different number of times).
+        """
+        if self._ckpt is not None or not self.all_joined():
+            return  # parked ranks are _check_stuck's business
+        waiting = {r: (seq, a) for seq, arrivals in self._collectives.items() for r, a in arrivals.items()}
+        active = [r for r, info in self.ranks.items() if info.connected and not info.finished]
+        if not active or any(r not in waiting for r in active):
+            return
+        detail = ", ".join(f"rank {r} in {a.kind} #{seq} (step {a.step})" for r, (seq, a) in sorted(waiting.items()))
+        message = f"collectives out of step, none can complete: {detail}"
+        for seq in list(self._collectives):
+            self._fail_collective(seq, message)
 
     def _fail_collective(self, seq: int, message: str) -> None:
         for arrival in self._collectives.pop(seq, {}).values():
@@ -555,6 +605,13 @@ class Job:
             "seconds": seconds,
             "transport": self.transport,
             "plugins": self.ranks[0].plugins if self.ranks else [],
+            "with_plugins": self.with_plugins,
+            "options": self.options,
+            "settings": {
+                "interval": self.settings.interval,
+                "keep": self.settings.keep,
+                "phase_timeout": self.settings.phase_timeout,
+            },
             "coordinator": self.settings.address,
             "id_counters": dict(self.kv.id_counters),
             "ranks": ranks,
@@ -601,19 +658,24 @@ class Job:
         ranks = [
             {
                 "rank": r,
-                "state": info.state if info.connected else "lost",
+                "state": info.state,
                 "step": info.step,
                 "host": info.host,
                 "pid": info.pid,
+                "incarnation": 0,
             }
             for r, info in sorted(self.ranks.items())
         ]
         states = [r["state"] for r in ranks]
-        known = [s for s in states if s in STATES]
-        state = min(known, key=STATES.index) if known else ("lost" if states else "waiting")
-        max_state = max(known, key=STATES.index) if known else state
+        live = [s for s in states if s in STATES]
         if self.outcome is not None:
-            state = self.outcome["status"]
+            state = max_state = str(self.outcome["status"])
+        elif not self.all_joined():
+            state = "waiting"
+            max_state = max(live, key=STATES.index) if live else state
+        else:
+            state = min(live, key=STATES.index) if live else "failed"
+            max_state = max(live, key=STATES.index) if live else state
         return {
             "job": self.job_id,
             "generation": self.generation,

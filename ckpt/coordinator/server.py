@@ -91,6 +91,7 @@ class Coordinator:
         keep: int = 0,
         phase_timeout: float = 300.0,
         serve_forever: bool = False,
+        job_id: str = "",
     ) -> None:
         self._lock = threading.RLock()
         self._token = token
@@ -106,6 +107,7 @@ class Coordinator:
             keep=keep,
             phase_timeout=phase_timeout,
             address=self.address,
+            job_id=job_id,
         )
         self._scheduler = Scheduler(self._lock)
         self._kv_timer: Timer | None = None
@@ -148,6 +150,11 @@ class Coordinator:
         """End the job as failed (the launcher saw a rank process die before it joined)."""
         with self._lock:
             self.job.fail(message)
+
+    def kill(self, reason: str) -> None:
+        """End the job as killed (the launcher was interrupted): the ranks are told to exit."""
+        with self._lock:
+            self.job.kill(reason)
 
     def remove_aborted_images(self) -> None:
         """Delete what aborted checkpoints left behind (call once no rank can write any more)."""

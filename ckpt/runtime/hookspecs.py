@@ -56,6 +56,10 @@ def ckpt_add_options() -> list[dict[str, Any]]:
     dicts ``{"name": "log-home", "help": "...", "default": None, "type": "int"|"float"|"str"|"flag"}``
     (a ``"choices": [...]`` list restricts a value to those words); each becomes
     ``--NAME`` and its value reaches every rank as ``rt.options["log_home"]``.
+    The values a job was launched with are recorded in its manifests, and a restart
+    reuses them unless its command line gives the option again.  ``"launch_only": True``
+    marks an option a restart cannot change (the choice is in the images): only
+    ``ckpt launch`` offers it.
     """
     raise NotImplementedError
 
@@ -64,8 +68,11 @@ def ckpt_add_options() -> list[dict[str, Any]]:
 def ckpt_init(rt: Runtime) -> None:
     """The rank's runtime is up and connected; the program's ``setup`` has not run yet.
 
-    Fires once per process (also in a restarted process, before ``ckpt_restart``).
-    Use it to create per-process state.  Order: registration order.
+    Fires once per process.  In a restarted process it fires before the image is
+    loaded (its verbs objects need the providers and wrappers registered here),
+    with ``rt.restarted`` already True and ``rt.step`` the step of the image;
+    ``ckpt_restart`` follows.  Use it to create per-process state.  Order:
+    registration order.
     """
 
 

@@ -73,6 +73,7 @@ __all__ = [
     "inspect_image",
     "read_header",
     "read_image",
+    "stored_checksum",
     "verify_image",
     "write_image",
 ]
@@ -236,7 +237,9 @@ def _write_file(tmp: str, prefix: bytes, sections: list[tuple[int, memoryview]],
     pool = ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="ckpt-image")
     hasher = _ContentHash(pool)
     try:
-        with open(tmp, "wb", buffering=0) as f:
+        # 0600: an image is the program's whole state, and it is code (pickle)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        with open(fd, "wb", buffering=0) as f:
             hasher.update(prefix)
             _write_all(f, prefix)
             record_bytes = flushed = 0
@@ -338,12 +341,38 @@ def read_header(path: str | os.PathLike[str]) -> dict[str, Any]:
     return header
 
 
+def stored_checksum(path: str | os.PathLike[str]) -> str:
+    """The content checksum an image's trailer records (hex), read without hashing anything.
+
+    Enough to tell an image from another one with the same name (the manifest records the checksum);
+    `read_image` checks that the content matches it.
+    """
+    name = os.fspath(path)
+    f, size = _open(name)
+    with f:
+        try:
+            if size < _TRAILER.size:
+                raise _error(name, "truncated (no trailer at the end of the file)")
+            f.seek(size - _TRAILER.size)
+            magic, _, digest, _ = _TRAILER.unpack(_read_exact(f, _TRAILER.size, name))
+        except OSError as exc:
+            raise _error(name, f"unreadable ({_os_reason(exc)})") from exc
+    if magic != _TRAILER_MAGIC:
+        raise _error(name, "truncated (no trailer at the end of the file)")
+    return bytes(digest).hex()
+
+
 def read_image(
-    path: str | os.PathLike[str], *, token: bytes, progress: Progress | None = None
+    path: str | os.PathLike[str],
+    *,
+    token: bytes,
+    progress: Progress | None = None,
+    expected_sha256: str | None = None,
 ) -> tuple[dict[str, Any], object]:
     """Verify the whole image, then unpickle it; return (header, obj).
 
     ``progress(done_bytes, total_bytes)`` is called now and then while reading.
+    ``expected_sha256`` is the checksum the manifest records for this image.
     Raises ImageError (one line naming the file) on any problem; nothing is
     unpickled unless the checksum and the HMAC match.
     """
@@ -351,6 +380,8 @@ def read_image(
     name = os.fspath(path)
     scan = _scan(name, materialise=True, progress=progress)
     _check_authentic(scan, name, token)
+    if expected_sha256 is not None and scan.digest.hex() != expected_sha256:
+        raise _error(name, "not the image the manifest names (its checksum differs from the manifest's)")
     if scan.inflate_problem is not None:
         raise _error(name, f"damaged ({scan.inflate_problem})")
     stream = io.BytesIO(scan.slots[0])

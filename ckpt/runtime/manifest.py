@@ -35,6 +35,7 @@ __all__ = [
     "next_number",
     "prune",
     "read_manifest",
+    "remove_uncommitted",
     "remove_unreferenced",
     "write_manifest",
 ]
@@ -73,9 +74,16 @@ def write_manifest(ckpt_dir: str | os.PathLike[str], manifest: dict[str, Any], *
     path = directory / name
     try:
         _replace_atomically(path, text.encode())
-        _replace_atomically(directory / LATEST, (name + "\n").encode())
     except OSError as exc:
         raise ImageError(f"cannot write manifest {path}: {exc.strerror or exc}") from exc
+    try:
+        _replace_atomically(directory / LATEST, (name + "\n").encode())
+    except OSError as exc:
+        # Not committed after all: a manifest that `latest` does not name would count for --keep while its
+        # images are deleted as an aborted checkpoint's.  Take it back; the previous checkpoint stays the latest.
+        path.unlink(missing_ok=True)
+        _fsync_directory(directory)
+        raise ImageError(f"cannot update {directory / LATEST}: {exc.strerror or exc}") from exc
     return path
 
 
@@ -117,8 +125,10 @@ def latest_manifest(ckpt_dir: str | os.PathLike[str]) -> Path:
         name = pointer.read_text().strip()
     except FileNotFoundError as exc:
         raise ImageError(f"no checkpoint in {directory}") from exc
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ImageError(f"{pointer} is unreadable ({_one_line(exc)})") from exc
+    except UnicodeDecodeError:
+        raise ImageError(f"{pointer} is damaged (it does not name a manifest)") from None
+    except OSError as exc:
+        raise ImageError(f"{pointer} is unreadable ({exc.strerror or exc})") from exc
     if not name or "/" in name or os.sep in name or name in (".", ".."):
         raise ImageError(f"{pointer} is damaged (it does not name a manifest)")
     path = directory / name
@@ -135,14 +145,16 @@ def next_number(ckpt_dir: str | os.PathLike[str], program: str) -> int:
 def prune(ckpt_dir: str | os.PathLike[str], program: str, keep: int) -> list[Path]:
     """Keep the newest ``keep`` checkpoints of ``program`` (0 keeps all); delete the older ones.
 
-    A checkpoint's manifest goes first, so a crash mid-prune leaves orphan
-    images, never a manifest without its images.  The checkpoint ``latest``
-    points to is never deleted.  Returns the deleted paths.
+    Only committed checkpoints count: a manifest whose images are not all there
+    (a damaged directory) is neither counted nor deleted.  A checkpoint's
+    manifest goes first, so a crash mid-prune leaves orphan images, never a
+    manifest without its images.  The checkpoint ``latest`` points to is never
+    deleted.  Returns the deleted paths.
     """
     if keep < 0:
         raise ValueError(f"keep must be 0 or more, not {keep}")
     directory = Path(ckpt_dir)
-    numbers = sorted(_manifest_numbers(directory, program))
+    numbers = sorted(n for n in _manifest_numbers(directory, program) if _complete(directory, program, n))
     if keep == 0 or len(numbers) <= keep:
         return []
     protected = _latest_name(directory)
@@ -168,6 +180,27 @@ def remove_unreferenced(ckpt_dir: str | os.PathLike[str], program: str, number: 
     return _unlink(directory / (name + ".tmp"), *_image_files(directory, program, number))
 
 
+def remove_uncommitted(ckpt_dir: str | os.PathLike[str], program: str) -> list[Path]:
+    """Delete every image (and image temp file) of ``program`` whose checkpoint has no manifest.
+
+    For what a killed job leaves behind; only call it while no rank can be writing an image.
+    """
+    directory = Path(ckpt_dir)
+    committed = set(_manifest_numbers(directory, program))
+    pattern = re.compile(rf"ckpt_{re.escape(_checked(program))}_\d+_(\d+)\.ckpt(\.tmp)?")
+    stray = [directory / m[0] for m in _matches(directory, pattern) if int(m[1]) not in committed]
+    return _unlink(*stray)
+
+
+def _complete(directory: Path, program: str, number: int) -> bool:
+    """Are all the images the manifest of checkpoint ``number`` names in the directory?"""
+    try:
+        ranks = json.loads((directory / manifest_name(program, number)).read_bytes())["ranks"]
+        return all((directory / str(entry["file"])).is_file() for entry in ranks)
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
 def _checked(program: str) -> str:
     if "/" in program or os.sep in program or "\0" in program:
         raise ValueError(f"program name {program!r} cannot be part of a file name")
@@ -188,7 +221,8 @@ def _replace_atomically(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` via a temp file: write, fsync, rename, fsync the directory."""
     tmp = path.with_name(path.name + ".tmp")
     try:
-        with open(tmp, "wb") as f:
+        # 0600 like coordinator.json: the manifest names the job's whole state
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600), "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())

@@ -66,7 +66,7 @@ def discover(with_plugins: list[str], disabled: list[str]) -> list[tuple[str, An
             raise PluginError(f"plugin {ep.name!r} ({ep.value}) failed to import: {exc}") from None
         dist = ep.dist.name if ep.dist else "?"
         found.append((ep.name, plugin, f"entry point of {dist}"))
-    for spec in with_plugins:
+    for spec in dict.fromkeys(with_plugins):  # a module named twice is loaded once
         try:
             plugin = importlib.import_module(spec)
         except Exception as exc:
@@ -74,6 +74,8 @@ def discover(with_plugins: list[str], disabled: list[str]) -> list[tuple[str, An
         name = str(getattr(plugin, "CKPT_PLUGIN_NAME", spec.rpartition(".")[2]))
         if name in disabled:
             continue
+        if any(plugin is other for _, other, _ in found):
+            continue  # an installed plugin named again with --with-plugin
         if any(name == other for other, _, _ in found):
             raise PluginError(f"--with-plugin {spec}: a plugin named {name!r} is already installed")
         found.append((name, plugin, "--with-plugin"))

@@ -28,6 +28,7 @@ from types import ModuleType
 from typing import Any, NoReturn, cast
 
 import cloudpickle
+import numpy as np
 
 from ckpt._errors import CheckpointAborted, CkptError, CoordinatorError, ImageError, PluginError
 from ckpt._program import Program, Runtime, _set_current_runtime
@@ -161,13 +162,17 @@ class RankEngine:
             "job": self.spec.get("job"),
             "program": self.program_info,
             "argv": list(self.spec.get("argv", [])),
+            "with_plugins": list(self.spec.get("with_plugins", [])),
+            "options": dict(self.spec.get("options", {})),
             "transport": self.spec.get("transport", "simib"),
             "native": self.native,
             "plugins": [p.record() for p in self.plugins.plugins] if self.plugins else [],
         }
         if self.image_header is not None:
             restart = self.spec["restart"]
-            hello["restart"] = {k: restart[k] for k in ("job", "generation", "number", "id_counters")}
+            hello["restart"] = {
+                k: restart.get(k) for k in ("job", "generation", "number", "id_counters", "last_checkpoint")
+            }
             hello.update(
                 step=self.image_header.get("step", 0),
                 finished=self.image_header.get("finished", False),
@@ -219,7 +224,7 @@ class RankEngine:
         except CkptError as exc:
             self._fatal(str(exc))
         except Exception as exc:
-            traceback.print_exc()
+            _print_program_traceback(exc)
             where = f"step {self.step}" if self.image_header or self.step else "setup or step 0"
             self._fatal(f"the program raised {type(exc).__name__} in {where}: {exc}")
         self._done.wait()
@@ -243,6 +248,11 @@ class RankEngine:
         while True:
             self._boundary()
             more = step(self.rt)
+            if not isinstance(more, (bool, np.bool_)):  # None (a forgotten return) must not run on silently
+                raise CkptError(
+                    f"{type(self.program).__name__}.step() returned {more!r} in step {self.step}: it must return "
+                    "True (more steps to run) or False (this rank is done)"
+                )
             if not more:  # still "in the step" until the result is known: a checkpoint must not see
                 value = self.program.result()  # finished=True with no result yet
             with self._cv:
@@ -325,10 +335,17 @@ class RankEngine:
         def progress(done: int, total: int) -> None:
             self.client.notify("progress", done=done, total=total)
 
-        if self.plugins:  # before the image: its verbs objects need the providers and the wrappers
+        # ckpt_init runs before the image is loaded (its verbs objects need the providers and the
+        # wrappers), but already sees a restarted rank at the step the image was taken at.
+        assert self.image_header is not None
+        self.rt.restarted = True
+        self.step = int(self.image_header.get("step", 0))
+        if self.plugins:
             self.plugins.call("ckpt_init", rt=self.rt)
             self._install_verbs()
-        _, loaded = images.read_image(restart["image"], token=self.token.encode(), progress=progress)
+        _, loaded = images.read_image(
+            restart["image"], token=self.token.encode(), progress=progress, expected_sha256=restart.get("sha256")
+        )
         graph = cast(dict[str, Any], loaded)
         self.program = graph["program"]
         state = graph["runtime"]
@@ -498,6 +515,17 @@ class RankEngine:
             "seconds": info.seconds,
             "step": self.step,
         }
+
+
+def _print_program_traceback(exc: BaseException) -> None:
+    """The program's own traceback (its frames, not ckpt's), so its author sees where it failed."""
+    package = str(Path(__file__).resolve().parent.parent)
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(package):
+        tb = tb.tb_next
+    text = "".join(traceback.format_exception(type(exc), exc, tb))
+    sys.stderr.write(text)
+    sys.stderr.flush()
 
 
 def _exit(code: int) -> NoReturn:

@@ -30,5 +30,6 @@ def ckpt_add_options() -> list[dict[str, Any]]:
             "default": None,
             "type": "str",
             "choices": list(dsm.PROTOCOLS),
+            "launch_only": True,  # the protocol is in the images: a restart keeps it
         }
     ]

@@ -2,6 +2,7 @@
 
 CKPT_TEST_FAULT=<point>:<rank>:<checkpoint number>, point one of
 presuspend, drain, image (inside the image write: pickling a bomb),
+resume (in ckpt_resume, after the checkpoint was committed),
 gate (rank 0 waits in precheckpoint until the file $CKPT_TEST_GATE exists),
 raise (raise in precheckpoint instead of dying: a failing plugin),
 barrier (the other ranks wait in a plugin barrier at drain; this one raises).
@@ -69,6 +70,12 @@ def ckpt_precheckpoint(rt: ckpt.Runtime, image: Any) -> None:
         deadline = time.monotonic() + 60
         while not Path(gate).exists() and time.monotonic() < deadline:
             time.sleep(0.02)
+
+
+@ckpt.hookimpl
+def ckpt_resume(rt: ckpt.Runtime, restarted: bool, aborted: bool) -> None:
+    if not restarted and not aborted and _armed(rt, "resume"):
+        _die()
 
 
 def _armed_any(rt: ckpt.Runtime) -> bool:

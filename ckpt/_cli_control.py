@@ -1,0 +1,324 @@
+"""The `ckpt` commands that talk to a running job or read a directory: checkpoint, status, kill,
+coordinator, plugins, inspect."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ckpt import _jobdir as jobdir
+from ckpt._cli_common import ckpt_dir_option, coordinator_option, plugin_options
+from ckpt._errors import CkptError, ImageError
+from ckpt.coordinator import client as coord_client
+from ckpt.coordinator import protocol
+
+#: How long `checkpoint` and `kill` wait for a job that is still starting (its launcher holds the
+#: directory, its coordinator is not up yet) before they give up.
+STARTING_WAIT = 30.0
+
+
+def _latest_hint(ckpt_dir: Path) -> str:
+    from ckpt.runtime import manifest as manifests
+
+    try:
+        latest = manifests.latest_manifest(ckpt_dir)
+    except ImageError:
+        return "; there is no checkpoint to restart from"
+    return f"; its latest checkpoint is {latest.name}: ckpt restart --ckpt-dir {ckpt_dir}"
+
+
+def _live_job(ckpt_dir: Path, *, wait: float) -> dict[str, Any]:
+    """The job file of the job running in `ckpt_dir`; one clear line if there is none."""
+    found = jobdir.find_job(ckpt_dir, wait=wait)
+    if found.state == "live":
+        assert found.record is not None
+        return found.record
+    if found.state == "ended":
+        assert found.record is not None
+        ended = found.record["ended"]
+        raise CkptError(f"the job in {ckpt_dir} has ended ({ended['state']}): {ended['message']}")
+    if found.state == "starting":
+        pid = (found.holder or {}).get("pid")
+        raise CkptError(f"the job in {ckpt_dir} is still starting (launcher pid {pid}); try again in a moment")
+    if found.state == "gone":
+        pid = (found.record or {}).get("pid")
+        raise CkptError(
+            f"no job is running in {ckpt_dir}: its launcher (pid {pid}) exited without recording an end"
+            f"{_latest_hint(ckpt_dir)}"
+        )
+    raise CkptError(
+        f"no job in {ckpt_dir} (no {jobdir.JOB_FILE} there): pass --ckpt-dir of a running job "
+        "or --coordinator HOST:PORT"
+    )
+
+
+def _control(coordinator: str | None, ckpt_dir: Path, *, wait: float = STARTING_WAIT) -> coord_client.CoordinatorClient:
+    """A control connection to the job: --coordinator / $CKPT_COORDINATOR, else the one in the ckpt dir."""
+    token = os.environ.get("CKPT_TOKEN")
+    if coordinator:
+        return coord_client.control(*coord_client.locate(coordinator, ckpt_dir, token))
+    record = _live_job(ckpt_dir, wait=wait)
+    return coord_client.control(str(record["address"]), token or str(record["token"]))
+
+
+@click.command()
+@click.option("--wait", is_flag=True, help="Block until the checkpoint is written (or aborted).")
+@click.option("--kill", is_flag=True, help="Kill the job once the checkpoint is written (waits for it, as --wait).")
+@coordinator_option
+@ckpt_dir_option
+def checkpoint(wait: bool, kill: bool, coordinator: str | None, ckpt_dir: Path) -> None:
+    """Request a checkpoint of the running job."""
+    conn = _control(coordinator, ckpt_dir.resolve())
+    answer = conn.call("checkpoint", wait=wait or kill, kill=kill)
+    if "checkpoint" in answer:
+        last = answer["checkpoint"]
+        click.echo(
+            f"checkpoint {last['number']} written: {last['manifest']} "
+            f"({last['bytes']} bytes, {last['seconds']:.2f} s){'; job killed' if kill else ''}"
+        )
+    elif answer.get("queued"):
+        click.echo("checkpoint requested (it starts once every rank has joined the job)")
+    else:
+        click.echo(f"checkpoint {answer['number']} requested")
+    conn.close()
+
+
+def _starting_status(ckpt_dir: Path, holder: dict[str, Any] | None) -> dict[str, Any]:
+    return {
+        "job": str((holder or {}).get("job") or ""),
+        "generation": None,
+        "size": 0,
+        "state": "starting",
+        "max_state": "starting",
+        "unanimous": True,
+        "ranks": [],
+        "last_checkpoint": None,
+        "checkpoint_in_progress": None,
+        "message": "the launcher holds the directory; its coordinator is not up yet",
+        "coordinator": None,
+        "ckpt_dir": str(ckpt_dir),
+        "pid": (holder or {}).get("pid"),
+    }
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the status as JSON (the keys are documented).")
+@coordinator_option
+@ckpt_dir_option
+def status(as_json: bool, coordinator: str | None, ckpt_dir: Path) -> None:
+    """Show the job's ranks, states, generation and last checkpoint (an ended job's final status)."""
+    ckpt_dir = ckpt_dir.resolve()
+    found = None if coordinator else jobdir.find_job(ckpt_dir)
+    if found is not None and found.state == "ended":
+        assert found.record is not None
+        state = found.record["ended"]  # the job is over: its coordinator is gone, its final status stays
+    elif found is not None and found.state == "starting":
+        state = _starting_status(ckpt_dir, found.holder)
+    else:
+        conn = _control(coordinator, ckpt_dir, wait=0.0)
+        state = conn.call("status")["status"]
+        conn.close()
+    if as_json:
+        click.echo(json.dumps(state, indent=2))
+        return
+    _print_status(state)
+
+
+def _print_status(state: dict[str, Any]) -> None:
+    joined = ""
+    if state["state"] == "waiting":
+        joined = f" ({len(state['ranks'])} of {state['size'] or '?'} ranks joined)"
+    generation = "" if state["generation"] is None else f"  generation {state['generation']}"
+    click.echo(
+        f"job {state['job'] or '?'}{generation}  state {state['state']}{joined}"
+        f"{'' if state['unanimous'] else ' (not unanimous)'}  coordinator {state['coordinator'] or '-'}"
+    )
+    for r in state["ranks"]:
+        click.echo(f"  rank {r['rank']:>3}  {r['state']:<11} step {r['step']:<8} pid {r['pid']:<8} {r['host']}")
+    last = state["last_checkpoint"]
+    if last:
+        click.echo(
+            f"last checkpoint: {last['number']}  {last['manifest']}  {last['bytes']} bytes  {last['seconds']:.2f} s"
+        )
+    else:
+        click.echo("last checkpoint: none")
+    if state["message"]:
+        click.echo(f"last event: {state['message']}")
+
+
+@click.command()
+@coordinator_option
+@ckpt_dir_option
+def kill(coordinator: str | None, ckpt_dir: Path) -> None:
+    """Kill the running job (its checkpoints stay)."""
+    conn = _control(coordinator, ckpt_dir.resolve())
+    conn.call("kill", reason="killed on request (ckpt kill)")
+    conn.close()
+    click.echo("job killed")
+
+
+@click.command("coordinator")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (loopback unless told).")
+@click.option("--port", type=click.IntRange(0, 65535), default=7779, show_default=True, help="Port (0 = any free).")
+@click.option(
+    "--interval", type=click.FloatRange(min=0.01), help="Checkpoint every SECONDS  [default: only on request]"
+)
+@click.option("--keep", type=click.IntRange(min=0), default=0, show_default=True, help="Keep the newest K (0 = all).")
+@click.option(
+    "--phase-timeout",
+    type=click.FloatRange(min=0.01),
+    default=300.0,
+    show_default=True,
+    help="Abort a checkpoint whose phase takes longer (seconds).",
+)
+@ckpt_dir_option
+def coordinator_cmd(
+    host: str, port: int, interval: float | None, keep: int, phase_timeout: float, ckpt_dir: Path
+) -> None:
+    """Run a standalone coordinator in the foreground (for ranks started by mpiexec / srun)."""
+    from ckpt.coordinator.server import Coordinator
+
+    ckpt_dir = ckpt_dir.resolve()
+    claim = jobdir.claim(ckpt_dir)  # held until this process exits: the directory's jobs are this coordinator's
+    existing = jobdir.read_job_file(ckpt_dir) or {}
+    token = os.environ.get("CKPT_TOKEN") or existing.get("token") or protocol.new_token()
+    server = Coordinator(
+        token=token,
+        ckpt_dir=ckpt_dir,
+        host=host,
+        port=port,
+        interval=interval,
+        keep=keep,
+        phase_timeout=phase_timeout,
+        serve_forever=True,
+    ).start()
+    jobdir.write_job_file(ckpt_dir, address=server.address, token=token, job="", pid=os.getpid(), claim=claim.id)
+    click.echo(f"ckpt coordinator listening on {server.address}")
+    click.echo(f"export CKPT_COORDINATOR={server.address} CKPT_TOKEN={token}")
+
+    def on_signal(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        click.echo("ckpt coordinator: stopping", err=True)
+    finally:
+        server.stop()
+
+
+@click.command()
+@plugin_options
+@click.option("--json", "as_json", is_flag=True, help="Print the list as JSON.")
+def plugins(with_plugins: tuple[str, ...], disabled: tuple[str, ...], as_json: bool) -> None:
+    """List the installed plugins, their versions and the hooks they implement."""
+    from ckpt.runtime.hookspecs import CKPT_PLUGIN_API
+    from ckpt.runtime.plugins import PluginHost
+
+    host = PluginHost().load(list(with_plugins), list(disabled))
+    if as_json:
+        click.echo(json.dumps([vars(p) | {"hooks": list(p.hooks)} for p in host.plugins], indent=2))
+        return
+    click.echo(f"plugin API {CKPT_PLUGIN_API}; {len(host.plugins)} plugin(s)")
+    for p in host.plugins:
+        click.echo(f"  {p.name} {p.version}  ({p.module}, {p.source}, order {p.order})")
+        click.echo(f"      hooks: {', '.join(p.hooks) or 'none'}")
+
+
+@click.command()
+@click.argument("path", metavar="IMAGE|MANIFEST", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def inspect(path: Path, as_json: bool) -> None:
+    """Show an image's header, sizes, checksum and largest objects, or a manifest and the state of each
+    image it names (exit 1 if anything is damaged or missing)."""
+    from ckpt.runtime.images import MAGIC, inspect_image
+
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(len(MAGIC))
+    except OSError as exc:
+        raise CkptError(f"cannot read {path}: {exc.strerror or exc}") from None
+    if magic != MAGIC and magic.lstrip()[:1] == b"{":
+        _inspect_manifest(path, as_json)
+        return
+    if magic != MAGIC:
+        raise CkptError(f"{path} is neither a ckpt image nor a ckpt manifest")
+    report = inspect_image(path)
+    if as_json:
+        click.echo(json.dumps(report, indent=2, default=str))
+    else:
+        _print_report(report)
+    if not report.get("ok", True):
+        raise CkptError(f"image {path} is damaged: {report.get('problem')}")
+
+
+def _inspect_manifest(path: Path, as_json: bool) -> None:
+    from ckpt._launcher import check_image
+    from ckpt.runtime import manifest as manifests
+    from ckpt.runtime.images import inspect_image
+
+    directory = path.resolve().parent
+    manifest = manifests.read_manifest(path, token=None)
+    token = os.environ.get("CKPT_TOKEN") or (jobdir.read_job_file(directory) or {}).get("token")
+    authentic: bool | None = None
+    if token:
+        try:
+            manifests.read_manifest(path, token=protocol.token_bytes(token))
+            authentic = True
+        except ImageError:
+            authentic = False
+    images = []
+    for entry in manifest.get("ranks", []):
+        problem = None
+        try:
+            check_image(directory / entry["file"], entry, manifest, path.name)
+            content = inspect_image(directory / entry["file"])  # the whole content against its checksum
+            if not content["ok"]:
+                problem = str(content["problem"])
+        except ImageError as exc:
+            problem = str(exc)
+        images.append({**entry, "ok": problem is None, "problem": problem})
+    report = {"path": str(path), "authentic": authentic, **manifest, "ranks": images}
+    if as_json:
+        click.echo(json.dumps(report, indent=2, default=str))
+    else:
+        click.echo(
+            f"manifest of checkpoint {manifest['number']} of {manifest['program'].get('name')} "
+            f"(job {manifest.get('job')}, generation {manifest.get('generation')}, {manifest.get('size')} ranks)"
+        )
+        for key in ("created", "seconds", "transport", "with_plugins", "options"):
+            if key in manifest:
+                click.echo(f"{key}: {manifest[key]}")
+        click.echo(f"plugins: {', '.join(p.get('name', '?') for p in manifest.get('plugins', [])) or 'none'}")
+        click.echo(f"authentic: {'unknown (no token)' if authentic is None else 'yes' if authentic else 'NO'}")
+        for image in images:
+            state = "ok" if image["ok"] else f"BAD: {image['problem']}"
+            size = f"{image.get('bytes')} bytes"
+            click.echo(f"  rank {image['rank']:>3}  {image['file']}  {size}  step {image.get('step')}  {state}")
+    bad = [image for image in images if not image["ok"]]
+    if authentic is False:
+        raise CkptError(f"manifest {path} is not authentic (HMAC mismatch: wrong CKPT_TOKEN or tampered manifest)")
+    if bad:
+        raise CkptError(bad[0]["problem"])
+
+
+def _print_report(report: dict[str, Any]) -> None:
+    for key, value in report.items():
+        if key == "objects":
+            click.echo("largest objects:")
+            for obj in value:
+                click.echo(f"  {obj['bytes']:>14,}  {obj['type']:<28} {obj['path']}")
+        elif key == "header" and isinstance(value, dict):
+            click.echo("header:")
+            for k, v in value.items():
+                if k != "objects":
+                    click.echo(f"  {k}: {v}")
+        else:
+            click.echo(f"{key}: {value}")

@@ -1,0 +1,251 @@
+"""End-to-end: one live job per checkpoint directory, what a restart reuses, what status says at each moment."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import stat
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from ckpt import _jobdir as jobdir
+from harness import EXAMPLES, PROGRAMS, Job, results, run, wait_for
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+
+HEAT = str(EXAMPLES / "heat.py")
+LONG = [HEAT, "100000", "200"]  # runs until killed
+SHORT = [HEAT, "400", "200", "1"]
+BANNER = ("ckpt: job ", "ckpt: checkpoint it with")
+
+
+def _one_error_line(done: object, *needles: str) -> str:
+    returncode, stderr = done.returncode, done.stderr  # type: ignore[attr-defined]
+    assert returncode != 0
+    assert "Traceback" not in stderr, stderr
+    lines = [line for line in stderr.strip().splitlines() if not line.startswith(BANNER)]
+    assert len(lines) == 1, stderr
+    (line,) = lines
+    assert line.startswith("error: "), line
+    for needle in needles:
+        assert needle in line, line
+    return line
+
+
+def _checkpoint_and_kill(job: Job, ckpt_dir: Path, step: int = 5) -> None:
+    job.wait_step(step)
+    taken = run("checkpoint", "--kill", "--ckpt-dir", str(ckpt_dir))
+    assert taken.returncode == 0, taken.stderr
+    assert job.wait() == 0, job.stderr
+
+
+def test_a_live_directory_is_refused_to_a_second_launch_and_a_restart(
+    start_job: Callable[..., Job], tmp_path: Path
+) -> None:
+    ckpt_dir = tmp_path / "ckpt"
+    first = start_job("launch", "-n", "2", "--ckpt-dir", str(ckpt_dir), *LONG)
+    first.wait_step(3)
+    assert run("checkpoint", "--wait", "--ckpt-dir", str(ckpt_dir)).returncode == 0
+    job_id = first.status()["job"]  # type: ignore[index]
+    before = (ckpt_dir / "coordinator.json").read_text()
+    for command in (
+        ["launch", "-n", "2", "--ckpt-dir", str(ckpt_dir), *SHORT],
+        ["restart", "--ckpt-dir", str(ckpt_dir)],
+    ):
+        _one_error_line(run(*command), f"job {job_id} is still running in {ckpt_dir}", "ckpt kill")
+    assert (ckpt_dir / "coordinator.json").read_text() == before, "the refused command touched the job file"
+    assert first.status()["job"] == job_id  # type: ignore[index]  # the first job is still reachable
+    assert run("kill", "--ckpt-dir", str(ckpt_dir)).returncode == 0
+    assert first.wait() == 0
+
+
+def test_clients_address_a_restarted_job_from_its_first_moment(start_job: Callable[..., Job], tmp_path: Path) -> None:
+    ckpt_dir = tmp_path / "ckpt"
+    _checkpoint_and_kill(start_job("launch", "-n", "2", "--ckpt-dir", str(ckpt_dir), *LONG), ckpt_dir)
+    again = start_job("restart", "--ckpt-dir", str(ckpt_dir))
+    assert again.process is not None
+    wait_for(lambda: jobdir.owner(ckpt_dir), 30, "the restart to claim the directory")
+    # from here on the old job's coordinator.json (which says "killed") must not answer for the new job
+    shown = run("status", "--json", "--ckpt-dir", str(ckpt_dir))
+    assert shown.returncode == 0, shown.stderr
+    state = json.loads(shown.stdout)
+    assert state["state"] in ("starting", "waiting", "restart", "refresh", "resume", "running"), state
+    assert state["job"] == json.loads((ckpt_dir / "ckpt_heat_1.json").read_text())["job"]
+    killer = run("kill", "--ckpt-dir", str(ckpt_dir))  # waits for a starting job
+    assert killer.returncode == 0 and killer.stdout.strip() == "job killed", killer.stderr
+    assert again.wait() == 0, again.stderr
+    assert "killed on request" in again.stderr
+    assert json.loads(run("status", "--json", "--ckpt-dir", str(ckpt_dir)).stdout)["state"] == "killed"
+
+
+def test_the_directory_and_what_is_in_it_are_private(start_job: Callable[..., Job], tmp_path: Path) -> None:
+    ckpt_dir = tmp_path / "ckpt"
+    _checkpoint_and_kill(start_job("launch", "-n", "2", "--ckpt-dir", str(ckpt_dir), *LONG), ckpt_dir)
+    assert stat.S_IMODE(ckpt_dir.stat().st_mode) == 0o700
+    files = [p for p in ckpt_dir.iterdir() if p.suffix in (".ckpt", ".json") or p.name in ("latest", "job.lock")]
+    assert len(files) >= 6
+    for path in files:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+
+
+def test_a_latest_pointer_that_cannot_be_written_keeps_the_previous_checkpoint(
+    start_job: Callable[..., Job], tmp_path: Path
+) -> None:
+    ckpt_dir = tmp_path / "ckpt"
+    counter = [str(PROGRAMS / "counter.py"), "600", "0.01"]
+    plain = run("launch", "-n", "2", "--ckpt-dir", str(tmp_path / "plain"), *counter, timeout=120)
+    job = start_job("launch", "-n", "2", "--keep", "1", "--ckpt-dir", str(ckpt_dir), *counter)
+    job.wait_step(5)
+    assert run("checkpoint", "--wait", "--ckpt-dir", str(ckpt_dir)).returncode == 0
+    (ckpt_dir / "latest.tmp").mkdir()  # as a full disk would, the pointer cannot be replaced
+    failed = run("checkpoint", "--wait", "--ckpt-dir", str(ckpt_dir))
+    _one_error_line(failed, "checkpoint 2", "latest")
+    (ckpt_dir / "latest.tmp").rmdir()
+    assert (ckpt_dir / "latest").read_text().strip() == "ckpt_counter_1.json"
+    assert sorted(p.name for p in ckpt_dir.glob("ckpt_counter_*")) == [
+        "ckpt_counter_0_1.ckpt",
+        "ckpt_counter_1.json",
+        "ckpt_counter_1_1.ckpt",
+    ]
+    assert run("checkpoint", "--kill", "--ckpt-dir", str(ckpt_dir)).returncode == 0
+    assert job.wait() == 0
+    assert sorted(p.name for p in ckpt_dir.glob("ckpt_counter_*.json")) == ["ckpt_counter_3.json"]  # --keep 1
+    again = run("restart", "--ckpt-dir", str(ckpt_dir), timeout=120)
+    assert again.returncode == 0 and results(again.stdout) == results(plain.stdout), again.stderr
+
+
+def test_an_interrupted_launch_leaves_its_end_for_status(tmp_path: Path) -> None:
+    ckpt_dir = tmp_path / "ckpt"
+    job = Job(["launch", "-n", "2", "--ckpt-dir", str(ckpt_dir), *LONG], ckpt_dir).start()
+    try:
+        job.wait_step(3)
+        assert job.process is not None
+        os.kill(job.process.pid, signal.SIGINT)  # Ctrl-C on the launcher
+        assert job.wait() == 130
+    finally:
+        job.kill()
+    shown = run("status", "--ckpt-dir", str(ckpt_dir))
+    assert shown.returncode == 0, shown.stderr
+    assert "state killed" in shown.stdout and "interrupted" in shown.stdout, shown.stdout
+    state = json.loads(run("status", "--json", "--ckpt-dir", str(ckpt_dir)).stdout)
+    assert [r["state"] for r in state["ranks"]] == ["killed", "killed"]
+
+
+def test_status_after_a_restart_and_after_a_kill(start_job: Callable[..., Job], tmp_path: Path) -> None:
+    ckpt_dir = tmp_path / "ckpt"
+    first = start_job("launch", "-n", "2", "--ckpt-dir", str(ckpt_dir), *LONG)
+    first.wait_step(3)
+    assert run("checkpoint", "--wait", "--ckpt-dir", str(ckpt_dir)).returncode == 0
+    _checkpoint_and_kill(first, ckpt_dir, step=6)
+    ended = json.loads(run("status", "--json", "--ckpt-dir", str(ckpt_dir)).stdout)
+    assert ended["state"] == "killed" and [r["state"] for r in ended["ranks"]] == ["killed", "killed"]
+    again = start_job("restart", "--ckpt-dir", str(ckpt_dir))
+    state = again.wait_step(8)
+    assert state["last_checkpoint"]["number"] == 2 and state["generation"] == 1
+    assert all(r["incarnation"] == 0 for r in state["ranks"])
+    assert "last checkpoint: 2" in run("status", "--ckpt-dir", str(ckpt_dir)).stdout
+    assert run("kill", "--ckpt-dir", str(ckpt_dir)).returncode == 0
+    assert again.wait() == 0
+
+
+def test_launch_says_what_it_runs_where_and_how_to_reach_it(tmp_path: Path) -> None:
+    ckpt_dir = tmp_path / "ckpt"
+    done = run("launch", "-n", "2", "--ckpt-dir", str(ckpt_dir), *SHORT[:2], timeout=120)
+    assert done.returncode == 0, done.stderr
+    job = json.loads((ckpt_dir / "coordinator.json").read_text())["job"]
+    first, second = done.stderr.splitlines()[:2]
+    assert first == f"ckpt: job {job}: 2 ranks of heat.py; checkpoint directory {ckpt_dir}"
+    assert second.startswith(f"ckpt: checkpoint it with: ckpt checkpoint --ckpt-dir {ckpt_dir}")
+    debug = run("launch", "-n", "2", "--log-level", "debug", "--ckpt-dir", str(ckpt_dir), *SHORT[:2], timeout=120)
+    assert debug.returncode == 0, debug.stderr
+    assert "[launcher] INFO ckpt._launcher: coordinator of job" in debug.stderr, debug.stderr
+    assert "[launcher] INFO ckpt.coordinator.job: job" in debug.stderr
+
+
+def test_a_restart_reuses_the_plugins_options_and_settings_of_the_checkpoint(
+    start_job: Callable[..., Job], tmp_path: Path
+) -> None:
+    ckpt_dir = tmp_path / "ckpt"
+    log = tmp_path / "init.log"
+    job = start_job(
+        "launch", "-n", "2", "--ckpt-dir", str(ckpt_dir), "--with-plugin", "ckpt_initprobe", "--keep", "1",
+        "--phase-timeout", "77", *LONG, extra_env={"CKPT_TEST_INIT_LOG": str(log)},
+    )  # fmt: skip
+    job.wait_step(4)
+    taken = run("checkpoint", "--kill", "--ckpt-dir", str(ckpt_dir))
+    assert taken.returncode == 0, taken.stderr
+    assert job.wait() == 0
+    hint = job.stderr.strip().splitlines()[-1]
+    assert hint.endswith(f"restart with: ckpt restart --ckpt-dir {ckpt_dir}"), hint
+    manifest = json.loads((ckpt_dir / "ckpt_heat_1.json").read_text())
+    assert manifest["with_plugins"] == ["ckpt_initprobe"]
+    assert manifest["settings"] == {"interval": None, "keep": 1, "phase_timeout": 77.0}
+    step = manifest["ranks"][0]["step"]
+    # the hint, literally: no --with-plugin, and ckpt_init sees the restarted rank at its image's step
+    again = start_job("restart", "--ckpt-dir", str(ckpt_dir), extra_env={"CKPT_TEST_INIT_LOG": str(log)})
+    again.wait_step(step + 2)
+    assert run("checkpoint", "--wait", "--ckpt-dir", str(ckpt_dir)).returncode == 0
+    assert sorted(p.name for p in ckpt_dir.glob("ckpt_heat_*.json")) == ["ckpt_heat_2.json"]  # --keep 1
+    assert run("kill", "--ckpt-dir", str(ckpt_dir)).returncode == 0
+    assert again.wait() == 0
+    lines = sorted(log.read_text().splitlines())
+    launched = ["rank=0 restarted=False step=0", "rank=1 restarted=False step=0"]
+    assert lines == sorted([*launched, f"rank=0 restarted=True step={step}", f"rank=1 restarted=True step={step}"])
+
+
+def test_a_launch_only_plugin_option_is_not_offered_by_restart(tmp_path: Path) -> None:
+    done = run("restart", "--dsm-protocol", "onesided", "--ckpt-dir", str(tmp_path / "ckpt"))
+    line = _one_error_line(done, "No such option", "--dsm-protocol")
+    assert done.returncode == 2, line
+    assert "--dsm-protocol" in run("launch", "--help").stdout
+
+
+def test_typos_and_contract_breaches_are_one_line(tmp_path: Path) -> None:
+    ckpt_dir = ["--ckpt-dir", str(tmp_path / "ckpt")]
+    typo = run("launch", "--chekpoint-dir", "x", *SHORT)
+    assert typo.returncode == 2
+    _one_error_line(typo, "No such option '--chekpoint-dir'", "Did you mean '--ckpt-dir'?")
+    none = tmp_path / "forgot_return.py"
+    none.write_text(
+        "import ckpt\nclass P(ckpt.Program):\n    def setup(self, rt):\n        self.i = 0\n"
+        "    def step(self, rt):\n        self.i += 1\n"
+    )
+    _one_error_line(run("launch", "-n", "2", *ckpt_dir, str(none)), "P.step() returned None", "True", "False")
+    twice = run("launch", *ckpt_dir, "--with-plugin", "ckpt_initprobe", "--with-plugin", "ckpt_initprobe", *SHORT[:2])
+    assert twice.returncode == 0, twice.stderr
+    _one_error_line(run("restart", str(tmp_path / "nonexistent.json")), "no checkpoint at", "nonexistent.json")
+
+
+def test_an_image_from_a_copy_of_the_directory_is_refused(start_job: Callable[..., Job], tmp_path: Path) -> None:
+    original = tmp_path / "a"
+    first = start_job("launch", "-n", "2", "--ckpt-dir", str(original), *LONG, ckpt_dir=original)
+    _checkpoint_and_kill(first, original)
+    copy = tmp_path / "b"
+    shutil.copytree(original, copy)
+    for directory, step in ((original, 3), (copy, 9)):  # both copies take their own checkpoint 2
+        again = start_job("restart", "--ckpt-dir", str(directory), ckpt_dir=directory)
+        _checkpoint_and_kill(again, directory, step=step)
+    shutil.copy(copy / "ckpt_heat_1_2.ckpt", original / "ckpt_heat_1_2.ckpt")
+    _one_error_line(run("restart", "--ckpt-dir", str(original)), "ckpt_heat_1_2.ckpt", "another checkpoint's image")
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root to act as nobody")
+def test_a_directory_that_cannot_be_written() -> None:
+    top = Path(tempfile.mkdtemp(prefix="ckpt-readonly-"))  # not under tmp_path: nobody must reach it
+    try:
+        top.chmod(0o755)
+        locked = top / "locked"
+        locked.mkdir(mode=0o755)
+        as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--"]
+        for command in (["launch", str(PROGRAMS / "counter.py")], ["restart"]):
+            done = run(command[0], "--ckpt-dir", str(locked / "sub"), *command[1:], prefix=as_nobody)
+            _one_error_line(done, f"cannot create the checkpoint directory {locked / 'sub'}", "Permission denied")
+            done = run(command[0], "--ckpt-dir", str(locked), *command[1:], prefix=as_nobody)
+            _one_error_line(done, f"cannot write to the checkpoint directory {locked}", "permission denied")
+    finally:
+        shutil.rmtree(top)

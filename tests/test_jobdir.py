@@ -1,0 +1,140 @@
+"""The checkpoint directory of a job: one live job per directory, the job file, what clients see, leftovers."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ckpt import CkptError
+from ckpt import _jobdir as jobdir
+from ckpt.runtime import manifest as manifests
+
+
+def _hold_in_child(directory: Path) -> subprocess.Popen[str]:
+    """Another process that claims `directory` and keeps it until its stdin closes."""
+    code = (
+        "import sys; from pathlib import Path; from ckpt import _jobdir as j;"
+        f"c = j.claim(Path({str(directory)!r}), job='other'); print(c.id, flush=True); sys.stdin.read()"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None
+    child.claim_id = child.stdout.readline().strip()  # type: ignore[attr-defined]
+    return child
+
+
+def _release(child: subprocess.Popen[str]) -> None:
+    assert child.stdin is not None
+    child.stdin.close()
+    child.wait(timeout=30)
+
+
+def test_a_second_claim_is_refused_in_one_line_naming_the_holder(tmp_path: Path) -> None:
+    child = _hold_in_child(tmp_path / "d")
+    try:
+        with pytest.raises(jobdir.DirectoryBusy, match=r"job other is still running in .*\(pid \d+\).*ckpt kill"):
+            jobdir.claim(tmp_path / "d")
+    finally:
+        _release(child)
+    jobdir.claim(tmp_path / "d").release()  # free again once the holder is gone
+
+
+def test_the_claim_dies_with_its_process(tmp_path: Path) -> None:
+    child = _hold_in_child(tmp_path)
+    assert jobdir.owner(tmp_path) == {"pid": child.pid, "claim": child.claim_id, "job": "other"}  # type: ignore[attr-defined]
+    child.kill()  # kill -9: the kernel drops the flock
+    child.wait()
+    assert jobdir.owner(tmp_path) is None
+    jobdir.claim(tmp_path).release()
+
+
+def test_an_owner_probe_does_not_keep_a_launcher_out(tmp_path: Path) -> None:
+    held = jobdir.claim(tmp_path)
+    held.release()
+    for _ in range(20):  # probes and claims interleaved: a probe never makes a claim fail
+        assert jobdir.owner(tmp_path) is None
+        jobdir.claim(tmp_path).release()
+
+
+def test_the_directory_is_created_private_and_must_be_a_writable_directory(tmp_path: Path) -> None:
+    jobdir.claim(tmp_path / "new").release()
+    assert stat.S_IMODE((tmp_path / "new").stat().st_mode) == 0o700
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CkptError, match="it is a file"):
+        jobdir.claim(tmp_path / "file")
+
+
+def test_the_job_file_is_private(tmp_path: Path) -> None:
+    path = jobdir.write_job_file(tmp_path, address="127.0.0.1:1", token="t", job="j", pid=1, claim="c")
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert jobdir.read_job_file(tmp_path) == {
+        "address": "127.0.0.1:1",
+        "token": "t",
+        "job": "j",
+        "pid": 1,
+        "claim": "c",
+    }
+
+
+def test_what_a_client_sees(tmp_path: Path) -> None:
+    assert jobdir.find_job(tmp_path).state == "none"
+    # a job that ended and said so
+    jobdir.write_job_file(tmp_path, address="a:1", token="t", job="old", pid=1, claim="x", ended={"state": "finished"})
+    assert jobdir.find_job(tmp_path).state == "ended"
+    # a restart holds the directory but has not written its job file yet: the old job's is not its
+    held = jobdir.claim(tmp_path)
+    found = jobdir.find_job(tmp_path)
+    assert found.state == "starting" and found.holder is not None and found.holder["claim"] == held.id
+    jobdir.write_job_file(tmp_path, address="a:2", token="t", job="new", pid=os.getpid(), claim=held.id)
+    found = jobdir.find_job(tmp_path)
+    assert found.state == "live" and found.record is not None and found.record["job"] == "new"
+    held.release()
+    # its launcher died without recording an end (kill -9)
+    assert jobdir.find_job(tmp_path).state == "gone"
+
+
+def test_a_client_waits_for_a_starting_job(tmp_path: Path) -> None:
+    held = jobdir.claim(tmp_path)
+    code = (
+        "import sys; from pathlib import Path; from ckpt import _jobdir as j;"
+        f"print(j.find_job(Path({str(tmp_path)!r}), wait=30).state, flush=True)"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    jobdir.write_job_file(tmp_path, address="a:2", token="t", job="new", pid=os.getpid(), claim=held.id)
+    out, _ = child.communicate(timeout=60)
+    assert out.strip() == "live"
+
+
+def test_leftovers_of_a_killed_job_are_removed(tmp_path: Path) -> None:
+    keep = ["ckpt_prog_0_1.ckpt", "ckpt_prog_1_1.ckpt", "ckpt_prog_1.json", "ckpt_other_0_2.ckpt", "notes.txt"]
+    stray = ["ckpt_prog_0_2.ckpt", "ckpt_prog_1_2.ckpt.tmp", "ckpt_prog_2.json.tmp", "latest.tmp", "fabric.json.tmp"]
+    for name in keep + stray:
+        (tmp_path / name).write_text("x")
+    removed = jobdir.remove_leftovers(tmp_path, "prog")
+    assert sorted(p.name for p in removed) == sorted(stray)
+    assert sorted(os.listdir(tmp_path)) == sorted(keep)
+
+
+def test_remove_uncommitted_keeps_every_committed_image(tmp_path: Path) -> None:
+    for name in ("ckpt_p_0_1.ckpt", "ckpt_p_0_3.ckpt", "ckpt_p_0_12.ckpt", "ckpt_p_1.json", "ckpt_p_12.json"):
+        (tmp_path / name).write_text("x")
+    assert [p.name for p in manifests.remove_uncommitted(tmp_path, "p")] == ["ckpt_p_0_3.ckpt"]
+
+
+def test_a_dead_jobs_fabric_file_is_removed_a_standalone_or_live_one_kept(tmp_path: Path) -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    fabric = tmp_path / "fabric.json"
+    for record, stays in (
+        ({"address": "a:1", "token": "t", "pid": dead.pid, "job": "j"}, False),  # its launcher was killed
+        ({"address": "a:1", "token": "t", "pid": os.getpid(), "job": "j"}, True),  # alive
+        ({"address": "a:1", "token": "t", "pid": dead.pid, "job": None}, True),  # `ckpt fabric stop` handles those
+    ):
+        fabric.write_text(json.dumps(record))
+        jobdir.remove_leftovers(tmp_path, "prog")
+        assert fabric.exists() == stays, record
