@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +20,10 @@ from ckpt.coordinator import client as coord_client
 from ckpt.coordinator import protocol
 
 #: How long `checkpoint` and `kill` wait for a job that is still starting (its launcher holds the
-#: directory, its coordinator is not up yet) before they give up.
+#: directory, its coordinator is not up yet) before they give up ...
 STARTING_WAIT = 30.0
+#: ... and for a job to appear in a directory that has none yet (`ckpt launch ... &` was just typed).
+APPEARING_WAIT = 5.0
 
 
 def _latest_hint(ckpt_dir: Path) -> str:
@@ -35,7 +38,7 @@ def _latest_hint(ckpt_dir: Path) -> str:
 
 def _live_job(ckpt_dir: Path, *, wait: float) -> dict[str, Any]:
     """The job file of the job running in `ckpt_dir`; one clear line if there is none."""
-    found = jobdir.find_job(ckpt_dir, wait=wait)
+    found = jobdir.find_job(ckpt_dir, wait=wait, wait_none=min(wait, APPEARING_WAIT))
     if found.state == "live":
         assert found.record is not None
         return found.record
@@ -293,9 +296,16 @@ def _inspect_manifest(path: Path, as_json: bool) -> None:
             f"manifest of checkpoint {manifest['number']} of {manifest['program'].get('name')} "
             f"(job {manifest.get('job')}, generation {manifest.get('generation')}, {manifest.get('size')} ranks)"
         )
-        for key in ("created", "seconds", "transport", "with_plugins", "options"):
-            if key in manifest:
-                click.echo(f"{key}: {manifest[key]}")
+        if "created" in manifest:
+            click.echo(f"created: {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(manifest['created']))}")
+        if "seconds" in manifest:
+            click.echo(f"took: {manifest['seconds']:.3f} s")
+        click.echo(f"transport: {manifest.get('transport')}")
+        if manifest.get("with_plugins"):
+            click.echo(f"--with-plugin: {' '.join(manifest['with_plugins'])}")
+        given = {k: v for k, v in manifest.get("options", {}).items() if v is not None}
+        if given:
+            click.echo("plugin options: " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in sorted(given.items())))
         click.echo(f"plugins: {', '.join(p.get('name', '?') for p in manifest.get('plugins', [])) or 'none'}")
         click.echo(f"authentic: {'unknown (no token)' if authentic is None else 'yes' if authentic else 'NO'}")
         for image in images:

@@ -206,17 +206,23 @@ class JobRecord:
     holder: dict[str, Any] | None
 
 
-def find_job(ckpt_dir: Path, *, wait: float = 0.0) -> JobRecord:
-    """The job a client should address in `ckpt_dir`; with `wait`, waits that long for a starting job.
+def find_job(ckpt_dir: Path, *, wait: float = 0.0, wait_none: float = 0.0) -> JobRecord:
+    """The job a client should address in `ckpt_dir`; with `wait`, waits that long for a starting job,
+    and with `wait_none` that long for a job to appear where none is, or only an ended one
+    (`ckpt launch ... &` or `ckpt restart ... &` was just typed).
 
     The lock decides, not the job file: while a launcher holds the directory, a job file that another
     process wrote (the job before a restart, which may have recorded its end) is not this job's.
     """
-    deadline = time.monotonic() + wait
+    started = time.monotonic()
+    deadline = started + wait
     while True:
         holder = owner(ckpt_dir)
         record = read_job_file(ckpt_dir)
         if holder is None:
+            if (record is None or "ended" in record) and time.monotonic() < started + wait_none:
+                time.sleep(_POLL)  # the polling interval of a bounded wait for a launcher to claim it
+                continue
             if record is None:
                 return JobRecord("none", None, None)
             return JobRecord("ended" if "ended" in record else "gone", record, None)

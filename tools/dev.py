@@ -50,7 +50,7 @@ def results(stdout: str) -> list[str]:
 
 
 def demo() -> int:
-    """launch -> checkpoint -> kill -> restart, and compare with an uninterrupted run."""
+    """launch -> checkpoint -> kill -> restart over tcp, and compare with an uninterrupted run."""
     program = [str(ROOT / "examples" / "heat.py"), "600", "2000", "2"]
     work = Path(tempfile.mkdtemp(prefix="ckpt-demo-"))
     print(f"ckpt demo in {work}: 4 ranks of examples/heat.py (600 steps)")
@@ -77,13 +77,17 @@ def demo() -> int:
     taken = ckpt("checkpoint", "--kill", "--ckpt-dir", ckpt_dir)
     print(f"$ ckpt checkpoint --kill   (at step ~{step})\n  {taken.stdout.strip() or taken.stderr.strip()}")
     job.communicate(timeout=60)
-    restarted = ckpt("restart", "--ckpt-dir", ckpt_dir)
-    print("$ ckpt restart\n  " + "\n  ".join(results(restarted.stdout)))
+    restarted = ckpt("restart", "--transport", "tcp", "--ckpt-dir", ckpt_dir)
+    print(
+        "$ ckpt restart --transport tcp   (the checkpoint was taken on simib)\n  "
+        + "\n  ".join(results(restarted.stdout))
+    )
     if taken.returncode or restarted.returncode or results(restarted.stdout) != results(plain.stdout):
         print("demo FAILED: the restarted run differs from the uninterrupted one", file=sys.stderr)
         print(restarted.stderr, file=sys.stderr)
         return 1
     print("demo OK: the restarted run's results equal the uninterrupted run's")
+    print(f"ckpt is installed in {VENV}: `. .venv/bin/activate` puts it on PATH (README: A first hour)")
     shutil.rmtree(work, ignore_errors=True)
     return 0
 
