@@ -461,5 +461,6 @@ def report(outcome: dict[str, Any], ckpt_dir: Path) -> int:
         hint = f"; restart with: ckpt restart --ckpt-dir {ckpt_dir}" if last else ""
         print(f"ckpt: {outcome['message']}{hint}", file=sys.stderr)
         return EXIT_OK
+    sys.stderr.write(outcome.get("traceback", ""))  # the failing program's own frames, once
     print(f"error: {outcome['message']}", file=sys.stderr)
     return EXIT_FAILED

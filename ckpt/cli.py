@@ -175,10 +175,13 @@ def _add_plugin_options(argv: list[str]) -> None:
 
     host = PluginHost().load(_values_of(argv, "--with-plugin"), _values_of(argv, "--disable-plugin"))
     taken = {opt for command in (launch, restart) for param in command.params for opt in param.opts}
+    added = {param.name for param in launch.params if (param.name or "").startswith(_PLUGIN_OPTION)}
     for declared in host.pm.hook.ckpt_add_options():
         for spec in declared:
             name = str(spec["name"])
             flag = f"--{name}"
+            if _PLUGIN_OPTION + name.replace("-", "_") in added:
+                continue  # main() ran before in this process (tests): the option is there already
             if flag in taken:
                 raise CkptError(f"a plugin declares option {flag}, which is already taken")
             taken.add(flag)

@@ -98,6 +98,34 @@ def test_an_image_of_another_program(ckpt_copy: Path, tmp_path: Path) -> None:
     _one_error_line(run("restart", "--ckpt-dir", str(ckpt_copy)), "belongs to program 'counter'")
 
 
+def test_an_image_of_another_rank(ckpt_copy: Path) -> None:
+    shutil.copy(ckpt_copy / "ckpt_heat_1_1.ckpt", ckpt_copy / "ckpt_heat_0_1.ckpt")
+    _one_error_line(
+        run("restart", "--ckpt-dir", str(ckpt_copy)), "ckpt_heat_0_1.ckpt is rank 1 of checkpoint 1", "expects rank 0"
+    )
+
+
+def test_an_image_of_an_older_checkpoint(ckpt_copy: Path) -> None:
+    job = Job(["restart", "--ckpt-dir", str(ckpt_copy)], ckpt_copy).start()
+    try:
+        taken = run("checkpoint", "--kill", "--ckpt-dir", str(ckpt_copy))  # queued until the restart runs
+        assert taken.returncode == 0 and "checkpoint 2 written" in taken.stdout, taken.stderr
+        assert job.wait() == 0
+    finally:
+        job.kill()
+    shutil.copy(ckpt_copy / "ckpt_heat_0_1.ckpt", ckpt_copy / "ckpt_heat_0_2.ckpt")
+    _one_error_line(
+        run("restart", "--ckpt-dir", str(ckpt_copy)),
+        "ckpt_heat_0_2.ckpt is rank 0 of checkpoint 1",
+        "expects rank 0 of checkpoint 2",
+    )
+
+
+def test_a_garbage_latest_pointer(ckpt_copy: Path) -> None:
+    (ckpt_copy / "latest").write_bytes(b"\xff\xfe\x00\x01garbage")
+    _one_error_line(run("restart", "--ckpt-dir", str(ckpt_copy)), "latest is damaged")
+
+
 def test_a_wrong_token(ckpt_copy: Path) -> None:
     done = run("restart", "--ckpt-dir", str(ckpt_copy), extra_env={"CKPT_TOKEN": "not-the-job-token"})
     _one_error_line(done, "not authentic", "CKPT_TOKEN")
@@ -226,3 +254,26 @@ def test_a_changed_program_restarts_with_a_warning(start_job: Callable[..., Job]
     again = run("restart", "--ckpt-dir", str(ckpt_dir), timeout=120)
     assert again.returncode == 0, again.stderr
     assert f"warning: {program} changed since checkpoint 1" in again.stderr
+
+
+def test_a_program_that_raises_on_every_rank_is_reported_once(tmp_path: Path) -> None:
+    program = tmp_path / "raises.py"
+    program.write_text(
+        "import ckpt\n"
+        "class Raises(ckpt.Program):\n"
+        "    def setup(self, rt):\n"
+        "        self.i = 0\n"
+        "    def step(self, rt):\n"
+        "        self.i += 1\n"
+        "        if self.i == 3:\n"
+        "            raise ValueError(f'bad value on rank {rt.rank}')\n"
+        "        return True\n"
+    )
+    done = run("launch", "-n", "4", "--ckpt-dir", str(tmp_path / "ckpt"), str(program))
+    assert done.returncode == 1
+    lines = [line for line in done.stderr.strip().splitlines() if not line.startswith(BANNER)]
+    # the program's own traceback once (its frames only, not ckpt's), then one error line
+    assert done.stderr.count("Traceback (most recent call last)") == 1, done.stderr
+    assert lines[1] == f'  File "{program}", line 8, in step', done.stderr
+    assert "ckpt/runtime" not in done.stderr
+    assert lines[-1].startswith("error: rank ") and "raised ValueError in step 2: bad value on rank" in lines[-1]

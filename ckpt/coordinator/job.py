@@ -225,12 +225,13 @@ class Job:
         tail = f"; the latest checkpoint is {latest}" if latest else "; there is no checkpoint to restart from"
         self.fail(reason + tail)
 
-    def fail(self, message: str) -> None:
+    def fail(self, message: str, *, detail: str = "") -> None:
+        """End the job as failed; `detail` is the failing program's traceback, shown once with `message`."""
         if self.outcome is not None:
-            return
+            return  # only the first failure is the job's: the others follow from it
         self._end_checkpoint(message)
         self.message = message
-        self._end({"status": "failed", "message": message})
+        self._end({"status": "failed", "message": message, **({"traceback": detail} if detail else {})})
         for rank in self._live():
             self._push(rank, {"op": "kill", "reason": message})
 

@@ -348,7 +348,7 @@ class Coordinator:
         self.job.progress[conn.rank] = (done, total)
 
     def _op_fatal(self, conn: _Connection, message: dict[str, Any], reply: Reply) -> None:
-        self.job.fail(f"rank {conn.rank} failed: {message.get('error')}")
+        self.job.fail(f"rank {conn.rank} failed: {message.get('error')}", detail=str(message.get("traceback") or ""))
         reply({})
 
 

@@ -224,9 +224,8 @@ class RankEngine:
         except CkptError as exc:
             self._fatal(str(exc))
         except Exception as exc:
-            _print_program_traceback(exc)
             where = f"step {self.step}" if self.image_header or self.step else "setup or step 0"
-            self._fatal(f"the program raised {type(exc).__name__} in {where}: {exc}")
+            self._fatal(f"the program raised {type(exc).__name__} in {where}: {exc}", _program_traceback(exc))
         self._done.wait()
         with self._cv:  # a checkpoint being aborted as the job ends finishes its hooks first
             while self._hold:
@@ -300,14 +299,17 @@ class RankEngine:
             return 0
         return int(self.client.call("checkpoint")["number"])
 
-    def _fatal(self, message: str) -> NoReturn:
+    def _fatal(self, message: str, traceback_text: str = "") -> NoReturn:
+        """Report why this rank cannot go on, and exit.  Under `ckpt launch` the launcher prints it, once
+        for the job (with the program's traceback if it raised): not every rank that fails after the first."""
         reported = False
         try:
-            self.client.call("fatal", reply_timeout=10.0, error=message)
+            self.client.call("fatal", reply_timeout=10.0, error=message, traceback=traceback_text)
             reported = True
         except CoordinatorError:
             pass
-        if not reported or self.spec.get("print_result"):  # else the launcher prints it, once
+        if not reported or self.spec.get("print_result"):
+            sys.stderr.write(traceback_text)
             print(f"ckpt rank {self.rank}: {message}", file=sys.stderr, flush=True)
         _exit(1)
 
@@ -517,15 +519,13 @@ class RankEngine:
         }
 
 
-def _print_program_traceback(exc: BaseException) -> None:
+def _program_traceback(exc: BaseException) -> str:
     """The program's own traceback (its frames, not ckpt's), so its author sees where it failed."""
     package = str(Path(__file__).resolve().parent.parent)
     tb = exc.__traceback__
     while tb is not None and tb.tb_frame.f_code.co_filename.startswith(package):
         tb = tb.tb_next
-    text = "".join(traceback.format_exception(type(exc), exc, tb))
-    sys.stderr.write(text)
-    sys.stderr.flush()
+    return "".join(traceback.format_exception(type(exc), exc, tb))
 
 
 def _exit(code: int) -> NoReturn:

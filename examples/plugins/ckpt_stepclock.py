@@ -62,7 +62,7 @@ EXCHANGE_TIMEOUT = 60.0  # seconds to wait for the other ranks' values
 log = logging.getLogger(__name__)
 
 # Imported while the rank process loads its plugins, before a restarted rank
-# reads its image: ckpt_init - this is how long connecting and loading took.
+# reads its image: ckpt_restart - this is how long connecting and loading took.
 _IMPORTED = time.monotonic()
 
 
@@ -229,7 +229,7 @@ def ckpt_restart(rt: ckpt.Runtime, image: ImageContents) -> None:
         if saved["current"] is not None:
             # The checkpoint this restart comes from, as it was when its image was written.
             _clock.history.append({**saved["current"], "restored": True})
-    loaded = round(_clock.marks["init"] - _IMPORTED, 6)
+    loaded = round(_clock.marks["restart"] - _IMPORTED, 6)
     _clock.current = {"generation": rt.generation, "step": rt.step, "at": time.time(), "load": loaded}
     rt.kv.publish(NAMESPACE, f"load:{rt.rank}", loaded)
 

@@ -15,7 +15,7 @@
 #
 # Addresses are virtual too: MR.buf is the address of the first registration;
 # after a restart the same buffer lives elsewhere, so local SGE addresses are
-# translated by lkey and remote addresses by rkey (DESIGN §5).
+# translated by lkey and remote addresses by rkey (docs/ib.md).
 #
 # Every real send WR is posted with the plugin's own wr_id (a sequence
 # number).  It is SIGNALED when the program asked for a completion, and always
