@@ -58,6 +58,23 @@ def run(
     )
 
 
+#: What launch / restart say at start (job id, directory, how to checkpoint it): not error lines.
+BANNER = ("ckpt: job ", "ckpt: checkpoint it with")
+
+
+def one_error_line(done: subprocess.CompletedProcess[str], *needles: str) -> str:
+    """The one `error: ...` line a refused command printed (besides launch's banner), containing `needles`."""
+    assert done.returncode != 0
+    assert "Traceback" not in done.stderr, done.stderr
+    lines = [line for line in done.stderr.strip().splitlines() if not line.startswith(BANNER)]
+    assert len(lines) == 1, done.stderr
+    (line,) = lines
+    assert line.startswith("error: "), line
+    for needle in needles:
+        assert needle in line, line
+    return line
+
+
 def start_fabric(directory: Path, *args: str) -> tuple[dict[str, Any], str]:
     """`ckpt fabric start --dir DIRECTORY ARGS`: (its fabric.json, its stdout). The fabric outlives the
     command: kill its record["pid"] (kill_pids) when done."""

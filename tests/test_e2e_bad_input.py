@@ -11,26 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from harness import EXAMPLES, PROGRAMS, Job, results, run
+from harness import BANNER, EXAMPLES, PROGRAMS, Job, one_error_line, results, run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
 HEAT = [str(EXAMPLES / "heat.py"), "300", "500", "2"]
-#: what launch / restart say at start (job id, directory, how to checkpoint it): not an error line
-BANNER = ("ckpt: job ", "ckpt: checkpoint it with")
-
-
-def _one_error_line(done: object, *needles: str) -> str:
-    returncode, stderr = done.returncode, done.stderr  # type: ignore[attr-defined]
-    assert returncode != 0
-    assert "Traceback" not in stderr, stderr
-    lines = [line for line in stderr.strip().splitlines() if not line.startswith(BANNER)]
-    assert len(lines) == 1, stderr
-    (line,) = lines
-    assert line.startswith("error: "), line
-    for needle in needles:
-        assert needle in line, line
-    return line
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +50,7 @@ def test_a_truncated_image(ckpt_copy: Path) -> None:
     image = ckpt_copy / "ckpt_heat_1_1.ckpt"
     data = image.read_bytes()
     image.write_bytes(data[: len(data) // 2])
-    _one_error_line(run("restart", "--ckpt-dir", str(ckpt_copy)), "ckpt_heat_1_1.ckpt", "truncated")
+    one_error_line(run("restart", "--ckpt-dir", str(ckpt_copy)), "ckpt_heat_1_1.ckpt", "truncated")
 
 
 def test_a_flipped_byte_in_an_image(ckpt_copy: Path) -> None:
@@ -74,7 +59,7 @@ def test_a_flipped_byte_in_an_image(ckpt_copy: Path) -> None:
     position = random.Random(7).randrange(len(data) // 2, len(data) - 100)
     data[position] ^= 0x40
     image.write_bytes(bytes(data))
-    line = _one_error_line(run("restart", "--ckpt-dir", str(ckpt_copy), timeout=60), "rank 0")
+    line = one_error_line(run("restart", "--ckpt-dir", str(ckpt_copy), timeout=60), "rank 0")
     assert "ckpt_heat_0_1.ckpt" in line and ("damaged" in line or "checksum" in line or "corrupt" in line), line
 
 
@@ -93,14 +78,14 @@ def test_an_image_of_another_program(ckpt_copy: Path, tmp_path: Path) -> None:
     # keep the manifest authentic: only the image is foreign, and its size matches the manifest's
     size = (ckpt_copy / "ckpt_heat_1_1.ckpt").stat().st_size
     if size != data["ranks"][1]["bytes"]:
-        _one_error_line(run("restart", "--ckpt-dir", str(ckpt_copy)), "ckpt_heat_1_1.ckpt")
+        one_error_line(run("restart", "--ckpt-dir", str(ckpt_copy)), "ckpt_heat_1_1.ckpt")
         return
-    _one_error_line(run("restart", "--ckpt-dir", str(ckpt_copy)), "belongs to program 'counter'")
+    one_error_line(run("restart", "--ckpt-dir", str(ckpt_copy)), "belongs to program 'counter'")
 
 
 def test_an_image_of_another_rank(ckpt_copy: Path) -> None:
     shutil.copy(ckpt_copy / "ckpt_heat_1_1.ckpt", ckpt_copy / "ckpt_heat_0_1.ckpt")
-    _one_error_line(
+    one_error_line(
         run("restart", "--ckpt-dir", str(ckpt_copy)), "ckpt_heat_0_1.ckpt is rank 1 of checkpoint 1", "expects rank 0"
     )
 
@@ -114,7 +99,7 @@ def test_an_image_of_an_older_checkpoint(ckpt_copy: Path) -> None:
     finally:
         job.kill()
     shutil.copy(ckpt_copy / "ckpt_heat_0_1.ckpt", ckpt_copy / "ckpt_heat_0_2.ckpt")
-    _one_error_line(
+    one_error_line(
         run("restart", "--ckpt-dir", str(ckpt_copy)),
         "ckpt_heat_0_2.ckpt is rank 0 of checkpoint 1",
         "expects rank 0 of checkpoint 2",
@@ -123,12 +108,12 @@ def test_an_image_of_an_older_checkpoint(ckpt_copy: Path) -> None:
 
 def test_a_garbage_latest_pointer(ckpt_copy: Path) -> None:
     (ckpt_copy / "latest").write_bytes(b"\xff\xfe\x00\x01garbage")
-    _one_error_line(run("restart", "--ckpt-dir", str(ckpt_copy)), "latest is damaged")
+    one_error_line(run("restart", "--ckpt-dir", str(ckpt_copy)), "latest is damaged")
 
 
 def test_a_wrong_token(ckpt_copy: Path) -> None:
     done = run("restart", "--ckpt-dir", str(ckpt_copy), extra_env={"CKPT_TOKEN": "not-the-job-token"})
-    _one_error_line(done, "not authentic", "CKPT_TOKEN")
+    one_error_line(done, "not authentic", "CKPT_TOKEN")
 
 
 def test_a_tampered_manifest(ckpt_copy: Path) -> None:
@@ -136,21 +121,21 @@ def test_a_tampered_manifest(ckpt_copy: Path) -> None:
     data = json.loads(manifest.read_text())
     data["argv"] = ["999999"]
     manifest.write_text(json.dumps(data))
-    _one_error_line(run("restart", "--ckpt-dir", str(ckpt_copy)), "not authentic")
+    one_error_line(run("restart", "--ckpt-dir", str(ckpt_copy)), "not authentic")
 
 
 def test_a_manifest_that_is_not_one(ckpt_copy: Path) -> None:
     (ckpt_copy / "ckpt_heat_1.json").write_text("{not json")
-    _one_error_line(run("restart", str(ckpt_copy / "ckpt_heat_1.json")), "ckpt_heat_1.json")
+    one_error_line(run("restart", str(ckpt_copy / "ckpt_heat_1.json")), "ckpt_heat_1.json")
 
 
 def test_a_missing_image(ckpt_copy: Path) -> None:
     (ckpt_copy / "ckpt_heat_0_1.ckpt").unlink()
-    _one_error_line(run("restart", "--ckpt-dir", str(ckpt_copy)), "ckpt_heat_0_1.ckpt", "missing")
+    one_error_line(run("restart", "--ckpt-dir", str(ckpt_copy)), "ckpt_heat_0_1.ckpt", "missing")
 
 
 def test_no_checkpoint_at_all(tmp_path: Path) -> None:
-    _one_error_line(run("restart", "--ckpt-dir", str(tmp_path / "empty")), "no checkpoint")
+    one_error_line(run("restart", "--ckpt-dir", str(tmp_path / "empty")), "no checkpoint")
 
 
 def test_an_unreachable_coordinator(tmp_path: Path) -> None:
@@ -158,9 +143,9 @@ def test_an_unreachable_coordinator(tmp_path: Path) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # bound but not listening: connection refused
         done = run("status", "--coordinator", f"127.0.0.1:{port}", extra_env={"CKPT_TOKEN": "x"})
-    _one_error_line(done, "cannot reach the coordinator", f"127.0.0.1:{port}")
-    _one_error_line(run("checkpoint", "--ckpt-dir", str(tmp_path / "nojob")), "no coordinator")
-    _one_error_line(run("status", "--coordinator", "nonsense", extra_env={"CKPT_TOKEN": "x"}), "HOST:PORT")
+    one_error_line(done, "cannot reach the coordinator", f"127.0.0.1:{port}")
+    one_error_line(run("checkpoint", "--ckpt-dir", str(tmp_path / "nojob")), "no coordinator")
+    one_error_line(run("status", "--coordinator", "nonsense", extra_env={"CKPT_TOKEN": "x"}), "HOST:PORT")
 
 
 def test_a_port_in_use(tmp_path: Path) -> None:
@@ -169,23 +154,23 @@ def test_a_port_in_use(tmp_path: Path) -> None:
         s.listen()
         port = s.getsockname()[1]
         done = run("launch", "--port", str(port), "--ckpt-dir", str(tmp_path / "ckpt"), *HEAT)
-    _one_error_line(done, "cannot listen", str(port))
+    one_error_line(done, "cannot listen", str(port))
 
 
 def test_bad_programs_and_options(tmp_path: Path) -> None:
     ckpt_dir = ["--ckpt-dir", str(tmp_path / "ckpt")]
-    _one_error_line(run("launch", *ckpt_dir, str(tmp_path / "missing.py")), "missing.py")
+    one_error_line(run("launch", *ckpt_dir, str(tmp_path / "missing.py")), "missing.py")
     empty = tmp_path / "empty.py"
     empty.write_text("x = 1\n")
-    _one_error_line(run("launch", *ckpt_dir, str(empty)), "exactly one ckpt.Program subclass")
+    one_error_line(run("launch", *ckpt_dir, str(empty)), "exactly one ckpt.Program subclass")
     broken = tmp_path / "broken.py"
     broken.write_text("import ckpt\nraise RuntimeError('boom')\n")
-    _one_error_line(run("launch", *ckpt_dir, str(broken)), "RuntimeError: boom")
-    _one_error_line(run("launch", "--transport", "carrier-pigeon", *ckpt_dir, *HEAT), "unknown transport")
+    one_error_line(run("launch", *ckpt_dir, str(broken)), "RuntimeError: boom")
+    one_error_line(run("launch", "--transport", "carrier-pigeon", *ckpt_dir, *HEAT), "unknown transport")
     tcp = ["--transport", "tcp"]
-    _one_error_line(run("launch", *tcp, "--native", *ckpt_dir, *HEAT), "ib2tcp plugin", "--native")
-    _one_error_line(run("launch", *tcp, "--disable-plugin", "ib2tcp", *ckpt_dir, *HEAT), "--disable-plugin")
-    _one_error_line(run("launch", *tcp, "--fabric-latency", "2us", *ckpt_dir, *HEAT), "simib's links")
+    one_error_line(run("launch", *tcp, "--native", *ckpt_dir, *HEAT), "ib2tcp plugin", "--native")
+    one_error_line(run("launch", *tcp, "--disable-plugin", "ib2tcp", *ckpt_dir, *HEAT), "--disable-plugin")
+    one_error_line(run("launch", *tcp, "--fabric-latency", "2us", *ckpt_dir, *HEAT), "simib's links")
 
 
 def test_a_wrong_token_for_a_running_job(start_job: Callable[..., Job], tmp_path: Path) -> None:
@@ -194,7 +179,7 @@ def test_a_wrong_token_for_a_running_job(start_job: Callable[..., Job], tmp_path
     job.wait_step(1)
     address = json.loads((ckpt_dir / "coordinator.json").read_text())["address"]
     done = run("status", "--coordinator", address, extra_env={"CKPT_TOKEN": "wrong"})
-    _one_error_line(done, "CKPT_TOKEN")
+    one_error_line(done, "CKPT_TOKEN")
     assert job.wait() == 0, job.stderr
 
 
@@ -233,13 +218,13 @@ def test_inspect_shows_header_sizes_checksum_and_objects_and_flags_damage(ckpt_c
     data = bytearray(image.read_bytes())
     data[len(data) // 2] ^= 0xFF
     image.write_bytes(bytes(data))
-    _one_error_line(run("inspect", str(image)), "damaged")
+    one_error_line(run("inspect", str(image)), "damaged")
     manifest = run("inspect", str(ckpt_copy / "ckpt_heat_1.json"))
     assert "manifest of checkpoint 1 of heat" in manifest.stdout and "authentic: yes" in manifest.stdout
     assert "rank   1  ckpt_heat_1_1.ckpt" in manifest.stdout and " ok" in manifest.stdout
-    _one_error_line(manifest, "ckpt_heat_0_1.ckpt", "damaged")
+    one_error_line(manifest, "ckpt_heat_0_1.ckpt", "damaged")
     (ckpt_copy / "notes.txt").write_text("hello")
-    _one_error_line(run("inspect", str(ckpt_copy / "notes.txt")), "neither a ckpt image nor a ckpt manifest")
+    one_error_line(run("inspect", str(ckpt_copy / "notes.txt")), "neither a ckpt image nor a ckpt manifest")
 
 
 def test_a_changed_program_restarts_with_a_warning(start_job: Callable[..., Job], tmp_path: Path) -> None:

@@ -14,27 +14,13 @@ from pathlib import Path
 import pytest
 
 from ckpt import _jobdir as jobdir
-from harness import EXAMPLES, PROGRAMS, Job, results, run, wait_for
+from harness import EXAMPLES, PROGRAMS, Job, one_error_line, results, run, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
 HEAT = str(EXAMPLES / "heat.py")
 LONG = [HEAT, "100000", "200"]  # runs until killed
 SHORT = [HEAT, "400", "200", "1"]
-BANNER = ("ckpt: job ", "ckpt: checkpoint it with")
-
-
-def _one_error_line(done: object, *needles: str) -> str:
-    returncode, stderr = done.returncode, done.stderr  # type: ignore[attr-defined]
-    assert returncode != 0
-    assert "Traceback" not in stderr, stderr
-    lines = [line for line in stderr.strip().splitlines() if not line.startswith(BANNER)]
-    assert len(lines) == 1, stderr
-    (line,) = lines
-    assert line.startswith("error: "), line
-    for needle in needles:
-        assert needle in line, line
-    return line
 
 
 def _checkpoint_and_kill(job: Job, ckpt_dir: Path, step: int = 5) -> None:
@@ -57,7 +43,7 @@ def test_a_live_directory_is_refused_to_a_second_launch_and_a_restart(
         ["launch", "-n", "2", "--ckpt-dir", str(ckpt_dir), *SHORT],
         ["restart", "--ckpt-dir", str(ckpt_dir)],
     ):
-        _one_error_line(run(*command), f"job {job_id} is still running in {ckpt_dir}", "ckpt kill")
+        one_error_line(run(*command), f"job {job_id} is still running in {ckpt_dir}", "ckpt kill")
     assert (ckpt_dir / "coordinator.json").read_text() == before, "the refused command touched the job file"
     assert first.status()["job"] == job_id  # type: ignore[index]  # the first job is still reachable
     assert run("kill", "--ckpt-dir", str(ckpt_dir)).returncode == 0
@@ -104,7 +90,7 @@ def test_a_latest_pointer_that_cannot_be_written_keeps_the_previous_checkpoint(
     assert run("checkpoint", "--wait", "--ckpt-dir", str(ckpt_dir)).returncode == 0
     (ckpt_dir / "latest.tmp").mkdir()  # as a full disk would, the pointer cannot be replaced
     failed = run("checkpoint", "--wait", "--ckpt-dir", str(ckpt_dir))
-    _one_error_line(failed, "checkpoint 2", "latest")
+    one_error_line(failed, "checkpoint 2", "latest")
     (ckpt_dir / "latest.tmp").rmdir()
     assert (ckpt_dir / "latest").read_text().strip() == "ckpt_counter_1.json"
     assert sorted(p.name for p in ckpt_dir.glob("ckpt_counter_*")) == [
@@ -200,7 +186,7 @@ def test_a_restart_reuses_the_plugins_options_and_settings_of_the_checkpoint(
 
 def test_a_launch_only_plugin_option_is_not_offered_by_restart(tmp_path: Path) -> None:
     done = run("restart", "--dsm-protocol", "onesided", "--ckpt-dir", str(tmp_path / "ckpt"))
-    line = _one_error_line(done, "No such option", "--dsm-protocol")
+    line = one_error_line(done, "No such option", "--dsm-protocol")
     assert done.returncode == 2, line
     assert "--dsm-protocol" in run("launch", "--help").stdout
 
@@ -209,16 +195,16 @@ def test_typos_and_contract_breaches_are_one_line(tmp_path: Path) -> None:
     ckpt_dir = ["--ckpt-dir", str(tmp_path / "ckpt")]
     typo = run("launch", "--chekpoint-dir", "x", *SHORT)
     assert typo.returncode == 2
-    _one_error_line(typo, "No such option '--chekpoint-dir'", "Did you mean '--ckpt-dir'?")
+    one_error_line(typo, "No such option '--chekpoint-dir'", "Did you mean '--ckpt-dir'?")
     none = tmp_path / "forgot_return.py"
     none.write_text(
         "import ckpt\nclass P(ckpt.Program):\n    def setup(self, rt):\n        self.i = 0\n"
         "    def step(self, rt):\n        self.i += 1\n"
     )
-    _one_error_line(run("launch", "-n", "2", *ckpt_dir, str(none)), "P.step() returned None", "True", "False")
+    one_error_line(run("launch", "-n", "2", *ckpt_dir, str(none)), "P.step() returned None", "True", "False")
     twice = run("launch", *ckpt_dir, "--with-plugin", "ckpt_initprobe", "--with-plugin", "ckpt_initprobe", *SHORT[:2])
     assert twice.returncode == 0, twice.stderr
-    _one_error_line(run("restart", str(tmp_path / "nonexistent.json")), "no checkpoint at", "nonexistent.json")
+    one_error_line(run("restart", str(tmp_path / "nonexistent.json")), "no checkpoint at", "nonexistent.json")
 
 
 def test_an_image_from_a_copy_of_the_directory_is_refused(start_job: Callable[..., Job], tmp_path: Path) -> None:
@@ -231,7 +217,7 @@ def test_an_image_from_a_copy_of_the_directory_is_refused(start_job: Callable[..
         again = start_job("restart", "--ckpt-dir", str(directory), ckpt_dir=directory)
         _checkpoint_and_kill(again, directory, step=step)
     shutil.copy(copy / "ckpt_heat_1_2.ckpt", original / "ckpt_heat_1_2.ckpt")
-    _one_error_line(run("restart", "--ckpt-dir", str(original)), "ckpt_heat_1_2.ckpt", "another checkpoint's image")
+    one_error_line(run("restart", "--ckpt-dir", str(original)), "ckpt_heat_1_2.ckpt", "another checkpoint's image")
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root to act as nobody")
@@ -244,8 +230,8 @@ def test_a_directory_that_cannot_be_written() -> None:
         as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--"]
         for command in (["launch", str(PROGRAMS / "counter.py")], ["restart"]):
             done = run(command[0], "--ckpt-dir", str(locked / "sub"), *command[1:], prefix=as_nobody)
-            _one_error_line(done, f"cannot create the checkpoint directory {locked / 'sub'}", "Permission denied")
+            one_error_line(done, f"cannot create the checkpoint directory {locked / 'sub'}", "Permission denied")
             done = run(command[0], "--ckpt-dir", str(locked), *command[1:], prefix=as_nobody)
-            _one_error_line(done, f"cannot write to the checkpoint directory {locked}", "permission denied")
+            one_error_line(done, f"cannot write to the checkpoint directory {locked}", "permission denied")
     finally:
         shutil.rmtree(top)

@@ -134,3 +134,13 @@ def test_the_first_hour_from_another_directory(
 
 def test_the_default_directory_is_ignored_by_git() -> None:
     assert "ckpt-images/" in (ROOT / ".gitignore").read_text().split()
+
+
+def test_the_plugins_readme_lists_the_plugins_that_exist() -> None:
+    text = (ROOT / "plugins" / "README.md").read_text()
+    packages = sorted(p.name for p in (ROOT / "plugins").iterdir() if p.is_dir() and p.name.startswith("ckpt_"))
+    assert packages, "no plugin packages found"
+    for name in packages:
+        assert f"| `{name}` |" in text, f"plugins/README.md does not list {name}"
+    listed = re.findall(r"^\| `(ckpt_\w+)` \|", text, re.M)
+    assert sorted(listed) == packages, "plugins/README.md lists a plugin that does not exist"

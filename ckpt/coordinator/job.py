@@ -175,6 +175,7 @@ class Job:
         if self.all_joined() and not self._complete_announced:
             self._complete_announced = True
             self.message = f"all {self.size} ranks joined (generation {self.generation})"
+            log.info("job %s: %s", self.job_id, self.message)
             if not self.restarting:
                 self._arm_interval()
                 self._start_queued()
@@ -482,6 +483,7 @@ class Job:
         self._ckpt = ckpt
         ckpt.started = time.time()
         self.message = f"checkpoint {ckpt.number} in progress"
+        log.info("checkpoint %d started%s", ckpt.number, " (then the job ends)" if ckpt.kill else "")
         ckpt.timer = self._arm_phase_timer(ckpt)
         for rank in self._live():
             self._push(rank, {"op": "suspend", "number": ckpt.number})
@@ -571,6 +573,7 @@ class Job:
             ckpt.timer.cancel()
         assert ckpt.manifest is not None
         self.message = f"checkpoint {ckpt.number} written: {ckpt.manifest['path']}"
+        log.info("%s", self.message)
         waiters, ckpt.waiters = ckpt.waiters, []
         for waiter in waiters:
             waiter({"checkpoint": self.last_checkpoint})
