@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import hmac
 import json
 import pickle
 import struct
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -358,6 +360,23 @@ def test_unpicklable_state_leaves_no_file(tmp_path: Path) -> None:
         write_image(path, {"lock": __import__("threading").Lock()}, header=HEADER, token=TOKEN)
     assert "\n" not in str(caught.value)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_write_image_lets_go_of_the_state_at_once(tmp_path: Path) -> None:
+    """No reference cycle keeps the pickled state alive after the write: gc is off, refcounts must do."""
+    program = Grid(100_000)  # 800 KB: out of band
+    blob = program.blob = bytearray(100_000)  # type: ignore[attr-defined]
+    owner, values = weakref.ref(program), weakref.ref(program.values)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        write_image(tmp_path / "img.ckpt", {"program": program}, header=HEADER, token=TOKEN)
+        del program
+        assert owner() is None and values() is None
+        blob.append(1)  # a bytearray still exported through a view could not grow
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def test_header_must_be_json(tmp_path: Path) -> None:
