@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import EXAMPLES, PROGRAMS, Job, results, run
+from harness import EXAMPLES, PROGRAMS, Job, results, run, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
@@ -219,3 +219,26 @@ def test_a_changed_program_restarts_with_a_warning(start_job: Callable[..., Job]
     again = run("restart", "--ckpt-dir", str(ckpt_dir), timeout=120)
     assert again.returncode == 0, again.stderr
     assert f"warning: {program} changed since checkpoint 1" in again.stderr
+
+
+def test_state_that_does_not_pickle_is_named_at_launch_and_at_each_checkpoint(
+    start_job: Callable[..., Job], tmp_path: Path
+) -> None:
+    ckpt_dir = tmp_path / "ckpt"
+    job = start_job("launch", "-n", "2", "--ckpt-dir", str(ckpt_dir), str(PROGRAMS / "holds_lock.py"), "100000")
+    warning = "warning: program.guard (a _thread.lock) cannot be pickled; checkpoints of this job will fail"
+    wait_for(lambda: job.read()[1].count(warning) == 2, 60, "a warning from each rank")
+    assert sorted(line for line in job.stderr.splitlines()) == [f"ckpt rank {r}: {warning}" for r in (0, 1)]
+    job.wait_step(1)
+    taken = run("checkpoint", "--wait", "--ckpt-dir", str(ckpt_dir))
+    reason = (
+        "cannot pickle the program state: attribute program.guard (a _thread.lock) cannot be pickled: "
+        "TypeError: cannot pickle '_thread.lock' object"
+    )
+    line = _one_error_line(taken, "checkpoint 1 could not be written", f"rank 0: {reason}", f"rank 1: {reason}")
+    assert str(ckpt_dir) not in line  # no image path: nothing about the file was wrong
+    step = min(r["step"] for r in job.wait_step(1)["ranks"])
+    job.wait_step(step + 5)  # the job runs on
+    assert run("kill", "--ckpt-dir", str(ckpt_dir)).returncode == 0
+    assert job.wait() == 0, job.stderr
+    assert "Traceback" not in job.stderr, job.stderr

@@ -66,6 +66,9 @@ from ckpt._errors import ImageError
 from ckpt.runtime._describe import describe_objects
 from ckpt.runtime._pickling import (
     ImageUnpickler,
+    Unpicklable,
+    UnpicklableStateError,
+    find_unpicklable,
     pickle_with_buffers,
     release,
 )
@@ -74,7 +77,10 @@ __all__ = [
     "FORMAT_VERSION",
     "MAGIC",
     "ImageInfo",
+    "Unpicklable",
+    "UnpicklableStateError",
     "describe_objects",
+    "find_unpicklable",
     "inspect_image",
     "read_header",
     "read_image",
@@ -146,7 +152,9 @@ def write_image(path: str | os.PathLike[str], obj: object, *, header: dict[str, 
 
     The stored header is ``header`` plus ``format_version``, ``created`` and
     ``objects`` (see `describe_objects`).  The caller fsyncs the directory.
-    Raises ImageError if the state cannot be pickled or the file not written.
+    Raises ImageError if the file cannot be written, UnpicklableStateError
+    (an ImageError naming the part that fails, see `find_unpicklable`) if the
+    state cannot be pickled.
     """
     started = time.perf_counter()
     final_path = os.fspath(path)
@@ -185,7 +193,11 @@ def _pickle(obj: object, path: str) -> list[tuple[int, memoryview]]:
     try:
         stream, buffers = pickle_with_buffers(obj)
     except Exception as exc:
-        raise ImageError(f"cannot write checkpoint image {path}: state is not picklable ({_one_line(exc)})") from exc
+        # None: it failed once only, so no part can be blamed; name the whole state, unsure
+        culprit = find_unpicklable(obj) or Unpicklable("<root>", type(obj).__qualname__, _one_line(exc), exact=False)
+        raise UnpicklableStateError(
+            f"cannot write checkpoint image {path}: cannot pickle the state: {culprit}", culprit
+        ) from exc
     kinds = {False: _SECTION_BUFFER, True: _SECTION_BYTEARRAY}
     return [(_SECTION_PICKLE, stream), *((kinds[is_bytearray], view) for is_bytearray, view in buffers)]
 
