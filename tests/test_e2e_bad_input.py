@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import BANNER, EXAMPLES, PROGRAMS, Job, one_error_line, results, run
+from harness import BANNER, EXAMPLES, PROGRAMS, Job, one_error_line, results, run, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
@@ -262,3 +262,27 @@ def test_a_program_that_raises_on_every_rank_is_reported_once(tmp_path: Path) ->
     assert lines[1] == f'  File "{program}", line 8, in step', done.stderr
     assert "ckpt/runtime" not in done.stderr
     assert lines[-1].startswith("error: rank ") and "raised ValueError in step 2: bad value on rank" in lines[-1]
+
+
+def test_state_that_does_not_pickle_is_named_at_launch_and_at_each_checkpoint(
+    start_job: Callable[..., Job], tmp_path: Path
+) -> None:
+    ckpt_dir = tmp_path / "ckpt"
+    job = start_job("launch", "-n", "2", "--ckpt-dir", str(ckpt_dir), str(PROGRAMS / "holds_lock.py"), "100000")
+    warning = "warning: program.guard (a _thread.lock) cannot be pickled; checkpoints of this job will fail"
+    wait_for(lambda: job.read()[1].count(warning) == 2, 60, "a warning from each rank")
+    lines = sorted(line for line in job.stderr.splitlines() if not line.startswith(BANNER))
+    assert lines == [f"ckpt rank {r}: {warning}" for r in (0, 1)]
+    job.wait_step(1)
+    taken = run("checkpoint", "--wait", "--ckpt-dir", str(ckpt_dir))
+    reason = (
+        "cannot pickle the program state: attribute program.guard (a _thread.lock) cannot be pickled: "
+        "TypeError: cannot pickle '_thread.lock' object"
+    )
+    line = one_error_line(taken, "checkpoint 1 could not be written", f"rank 0: {reason}", f"rank 1: {reason}")
+    assert str(ckpt_dir) not in line  # no image path: nothing about the file was wrong
+    step = min(r["step"] for r in job.wait_step(1)["ranks"])
+    job.wait_step(step + 5)  # the job runs on
+    assert run("kill", "--ckpt-dir", str(ckpt_dir)).returncode == 0
+    assert job.wait() == 0, job.stderr
+    assert "Traceback" not in job.stderr, job.stderr

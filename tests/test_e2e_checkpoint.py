@@ -9,6 +9,7 @@ import pty
 import struct
 import subprocess
 import termios
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -266,3 +267,30 @@ def test_ckpt_kill_ends_the_job_and_status_says_so(start_job: Callable[..., Job]
     assert state is not None and state["state"] == "killed"
     late = run("checkpoint", "--ckpt-dir", str(ckpt_dir))
     assert late.returncode == 1 and "has ended (killed)" in late.stderr
+
+
+def _rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+def test_checkpoints_do_not_pin_the_state_rss_stays_flat(start_job: Callable[..., Job], tmp_path: Path) -> None:
+    """A rank rebinding 128 MB of state every step keeps its RSS over twenty checkpoints (issue #11 item 7)."""
+    ckpt_dir = tmp_path / "ckpt"
+    job = start_job("launch", "--keep", "2", "--ckpt-dir", str(ckpt_dir), str(PROGRAMS / "bigstate.py"), "128")
+    job.wait_step(3)
+    (pid,) = job.rank_pids().values()
+    # Without checkpoints: the most it holds, the old and the new array of a step included.
+    baseline, until = 0, time.monotonic() + 1.0
+    while time.monotonic() < until:
+        baseline = max(baseline, _rss_kib(pid))
+        time.sleep(0.02)  # a sampling interval, not an ordering
+    assert baseline > 128 << 10, baseline  # the state is resident
+    seen = []
+    for _ in range(20):
+        taken = run("checkpoint", "--wait", "--ckpt-dir", str(ckpt_dir))
+        assert taken.returncode == 0, taken.stderr
+        seen.append(_rss_kib(pid))
+    assert max(seen) <= 2 * baseline, f"no-checkpoint RSS {baseline} KiB, after each checkpoint: {seen}"

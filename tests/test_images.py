@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import hmac
 import json
 import pickle
 import struct
+import threading
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +22,7 @@ from ckpt.runtime.images import (
     FORMAT_VERSION,
     MAGIC,
     ImageInfo,
+    UnpicklableStateError,
     describe_objects,
     inspect_image,
     read_header,
@@ -352,12 +356,36 @@ def test_tampered_image_with_recomputed_checksum_fails_the_hmac(image: Path) -> 
     read_image(image, token=TOKEN)  # with the token, the forgery would be accepted
 
 
-def test_unpicklable_state_leaves_no_file(tmp_path: Path) -> None:
+def test_unpicklable_state_leaves_no_file_and_names_the_attribute(tmp_path: Path) -> None:
     path = tmp_path / "img.ckpt"
-    with pytest.raises(ImageError, match="not picklable") as caught:
-        write_image(path, {"lock": __import__("threading").Lock()}, header=HEADER, token=TOKEN)
-    assert "\n" not in str(caught.value)
+    program = Grid(10)
+    program.lock = threading.Lock()  # type: ignore[attr-defined]
+    with pytest.raises(UnpicklableStateError) as caught:
+        write_image(path, {"program": program, "runtime": {"step": 3}}, header=HEADER, token=TOKEN)
+    assert str(caught.value) == (
+        f"cannot write checkpoint image {path}: cannot pickle the state: attribute program.lock "
+        "(a _thread.lock) cannot be pickled: TypeError: cannot pickle '_thread.lock' object"
+    )
+    assert caught.value.culprit.path == "program.lock"
+    assert isinstance(caught.value, ImageError)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_write_image_lets_go_of_the_state_at_once(tmp_path: Path) -> None:
+    """No reference cycle keeps the pickled state alive after the write: gc is off, refcounts must do."""
+    program = Grid(100_000)  # 800 KB: out of band
+    blob = program.blob = bytearray(100_000)  # type: ignore[attr-defined]
+    owner, values = weakref.ref(program), weakref.ref(program.values)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        write_image(tmp_path / "img.ckpt", {"program": program}, header=HEADER, token=TOKEN)
+        del program
+        assert owner() is None and values() is None
+        blob.append(1)  # a bytearray still exported through a view could not grow
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def test_header_must_be_json(tmp_path: Path) -> None:

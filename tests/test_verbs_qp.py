@@ -280,6 +280,114 @@ def test_post_recv_in_reset_fails_and_in_init_works(ctxs: tuple[v.Context, ...])
     post_recv(ep)
 
 
+# ---------------------------------------------------------------------- to_init / to_rtr / to_rts
+# pyverbs' qp.pyx: to_rts calls to_rtr unless the QP is in RTR, to_rtr calls to_init unless it is
+# in INIT, each step sending its own fixed mask (RESET->INIT, INIT->RTR, RTR->RTS required attributes).
+INIT_MASK = v.IBV_QP_STATE | v.IBV_QP_PKEY_INDEX | v.IBV_QP_PORT | v.IBV_QP_ACCESS_FLAGS
+UC_RTR_MASK = v.IBV_QP_STATE | v.IBV_QP_AV | v.IBV_QP_PATH_MTU | v.IBV_QP_DEST_QPN | v.IBV_QP_RQ_PSN
+RC_RTR_MASK = UC_RTR_MASK | v.IBV_QP_MAX_DEST_RD_ATOMIC | v.IBV_QP_MIN_RNR_TIMER
+UC_RTS_MASK = v.IBV_QP_STATE | v.IBV_QP_SQ_PSN
+RC_RTS_MASK = UC_RTS_MASK | v.IBV_QP_TIMEOUT | v.IBV_QP_RETRY_CNT | v.IBV_QP_RNR_RETRY | v.IBV_QP_MAX_QP_RD_ATOMIC
+
+
+def one_attr(dest_qp_num: int, dlid: int, *, sq_psn: int = 0x111, rq_psn: int = 0x222) -> v.QPAttr:
+    """One QPAttr with what INIT, RTR and RTS all need, as pyverbs programs pass to to_rts."""
+    attr = rtr_attr(dest_qp_num, dlid, rq_psn=rq_psn)
+    attr.qp_access_flags = ACCESS_ALL
+    attr.sq_psn, attr.timeout, attr.retry_cnt, attr.rnr_retry, attr.max_rd_atomic = sq_psn, 14, 7, 7, 16
+    return attr
+
+
+class RecordingOps:
+    """Delegates to a QP's operations table, noting the (state, mask) of every modify_qp."""
+
+    def __init__(self, ops: object) -> None:
+        self.ops = ops
+        self.modifies: list[tuple[int, int]] = []
+
+    def modify_qp(self, handle: object, attr: v.QPAttr, mask: int) -> None:
+        self.modifies.append((int(attr.qp_state), int(mask)))
+        self.ops.modify_qp(handle, attr, mask)  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.ops, name)
+
+
+def recording(qp: v.QP, monkeypatch: pytest.MonkeyPatch) -> RecordingOps:
+    ops = RecordingOps(qp._ops)
+    monkeypatch.setattr(qp, "_ops", ops)
+    return ops
+
+
+@pytest.mark.parametrize("start", [v.IBV_QPS_RESET, v.IBV_QPS_INIT, v.IBV_QPS_RTR], ids=["RESET", "INIT", "RTR"])
+def test_to_rts_walks_from_reset_init_or_rtr_with_one_attr(
+    ctxs: tuple[v.Context, ...], start: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    qp = _qp_in(ctxs, start)
+    ops = recording(qp, monkeypatch)
+    attr = one_attr(0x123, ctxs[1].query_port(1).lid)
+    qp.to_rts(attr)
+    assert qp.qp_state == v.IBV_QPS_RTS and attr.qp_state == v.IBV_QPS_RTS
+    steps = [(v.IBV_QPS_INIT, INIT_MASK), (v.IBV_QPS_RTR, RC_RTR_MASK), (v.IBV_QPS_RTS, RC_RTS_MASK)]
+    assert ops.modifies == steps[[v.IBV_QPS_RESET, v.IBV_QPS_INIT, v.IBV_QPS_RTR].index(start) :]
+    after = qp_attr(qp)
+    assert (after.sq_psn, after.timeout, after.max_rd_atomic) == (0x111, 14, 16)
+    if start == v.IBV_QPS_RESET:
+        assert (after.dest_qp_num, after.rq_psn, after.qp_access_flags) == (0x123, 0x222, ACCESS_ALL)
+
+
+def test_to_rtr_walks_from_reset_with_one_attr(ctxs: tuple[v.Context, ...], monkeypatch: pytest.MonkeyPatch) -> None:
+    qp = fresh_qp(ctxs[0])
+    ops = recording(qp, monkeypatch)
+    qp.to_rtr(one_attr(0x321, ctxs[1].query_port(1).lid))
+    assert qp.qp_state == v.IBV_QPS_RTR
+    assert ops.modifies == [(v.IBV_QPS_INIT, INIT_MASK), (v.IBV_QPS_RTR, RC_RTR_MASK)]
+    after = qp_attr(qp)
+    assert (after.dest_qp_num, after.qp_access_flags) == (0x321, ACCESS_ALL)
+
+
+def test_uc_to_rts_from_reset_sends_the_uc_masks(ctxs: tuple[v.Context, ...], monkeypatch: pytest.MonkeyPatch) -> None:
+    qp = fresh_qp(ctxs[0], v.IBV_QPT_UC)
+    ops = recording(qp, monkeypatch)
+    qp.to_rts(one_attr(0x77, ctxs[1].query_port(1).lid))  # RC-only attributes set, but not sent
+    assert qp.qp_state == v.IBV_QPS_RTS
+    assert ops.modifies == [(v.IBV_QPS_INIT, INIT_MASK), (v.IBV_QPS_RTR, UC_RTR_MASK), (v.IBV_QPS_RTS, UC_RTS_MASK)]
+
+
+def test_to_init_from_init_applies_the_init_attributes_again(ctxs: tuple[v.Context, ...]) -> None:
+    qp = _qp_in(ctxs, v.IBV_QPS_INIT)
+    qp.to_init(init_attr(v.IBV_ACCESS_LOCAL_WRITE))  # INIT -> INIT, with port, pkey index and access flags
+    assert qp.qp_state == v.IBV_QPS_INIT and qp_attr(qp).qp_access_flags == v.IBV_ACCESS_LOCAL_WRITE
+
+
+@pytest.mark.parametrize("method", ["to_rtr", "to_rts"])
+def test_to_rtr_from_rtr_and_to_rts_from_rts_fail_in_to_init_as_in_pyverbs(
+    ctxs: tuple[v.Context, ...], method: str
+) -> None:
+    qp = _qp_in(ctxs, v.IBV_QPS_RTR if method == "to_rtr" else v.IBV_QPS_RTS)
+    before = qp_attr(qp)
+    with pytest.raises(v.PyverbsRDMAError) as info:
+        getattr(qp, method)(one_attr(0x123, ctxs[1].query_port(1).lid))
+    assert info.value.error_code == errno.EINVAL
+    assert "INIT" in str(info.value)  # the step that failed: to_init, from RTR or RTS
+    assert qp_attr(qp) == before
+
+
+def test_rc_pair_connected_by_to_rts_alone_passes_data(ctxs: tuple[v.Context, ...]) -> None:
+    a, b = make_endpoint(ctxs[0], separate_cqs=True), make_endpoint(ctxs[1], separate_cqs=True)
+    a.qp.to_rts(one_attr(b.qp.qp_num, b.lid, sq_psn=5, rq_psn=9))
+    b.qp.to_rts(one_attr(a.qp.qp_num, a.lid, sq_psn=9, rq_psn=5))
+    a.buf[:5] = np.frombuffer(b"hello", np.uint8)
+    post_recv(b, RECV_OFF, 64, wr_id=3)
+    a.qp.post_send(send_wr([a.sge(0, 5)], wr_id=4))
+    assert poll_one(a.scq).status == v.IBV_WC_SUCCESS
+    assert (poll_one(b.rcq).wr_id, bytes(b.buf[RECV_OFF : RECV_OFF + 5])) == (3, b"hello")
+    b.buf[:8] = 7
+    a.qp.post_send(rdma_wr(v.IBV_WR_RDMA_READ, a.sge(100, 8), b.mr.rkey, b.mr.buf))
+    assert poll_one(a.scq).status == v.IBV_WC_SUCCESS
+    assert (a.buf[100:108] == 7).all()
+
+
 # ====================================================================== opcodes
 def test_send(pair: tuple[Endpoint, Endpoint]) -> None:
     a, b = pair

@@ -8,6 +8,7 @@
 #   own and every buffer is written straight from its own memory, never copied
 #   into one big stream first.  On restart each buffer is allocated once and
 #   read into in place, and numpy arrays come back as views over that memory.
+#   The pickling itself, and why it lets go of the state at once: _pickling.py.
 # * Buffers are cut into chunks so that memory in flight stays bounded and so
 #   that compression, hashing and I/O overlap on separate threads (lz4,
 #   hashlib and file I/O all release the GIL).  Each chunk picks its encoding.
@@ -48,28 +49,38 @@ import io
 import json
 import logging
 import os
-import pickle
 import struct
 import time
 import zlib
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import ExitStack, closing
 from dataclasses import dataclass, field
 from typing import Any, Final, final
 
-import cloudpickle
 import lz4.block
 import numpy as np
 
 from ckpt._errors import ImageError
 from ckpt.runtime._describe import describe_objects
+from ckpt.runtime._pickling import (
+    ImageUnpickler,
+    Unpicklable,
+    UnpicklableStateError,
+    find_unpicklable,
+    pickle_with_buffers,
+    release,
+)
 
 __all__ = [
     "FORMAT_VERSION",
     "MAGIC",
     "ImageInfo",
+    "Unpicklable",
+    "UnpicklableStateError",
     "describe_objects",
+    "find_unpicklable",
     "inspect_image",
     "read_header",
     "read_image",
@@ -106,7 +117,6 @@ _CHUNK_BYTES = 8 << 20  # chunk size the writer uses (tests shrink it)
 _MAX_CHUNK_BYTES: Final = 64 << 20  # largest chunk a reader accepts
 _PROBE_BYTES: Final = 64 << 10
 _WORTH_IT: Final = 0.75  # keep compressed output only if at most this fraction of the raw size
-_MIN_OUT_OF_BAND = 64 << 10  # smaller buffers stay in the pickle stream
 _MAX_HEADER_BYTES: Final = 16 << 20
 _MAX_LZ4_RATIO: Final = 256  # lz4 cannot expand data more than this
 _HASH_PIECE: Final = 8 << 20  # part of the format: the checksum hashes pieces of this size
@@ -143,7 +153,9 @@ def write_image(path: str | os.PathLike[str], obj: object, *, header: dict[str, 
 
     The stored header is ``header`` plus ``format_version``, ``created`` and
     ``objects`` (see `describe_objects`).  The caller fsyncs the directory.
-    Raises ImageError if the state cannot be pickled or the file not written.
+    Raises ImageError if the file cannot be written, UnpicklableStateError
+    (an ImageError naming the part that fails, see `find_unpicklable`) if the
+    state cannot be pickled.
     """
     started = time.perf_counter()
     final_path = os.fspath(path)
@@ -158,6 +170,7 @@ def write_image(path: str | os.PathLike[str], obj: object, *, header: dict[str, 
     except (TypeError, ValueError) as exc:
         raise ImageError(f"cannot write checkpoint image {final_path}: header is not JSON ({exc})") from exc
     sections = _pickle(obj, final_path)
+    raw_bytes = sum(view.nbytes for _, view in sections)
     prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(header_json), zlib.crc32(header_json)) + header_json
     tmp = final_path + ".tmp"
     try:
@@ -169,81 +182,41 @@ def write_image(path: str | os.PathLike[str], obj: object, *, header: dict[str, 
     except BaseException:
         _unlink_quietly(tmp)
         raise
-    raw_bytes = sum(view.nbytes for _, view in sections)
+    finally:
+        release([view for _, view in sections])  # the state's memory is the program's again, now
     info = ImageInfo(final_path, size, digest.hex(), time.perf_counter() - started, raw_bytes)
     logger.debug("wrote %s: %d bytes (%d raw) in %.3f s", final_path, size, raw_bytes, info.seconds)
     return info
 
 
-class _ImagePickler(cloudpickle.Pickler):  # type: ignore[misc]
-    """cloudpickle, protocol 5, with large buffers out of band.
-
-    Pickle hands PickleBuffers (numpy arrays and the like) to ``buffer_callback``
-    but always copies a bytearray into the stream, and the C pickler checks for
-    bytearray before any override; so large bytearrays leave through
-    ``persistent_id`` instead, numbered in order of first appearance.
-    """
-
-    def __init__(self, file: io.BytesIO) -> None:
-        super().__init__(file, protocol=5, buffer_callback=self._keep_out_of_band)
-        self.sections: list[tuple[int, memoryview]] = []
-        self._bytearrays: dict[int, int] = {}  # id -> persistent id; pickle does not memoize these
-
-    def persistent_id(self, obj: object) -> int | None:
-        if type(obj) is not bytearray or len(obj) < _MIN_OUT_OF_BAND:
-            return None
-        pid = self._bytearrays.get(id(obj))
-        if pid is None:
-            pid = self._bytearrays[id(obj)] = len(self._bytearrays)
-            self.sections.append((_SECTION_BYTEARRAY, memoryview(obj)))
-        return pid
-
-    def _keep_out_of_band(self, buffer: pickle.PickleBuffer) -> bool:
-        view = buffer.raw()
-        if view.nbytes < _MIN_OUT_OF_BAND:
-            view.release()
-            return True  # small: cheaper in the pickle stream than as a section of its own
-        self.sections.append((_SECTION_BUFFER, view))
-        return False
-
-
-@final
-class _ImageUnpickler(pickle.Unpickler):
-    """Unpickler that hands back the bytearrays the reader filled for ``_ImagePickler``."""
-
-    def __init__(self, file: io.BytesIO, buffers: list[Any], bytearrays: list[bytearray]) -> None:
-        super().__init__(file, buffers=buffers)
-        self._bytearrays = bytearrays
-
-    def persistent_load(self, pid: Any) -> bytearray:
-        if type(pid) is not int or not 0 <= pid < len(self._bytearrays):
-            raise pickle.UnpicklingError(f"unknown out-of-band bytearray {pid!r}")
-        return self._bytearrays[pid]
-
-
 def _pickle(obj: object, path: str) -> list[tuple[int, memoryview]]:
     """Pickle ``obj``; return (kind, bytes view) of every section, the pickle stream first."""
-    stream = io.BytesIO()
-    pickler = _ImagePickler(stream)
     try:
-        pickler.dump(obj)
+        stream, buffers = pickle_with_buffers(obj)
     except Exception as exc:
-        raise ImageError(f"cannot write checkpoint image {path}: state is not picklable ({_one_line(exc)})") from exc
-    return [(_SECTION_PICKLE, stream.getbuffer()), *pickler.sections]
+        # None: it failed once only, so no part can be blamed; name the whole state, unsure
+        culprit = find_unpicklable(obj) or Unpicklable("<root>", type(obj).__qualname__, _one_line(exc), exact=False)
+        raise UnpicklableStateError(
+            f"cannot write checkpoint image {path}: cannot pickle the state: {culprit}", culprit
+        ) from exc
+    kinds = {False: _SECTION_BUFFER, True: _SECTION_BYTEARRAY}
+    return [(_SECTION_PICKLE, stream), *((kinds[is_bytearray], view) for is_bytearray, view in buffers)]
 
 
 def _write_file(tmp: str, prefix: bytes, sections: list[tuple[int, memoryview]], token: bytes) -> tuple[bytes, int]:
     """Write prefix, records and trailer to ``tmp`` and fsync it; return (digest, size)."""
     pool = ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="ckpt-image")
     hasher = _ContentHash(pool)
+    # A failed write closes the generator at once: its chunks in flight are views of the state.
     try:
         # 0600: an image is the program's whole state, and it is code (pickle)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        with open(fd, "wb", buffering=0) as f:
+        with ExitStack() as stack, open(fd, "wb", buffering=0) as f:
             hasher.update(prefix)
             _write_all(f, prefix)
             record_bytes = flushed = 0
-            for record, payload in _encoded_records(pool, sections):
+            records = stack.enter_context(closing(_encoded_records(pool, sections)))
+            for record, payload in records:
                 hasher.update(record)
                 hasher.update(payload)
                 _write_all(f, record)
@@ -265,7 +238,7 @@ def _write_file(tmp: str, prefix: bytes, sections: list[tuple[int, memoryview]],
 _Encoded = tuple[bytes, bytes | memoryview]  # record header, payload
 
 
-def _encoded_records(pool: ThreadPoolExecutor, sections: list[tuple[int, memoryview]]) -> Iterator[_Encoded]:
+def _encoded_records(pool: ThreadPoolExecutor, sections: list[tuple[int, memoryview]]) -> Generator[_Encoded]:
     """Yield every record in file order; chunks are encoded on ``pool`` a few ahead."""
     pending: deque[Future[_Encoded] | _Encoded] = deque()
     step = _CHUNK_BYTES
@@ -388,7 +361,7 @@ def read_image(
     buffers = [slot for kind, slot in zip(scan.sections, scan.slots, strict=True) if kind == _SECTION_BUFFER]
     bytearrays = [slot for kind, slot in zip(scan.sections, scan.slots, strict=True) if kind == _SECTION_BYTEARRAY]
     try:
-        obj = _ImageUnpickler(stream, buffers, bytearrays).load()
+        obj = ImageUnpickler(stream, buffers, bytearrays).load()
     except Exception as exc:
         raise _error(name, f"cannot rebuild the saved state ({_one_line(exc)})") from exc
     logger.debug(

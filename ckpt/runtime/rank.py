@@ -217,6 +217,15 @@ class RankEngine:
                     self._in_setup = True
                 assert self.program is not None
                 self.program.setup(self.rt)
+                # The program contract: say now which attribute will fail every checkpoint; the job runs on.
+                culprit = None if self.native else images.find_unpicklable(self.program, "program")
+                if culprit is not None:
+                    print(
+                        f"ckpt rank {self.rank}: warning: {culprit.name} cannot be pickled; "
+                        "checkpoints of this job will fail",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 with self._cv:
                     self._in_setup = False
             if not self.finished:  # a rank restarted from its final boundary has nothing left to run
@@ -506,6 +515,8 @@ class RankEngine:
         try:
             self.ckpt_dir.mkdir(parents=True, exist_ok=True)
             info = images.write_image(path, graph, header=header, token=self.token.encode())
+        except images.UnpicklableStateError as exc:
+            return {"error": f"cannot pickle the program state: {exc.culprit}"}
         except (CkptError, OSError, TypeError, ValueError, AttributeError) as exc:
             return {"error": f"cannot write {path}: {type(exc).__name__}: {exc}"}
         except Exception as exc:  # pickling arbitrary program state can fail in arbitrary ways

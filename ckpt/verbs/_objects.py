@@ -23,6 +23,9 @@ from ckpt.verbs._qpstate import required_mask
 
 ETIMEDOUT = 110
 
+# The step of the RESET -> INIT -> RTR -> RTS path whose required attributes `QP.to_*` send.
+_STEP_FROM = {e.IBV_QPS_INIT: e.IBV_QPS_RESET, e.IBV_QPS_RTR: e.IBV_QPS_INIT, e.IBV_QPS_RTS: e.IBV_QPS_RTR}
+
 
 class VerbsObject:
     """Context-manager base: `close()` closes children (newest first), then the object itself."""
@@ -392,23 +395,39 @@ class QP(VerbsObject):
         self._check_open()
         self._ops.modify_qp(self.handle, qp_attr, attr_mask)
 
-    def _to(self, qp_attr: QPAttr, target: e.ibv_qp_state, extra: int) -> None:
-        cur = self.qp_state
+    # As pyverbs' qp.pyx: each `to_*` sends one mask per QP type and target -- the required
+    # attributes of RESET->INIT, INIT->RTR or RTR->RTS, plus IBV_QP_STATE -- whatever state the QP
+    # is in, and the later ones first walk the earlier steps with the same QPAttr: `to_rts` calls
+    # `to_rtr` unless the QP is in RTR, `to_rtr` calls `to_init` unless it is in INIT.  `to_init`
+    # from INIT is the INIT->INIT modify (port, pkey index and access flags are applied again);
+    # `to_rtr` from RTR and `to_rts` from RTS fail in their `to_init`, as they do in pyverbs.
+    def _to(self, qp_attr: QPAttr, target: e.ibv_qp_state, extra: int = 0) -> None:
         qp_attr.qp_state = target
-        self.modify(qp_attr, required_mask(self.qp_type, cur, target) | e.IBV_QP_STATE | extra)
+        mask = required_mask(self.qp_type, _STEP_FROM[target], target)
+        self.modify(qp_attr, mask | e.IBV_QP_STATE | extra)
 
     def to_init(self, qp_attr: QPAttr) -> None:
-        """RESET -> INIT with the required attributes (port, pkey index, access flags)."""
-        self._to(qp_attr, e.IBV_QPS_INIT, 0)
+        """To INIT with port, pkey index and access flags: RESET -> INIT, or INIT -> INIT."""
+        self._to(qp_attr, e.IBV_QPS_INIT)
 
     def to_rtr(self, qp_attr: QPAttr) -> None:
-        """INIT -> RTR with the required attributes (AV, MTU, dest QPN, RQ PSN, responder resources, RNR timer)."""
-        extra = e.IBV_QP_ALT_PATH if qp_attr.alt_ah_attr.dlid else 0
-        self._to(qp_attr, e.IBV_QPS_RTR, extra)
+        """To RTR, through `to_init` first unless the QP is in INIT.
+
+        Sends the AV, path MTU, dest QPN and RQ PSN (RC: also responder resources and
+        RNR timer), plus IBV_QP_ALT_PATH when ``alt_ah_attr.dlid`` is set (an extension).
+        """
+        if self.qp_state != e.IBV_QPS_INIT:
+            self.to_init(qp_attr)
+        self._to(qp_attr, e.IBV_QPS_RTR, e.IBV_QP_ALT_PATH if qp_attr.alt_ah_attr.dlid else 0)
 
     def to_rts(self, qp_attr: QPAttr) -> None:
-        """RTR -> RTS with the required attributes (timeout, retries, SQ PSN, initiator depth)."""
-        self._to(qp_attr, e.IBV_QPS_RTS, 0)
+        """To RTS, through `to_rtr` first unless the QP is in RTR.
+
+        Sends the SQ PSN (RC: also timeout, retry counts and initiator depth).
+        """
+        if self.qp_state != e.IBV_QPS_RTR:
+            self.to_rtr(qp_attr)
+        self._to(qp_attr, e.IBV_QPS_RTS)
 
     def query(self, attr_mask: int = 0) -> tuple[QPAttr, QPInitAttr]:
         """``ibv_query_qp``: the current attributes (every field is filled whatever `attr_mask` says)."""
