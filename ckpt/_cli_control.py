@@ -61,13 +61,25 @@ def _live_job(ckpt_dir: Path, *, wait: float) -> dict[str, Any]:
     )
 
 
-def _control(coordinator: str | None, ckpt_dir: Path, *, wait: float = STARTING_WAIT) -> coord_client.CoordinatorClient:
-    """A control connection to the job: --coordinator / $CKPT_COORDINATOR, else the one in the ckpt dir."""
+def _control(
+    coordinator: str | None, ckpt_dir: Path, *, wait: float = STARTING_WAIT
+) -> tuple[coord_client.CoordinatorClient, str | None]:
+    """A control connection to the job (--coordinator / $CKPT_COORDINATOR, else the one in the ckpt dir),
+    and the claim id of the launcher holding the directory (None with --coordinator)."""
     token = os.environ.get("CKPT_TOKEN")
     if coordinator:
-        return coord_client.control(*coord_client.locate(coordinator, ckpt_dir, token))
+        return coord_client.control(*coord_client.locate(coordinator, ckpt_dir, token)), None
     record = _live_job(ckpt_dir, wait=wait)
-    return coord_client.control(str(record["address"]), token or str(record["token"]))
+    conn = coord_client.control(str(record["address"]), token or str(record["token"]))
+    ends_with_its_job = not record.get("standalone")  # a standalone coordinator outlives its jobs
+    return conn, (str(record.get("claim") or "") or None) if ends_with_its_job else None
+
+
+def _wait_for_the_end(ckpt_dir: Path, claim: str | None) -> None:
+    """After a kill: return once the job's launcher has let go of the directory (its ranks reaped), so
+    that a `ckpt restart` typed next finds it free."""
+    if claim is not None and not jobdir.wait_released(ckpt_dir, claim, jobdir.ENDING_WAIT):
+        click.echo(f"ckpt: the job's launcher still holds {ckpt_dir} after {jobdir.ENDING_WAIT:g} s", err=True)
 
 
 @click.command()
@@ -77,8 +89,12 @@ def _control(coordinator: str | None, ckpt_dir: Path, *, wait: float = STARTING_
 @ckpt_dir_option
 def checkpoint(wait: bool, kill: bool, coordinator: str | None, ckpt_dir: Path) -> None:
     """Request a checkpoint of the running job."""
-    conn = _control(coordinator, ckpt_dir.resolve())
+    ckpt_dir = ckpt_dir.resolve()
+    conn, claim = _control(coordinator, ckpt_dir)
     answer = conn.call("checkpoint", wait=wait or kill, kill=kill)
+    conn.close()
+    if kill and "checkpoint" in answer:
+        _wait_for_the_end(ckpt_dir, claim)
     if "checkpoint" in answer:
         last = answer["checkpoint"]
         click.echo(
@@ -89,7 +105,6 @@ def checkpoint(wait: bool, kill: bool, coordinator: str | None, ckpt_dir: Path) 
         click.echo("checkpoint requested (it starts once every rank has joined the job)")
     else:
         click.echo(f"checkpoint {answer['number']} requested")
-    conn.close()
 
 
 def _starting_status(ckpt_dir: Path, holder: dict[str, Any] | None) -> dict[str, Any]:
@@ -124,7 +139,7 @@ def status(as_json: bool, coordinator: str | None, ckpt_dir: Path) -> None:
     elif found is not None and found.state == "starting":
         state = _starting_status(ckpt_dir, found.holder)
     else:
-        conn = _control(coordinator, ckpt_dir, wait=0.0)
+        conn, _ = _control(coordinator, ckpt_dir, wait=0.0)
         state = conn.call("status")["status"]
         conn.close()
     if as_json:
@@ -160,9 +175,11 @@ def _print_status(state: dict[str, Any]) -> None:
 @ckpt_dir_option
 def kill(coordinator: str | None, ckpt_dir: Path) -> None:
     """Kill the running job (its checkpoints stay)."""
-    conn = _control(coordinator, ckpt_dir.resolve())
+    ckpt_dir = ckpt_dir.resolve()
+    conn, claim = _control(coordinator, ckpt_dir)
     conn.call("kill", reason="killed on request (ckpt kill)")
     conn.close()
+    _wait_for_the_end(ckpt_dir, claim)
     click.echo("job killed")
 
 
@@ -201,7 +218,9 @@ def coordinator_cmd(
         phase_timeout=phase_timeout,
         serve_forever=True,
     ).start()
-    jobdir.write_job_file(ckpt_dir, address=server.address, token=token, job="", pid=os.getpid(), claim=claim.id)
+    jobdir.write_job_file(
+        ckpt_dir, address=server.address, token=token, job="", pid=os.getpid(), claim=claim.id, standalone=True
+    )
     click.echo(f"ckpt coordinator listening on {server.address}")
     click.echo(f"export CKPT_COORDINATOR={server.address} CKPT_TOKEN={token}")
 
@@ -214,6 +233,17 @@ def coordinator_cmd(
     except KeyboardInterrupt:
         click.echo("ckpt coordinator: stopping", err=True)
     finally:
+        server.kill("the coordinator was stopped")
+        jobdir.write_job_file(
+            ckpt_dir,
+            address=server.address,
+            token=token,
+            job="",
+            pid=os.getpid(),
+            claim=claim.id,
+            standalone=True,
+            ended=server.status(),
+        )
         server.stop()
 
 

@@ -39,8 +39,10 @@ log = logging.getLogger(__name__)
 
 JOB_FILE = "coordinator.json"
 LOCK_FILE = "job.lock"
-#: How long a launcher retries a lock that a client's probe may be holding for an instant.
+#: How long a launcher retries a lock that a client's probe may be holding for an instant ...
 _CLAIM_RETRY_SECONDS = 1.0
+#: ... and one whose job has recorded its end and is only reaping its ranks (`kill` then `restart`).
+ENDING_WAIT = 60.0
 _POLL = 0.02
 
 
@@ -78,19 +80,23 @@ class DirectoryClaim:
 
     def release(self) -> None:
         if self.fd >= 0:
+            os.ftruncate(self.fd, 0)  # a later holder's record is never mistaken for this one
             os.close(self.fd)  # closing the last descriptor drops the flock
             self.fd = -1
 
 
-def claim(ckpt_dir: Path, *, job: str = "") -> DirectoryClaim:
-    """Take the directory for a new job (creating it); DirectoryBusy if a live job has it."""
+def claim(ckpt_dir: Path, *, job: str = "", create: bool = True) -> DirectoryClaim:
+    """Take the directory for a new job (creating it unless `create` is False); DirectoryBusy if a live
+    job has it.  A job that has recorded its end and is only reaping its ranks is waited for."""
+    if not create and not ckpt_dir.is_dir():
+        raise CkptError(f"no checkpoint in {ckpt_dir}: no such directory")
     directory = prepare_directory(ckpt_dir)
     path = directory / LOCK_FILE
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     except OSError as exc:
         raise CkptError(f"cannot create {path}: {exc.strerror or exc}") from None
-    deadline = time.monotonic() + _CLAIM_RETRY_SECONDS
+    started = time.monotonic()
     while True:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -99,15 +105,43 @@ def claim(ckpt_dir: Path, *, job: str = "") -> DirectoryClaim:
             if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
                 os.close(fd)
                 raise CkptError(f"cannot lock {path}: {exc.strerror or exc}") from None
-            if time.monotonic() < deadline:
-                time.sleep(_POLL)  # a client's probe holds it for microseconds; a job holds it for good
-                continue
             holder = _read_lock_record(fd)
+            patience = ENDING_WAIT if _has_ended(directory, holder) else _CLAIM_RETRY_SECONDS
+            if time.monotonic() < started + patience:
+                # a client's probe holds it for microseconds, an ended job while it reaps its ranks
+                time.sleep(_POLL)
+                continue
             os.close(fd)
             raise DirectoryBusy(_busy_message(directory, holder)) from None
     held = DirectoryClaim(directory, fd)
     held.note(job=job)
     return held
+
+
+def _has_ended(directory: Path, holder: dict[str, Any]) -> bool:
+    """Has the holder of the directory's lock recorded its job's end (it is only reaping its ranks)?"""
+    try:
+        record = read_job_file(directory)
+    except CoordinatorError:
+        return False
+    return (
+        record is not None
+        and "ended" in record
+        and bool(holder.get("claim"))
+        and (record.get("claim") == holder.get("claim"))
+    )
+
+
+def wait_released(ckpt_dir: Path, claim_id: str, timeout: float) -> bool:
+    """Wait until the claim `claim_id` no longer holds the directory (its launcher has exited)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        holder = owner(ckpt_dir)
+        if holder is None or holder.get("claim") != claim_id:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(_POLL)  # the polling interval of a bounded wait for the launcher to exit
 
 
 def _busy_message(directory: Path, holder: dict[str, Any]) -> str:
@@ -156,6 +190,7 @@ def write_job_file(
     pid: int,
     claim: str = "",
     ended: dict[str, Any] | None = None,
+    standalone: bool = False,
 ) -> Path:
     """Record where the job's coordinator is, so later commands find it without flags (mode 0600).
 
@@ -164,6 +199,8 @@ def write_job_file(
     """
     ckpt_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     record: dict[str, Any] = {"address": address, "token": token, "job": job, "pid": pid, "claim": claim}
+    if standalone:
+        record["standalone"] = True  # `ckpt coordinator`: serves one job after another, holds the directory
     if ended is not None:
         record["ended"] = ended
     path = ckpt_dir / JOB_FILE
@@ -219,8 +256,11 @@ def find_job(ckpt_dir: Path, *, wait: float = 0.0, wait_none: float = 0.0) -> Jo
     while True:
         holder = owner(ckpt_dir)
         record = read_job_file(ckpt_dir)
+        if holder is not None and not process_exists(holder.get("pid")):
+            # a new holder between its flock and its note(): the record is a dead holder's
+            holder = {"pid": None, "claim": None, "job": ""}
         if holder is None:
-            if (record is None or "ended" in record) and time.monotonic() < started + wait_none:
+            if time.monotonic() < started + wait_none:
                 time.sleep(_POLL)  # the polling interval of a bounded wait for a launcher to claim it
                 continue
             if record is None:
@@ -234,7 +274,8 @@ def find_job(ckpt_dir: Path, *, wait: float = 0.0, wait_none: float = 0.0) -> Jo
 
 
 # ----------------------------------------------------------- leftovers
-_TMP = re.compile(r".+\.tmp")
+#: The temporary files ckpt writes (images, manifests, latest, the job and fabric files): only those go.
+_TMP = re.compile(r"(ckpt_.+|latest|coordinator\.json|fabric\.json)\.tmp")
 
 
 def remove_leftovers(ckpt_dir: Path, program: str) -> list[Path]:

@@ -65,6 +65,7 @@ class JobOptions:
     fabric_bandwidth: float = 0.0
     debug: int | None = None  # restart: this rank stops in pdb before its next step (stdin is its)
     claim: jobdir.DirectoryClaim | None = None  # the CLI's claim on ckpt_dir, taken before anything else
+    recorded_phase_timeout: float | None = None  # what manifests record when --debug overrides phase_timeout
 
 
 def external_rank() -> tuple[int, int | None] | None:
@@ -212,25 +213,32 @@ class _Job:
             self.claim.note(job=self.job_id)
             jobdir.remove_leftovers(opts.ckpt_dir, Path(opts.program).stem)
         self._refuse_standalone_fabric()
+        # The fabric first: a job file is written only for a job that can run (else a failed start would
+        # leave a job file that says its launcher died, in place of the previous job's end).
+        self.fabric: fabric.SubnetManager | None = None
+        self.fabric_env = self._start_fabric()
         if opts.coordinator is None:
-            self.coordinator = Coordinator(
-                token=self.token,
-                ckpt_dir=opts.ckpt_dir,
-                host=opts.host,
-                port=opts.port,
-                interval=opts.interval,
-                keep=opts.keep,
-                phase_timeout=opts.phase_timeout,
-                job_id=self.job_id,
-            ).start()
+            try:
+                self.coordinator = Coordinator(
+                    token=self.token,
+                    ckpt_dir=opts.ckpt_dir,
+                    host=opts.host,
+                    port=opts.port,
+                    interval=opts.interval,
+                    keep=opts.keep,
+                    phase_timeout=opts.phase_timeout,
+                    job_id=self.job_id,
+                    recorded_phase_timeout=opts.recorded_phase_timeout,
+                ).start()
+            except BaseException:
+                self._stop_fabric()  # and its fabric.json: no job runs on it
+                raise
             self.address = self.coordinator.address
             threading.Thread(target=self._watch_coordinator, daemon=True).start()
             self._write_job_file()
             log.info("coordinator of job %s listening on %s", self.job_id, self.address)
         else:
             self.address = opts.coordinator  # its own coordinator.json stays as `ckpt coordinator` wrote it
-        self.fabric: fabric.SubnetManager | None = None
-        self.fabric_env = self._start_fabric()
 
     def _start_fabric(self) -> dict[str, str]:
         """The ranks' simulated fabric: --fabric, or a subnet manager of the job's own (a fresh one, with

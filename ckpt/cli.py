@@ -46,8 +46,8 @@ class _Group(click.Group):
 def _job_options(f: Any) -> Any:
     f = click.option(
         "--interval",
-        type=click.FloatRange(min=0.01),
-        help="Checkpoint every SECONDS  [default: only on request; restart: the checkpoint's]",
+        type=click.FloatRange(min=0),
+        help="Checkpoint every SECONDS (0: never)  [default: only on request; restart: the checkpoint's]",
     )(f)
     f = click.option(
         "--keep",
@@ -214,9 +214,26 @@ def _configure_logging(level: str) -> None:
     )
 
 
-def _claim(ckpt_dir: Path) -> jobdir.DirectoryClaim:
-    """Take the checkpoint directory before anything else: one live job per directory."""
-    return jobdir.claim(ckpt_dir)
+def _recorded_plugins(manifest: dict[str, Any], disabled: tuple[str, ...]) -> list[str]:
+    """The --with-plugin modules the checkpoint recorded, but those whose plugin --disable-plugin drops."""
+    names = {p.get("module"): p.get("name") for p in manifest.get("plugins", [])}
+    return [m for m in manifest.get("with_plugins", []) if names.get(m, m.rpartition(".")[2]) not in disabled]
+
+
+def _interval(seconds: float | None) -> float | None:
+    """--interval: 0 turns interval checkpoints off (a restart's way to drop the recorded one)."""
+    if seconds is not None and 0 < seconds < 0.01:
+        raise CkptError(f"--interval {seconds:g}: at least 0.01 s (or 0: no interval checkpoints)")
+    return seconds or None
+
+
+def _refuse_split_launch(outside: tuple[int, int | None] | None, coordinator: str | None) -> None:
+    """Under mpiexec / srun every process would start a job of its own without --coordinator."""
+    if outside is not None and (outside[1] or 1) > 1 and not coordinator:
+        raise CkptError(
+            f"this process is rank {outside[0]} of {outside[1]} under an external launcher: give every rank "
+            "--coordinator HOST:PORT of a `ckpt coordinator` (README: external launchers)"
+        )
 
 
 @cli.command(context_settings={"allow_interspersed_args": False})
@@ -252,8 +269,10 @@ def launch(
     ckpt_dir = ckpt_dir.resolve()
     coordinator = None if new_coordinator else coordinator
     outside = external_rank()
-    claim = _claim(ckpt_dir) if coordinator is None else None
+    _refuse_split_launch(outside, coordinator)
+    claim = jobdir.claim(ckpt_dir) if coordinator is None else None
     load_program(program)  # one clear error here rather than one per rank
+    job["interval"] = _interval(job["interval"])
     options = _plugin_values(job)
     transport = _check_transport(job.pop("transport") or "simib", native=native, disabled=list(disabled))
     _fabric_job_options(job, transport)
@@ -326,20 +345,24 @@ def restart(
     _configure_logging(job["log_level"])
     directory, manifest_path = restart_directory(target, ckpt_dir)
     outside = external_rank()
-    claim = _claim(directory) if coordinator is None else None
+    _refuse_split_launch(outside, coordinator)
+    claim = jobdir.claim(directory, create=False) if coordinator is None else None
     manifest, token = prepare_restart(manifest_path, directory, os.environ.get("CKPT_TOKEN"))
-    with_plugins = tuple(dict.fromkeys([*manifest.get("with_plugins", []), *with_plugins]))
+    with_plugins = tuple(dict.fromkeys([*_recorded_plugins(manifest, disabled), *with_plugins]))
     _check_restart_plugins(manifest, list(with_plugins), list(disabled))
     context = click.get_current_context()
     given = {name for name in context.params if context.get_parameter_source(name) != ParameterSource.DEFAULT}
+    values = _plugin_values(job)  # every plugin option, given or default
     options = {
+        **values,
         **manifest.get("options", {}),
-        **{k: v for k, v in _plugin_values(job).items() if _PLUGIN_OPTION + k in given},
+        **{k: v for k, v in values.items() if _PLUGIN_OPTION + k in given},
     }
     for name in _RECORDED_SETTINGS:
         recorded = manifest.get("settings", {}).get(name)
         if name not in given and recorded is not None:
             job[name] = recorded
+    job["interval"] = _interval(job["interval"])
     transport = _check_transport(
         job.pop("transport") or manifest.get("transport") or "simib", native=False, disabled=list(disabled)
     )
@@ -347,6 +370,7 @@ def restart(
     if debug is not None:
         if debug >= int(manifest["size"]):
             raise CkptError(f"--debug {debug}: the checkpoint has ranks 0..{int(manifest['size']) - 1}")
+        job["recorded_phase_timeout"] = job["phase_timeout"]  # what its checkpoints record: not the debug wait
         job["phase_timeout"] = DEBUG_PHASE_TIMEOUT  # the others wait at RESUME for as long as the debugging takes
     opts = JobOptions(
         program=manifest["program"]["path"],

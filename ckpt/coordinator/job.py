@@ -97,6 +97,13 @@ class JobSettings:
     phase_timeout: float = 300.0
     address: str = ""
     job_id: str = ""  # known before any rank joins when a launcher runs the coordinator
+    #: the phase timeout a manifest records when it differs from the one in force (a --debug restart's)
+    recorded_phase_timeout: float | None = None
+
+    def recorded(self) -> dict[str, Any]:
+        """The settings a manifest records, for a restart to reuse."""
+        phase_timeout = self.phase_timeout if self.recorded_phase_timeout is None else self.recorded_phase_timeout
+        return {"interval": self.interval, "keep": self.keep, "phase_timeout": phase_timeout}
 
 
 class Job:
@@ -131,6 +138,7 @@ class Job:
         self._complete_announced = False
         self._restart_timer: Timer | None = None
         self._aborted: set[int] = set()
+        self._ending = False  # fail() or kill() is ending the job
         #: rank -> (bytes loaded, bytes total) while a restart loads images
         self.progress: dict[int, tuple[int, int]] = {}
         self.on_end: Callable[[], None] = lambda: None
@@ -230,6 +238,7 @@ class Job:
         """End the job as failed; `detail` is the failing program's traceback, shown once with `message`."""
         if self.outcome is not None:
             return  # only the first failure is the job's: the others follow from it
+        self._ending = True  # the checkpoint's abort must not end the job as "finished" first
         self._end_checkpoint(message)
         self.message = message
         self._end({"status": "failed", "message": message, **({"traceback": detail} if detail else {})})
@@ -239,6 +248,7 @@ class Job:
     def kill(self, reason: str, *, push: bool = True) -> None:
         if self.outcome is not None:
             return
+        self._ending = True
         self._end_checkpoint(reason)
         self.message = reason
         self._end({"status": "killed", "message": reason})
@@ -538,10 +548,14 @@ class Job:
             return
         if ckpt.timer:
             ckpt.timer.cancel()
-        self._aborted.add(ckpt.number)
-        message = (
-            reason if reason.startswith(f"checkpoint {ckpt.number} ") else f"checkpoint {ckpt.number} aborted: {reason}"
-        )
+        self._aborted.add(ckpt.number)  # its barriers answer latecomers at once
+        committed = ckpt.manifest is not None  # a RESUME that timed out, say: the checkpoint exists
+        if committed:
+            message = f"checkpoint {ckpt.number} was written, but its RESUME phase failed: {reason}"
+        elif reason.startswith(f"checkpoint {ckpt.number} "):
+            message = reason
+        else:
+            message = f"checkpoint {ckpt.number} aborted: {reason}"
         log.warning("%s", message)
         self.message = message
         for name in list(self._barriers):  # phase barriers and plugins' own barriers inside hooks
@@ -551,11 +565,12 @@ class Job:
             self._push(rank, {"op": "abort", "number": ckpt.number, "reason": message})
             info = self.ranks[rank]
             info.state = "finished" if info.finished else "running"
-        self._remove_images(ckpt.number)
+        self._remove_images(ckpt.number)  # nothing of a committed one: its manifest protects it
         for waiter in ckpt.waiters:
-            waiter({"error": message})
+            waiter({"checkpoint": self.last_checkpoint} if committed else {"error": message})
         self._arm_interval()
-        self._maybe_done()
+        if not self._ending:
+            self._maybe_done()
 
     def _remove_images(self, number: int) -> None:
         try:
@@ -611,11 +626,7 @@ class Job:
             "plugins": self.ranks[0].plugins if self.ranks else [],
             "with_plugins": self.with_plugins,
             "options": self.options,
-            "settings": {
-                "interval": self.settings.interval,
-                "keep": self.settings.keep,
-                "phase_timeout": self.settings.phase_timeout,
-            },
+            "settings": self.settings.recorded(),
             "coordinator": self.settings.address,
             "id_counters": dict(self.kv.id_counters),
             "ranks": ranks,

@@ -92,6 +92,7 @@ class Coordinator:
         phase_timeout: float = 300.0,
         serve_forever: bool = False,
         job_id: str = "",
+        recorded_phase_timeout: float | None = None,
     ) -> None:
         self._lock = threading.RLock()
         self._token = token
@@ -108,6 +109,7 @@ class Coordinator:
             phase_timeout=phase_timeout,
             address=self.address,
             job_id=job_id,
+            recorded_phase_timeout=recorded_phase_timeout,
         )
         self._scheduler = Scheduler(self._lock)
         self._kv_timer: Timer | None = None
@@ -348,6 +350,8 @@ class Coordinator:
         self.job.progress[conn.rank] = (done, total)
 
     def _op_fatal(self, conn: _Connection, message: dict[str, Any], reply: Reply) -> None:
+        if self.job.outcome is None:
+            self.job.ranks[conn.rank].state = "failed"
         self.job.fail(f"rank {conn.rank} failed: {message.get('error')}", detail=str(message.get("traceback") or ""))
         reply({})
 

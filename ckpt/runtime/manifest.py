@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
@@ -79,10 +80,13 @@ def write_manifest(ckpt_dir: str | os.PathLike[str], manifest: dict[str, Any], *
     try:
         _replace_atomically(directory / LATEST, (name + "\n").encode())
     except OSError as exc:
+        if _latest_name(directory) == name:
+            return path  # renamed into place (only syncing the directory failed): it is the latest
         # Not committed after all: a manifest that `latest` does not name would count for --keep while its
         # images are deleted as an aborted checkpoint's.  Take it back; the previous checkpoint stays the latest.
         path.unlink(missing_ok=True)
-        _fsync_directory(directory)
+        with contextlib.suppress(OSError):
+            _fsync_directory(directory)
         raise ImageError(f"cannot update {directory / LATEST}: {exc.strerror or exc}") from exc
     return path
 

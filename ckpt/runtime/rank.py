@@ -532,7 +532,7 @@ class RankEngine:
 
 def _program_traceback(exc: BaseException) -> str:
     """The program's own traceback (its frames, not ckpt's), so its author sees where it failed."""
-    package = str(Path(__file__).resolve().parent.parent)
+    package = str(Path(__file__).resolve().parent.parent) + os.sep
     tb = exc.__traceback__
     while tb is not None and tb.tb_frame.f_code.co_filename.startswith(package):
         tb = tb.tb_next

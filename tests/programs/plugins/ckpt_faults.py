@@ -3,6 +3,7 @@
 CKPT_TEST_FAULT=<point>:<rank>:<checkpoint number>, point one of
 presuspend, drain, image (inside the image write: pickling a bomb),
 resume (in ckpt_resume, after the checkpoint was committed),
+resumegate (rank R waits in ckpt_resume until the file $CKPT_TEST_GATE exists),
 gate (rank 0 waits in precheckpoint until the file $CKPT_TEST_GATE exists),
 raise (raise in precheckpoint instead of dying: a failing plugin),
 barrier (the other ranks wait in a plugin barrier at drain; this one raises).
@@ -65,17 +66,23 @@ def ckpt_precheckpoint(rt: ckpt.Runtime, image: Any) -> None:
         image.add("bomb", _Bomb())
     if _armed(rt, "raise"):
         raise RuntimeError("injected failure in precheckpoint")
+    if rt.rank == 0 and _armed_any(rt):
+        _wait_for_gate()
+
+
+def _wait_for_gate() -> None:
     gate = os.environ.get("CKPT_TEST_GATE")
-    if gate and rt.rank == 0 and _armed_any(rt):
-        deadline = time.monotonic() + 60
-        while not Path(gate).exists() and time.monotonic() < deadline:
-            time.sleep(0.02)
+    deadline = time.monotonic() + 60
+    while gate and not Path(gate).exists() and time.monotonic() < deadline:
+        time.sleep(0.02)  # polling the test's gate file
 
 
 @ckpt.hookimpl
 def ckpt_resume(rt: ckpt.Runtime, restarted: bool, aborted: bool) -> None:
     if not restarted and not aborted and _armed(rt, "resume"):
         _die()
+    if not restarted and not aborted and _armed(rt, "resumegate"):
+        _wait_for_gate()
 
 
 def _armed_any(rt: ckpt.Runtime) -> bool:
