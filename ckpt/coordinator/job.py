@@ -200,7 +200,8 @@ class Job:
     def all_joined(self) -> bool:
         return self.size > 0 and len(self.ranks) == self.size
 
-    def rank_lost(self, rank: int) -> None:
+    def rank_lost(self, rank: int, cause: str = "") -> None:
+        """The rank's connection closed (or went silent: `cause` says so)."""
         info = self.ranks.get(rank)
         if info is None or not info.connected:
             return
@@ -208,7 +209,7 @@ class Job:
         if self.outcome is not None:
             return  # the job already ended; ranks leaving is expected
         where = f"during checkpoint {self._ckpt.number} ({self._ckpt.stage})" if self._ckpt else f"at step {info.step}"
-        reason = f"rank {rank} (pid {info.pid} on {info.host}) was lost {where}"
+        reason = f"rank {rank} (pid {info.pid} on {info.host}) was lost {where}{f' ({cause})' if cause else ''}"
         if self._ckpt is not None:
             self._abort(reason)
         latest = self.last_checkpoint["number"] if self.last_checkpoint else None
