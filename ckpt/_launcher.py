@@ -14,7 +14,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from ckpt._errors import CoordinatorError, ImageError
+from ckpt._errors import CoordinatorError, ImageError, ProtocolError
 from ckpt.coordinator import protocol
 from ckpt.coordinator.client import read_job_file, write_job_file
 from ckpt.coordinator.server import Coordinator
@@ -160,6 +160,10 @@ class _Job:
             raise CoordinatorError(f"no token for the coordinator at {opts.coordinator}: set CKPT_TOKEN")
         self.token = given or existing.get("token") or protocol.new_token()
         self.job_id = restart["job"] if restart else uuid.uuid4().hex[:12]
+        try:  # checked here, once, rather than by every rank
+            self.heartbeat = protocol.Heartbeat.from_environment()
+        except ProtocolError as exc:
+            raise CoordinatorError(str(exc)) from None
         self._refuse_standalone_fabric()
         self.coordinator: Coordinator | None = None
         if opts.coordinator is None:
@@ -171,6 +175,7 @@ class _Job:
                 interval=opts.interval,
                 keep=opts.keep,
                 phase_timeout=opts.phase_timeout,
+                heartbeat=self.heartbeat,
             ).start()
             self.address = self.coordinator.address
             threading.Thread(target=self._watch_coordinator, daemon=True).start()
@@ -223,7 +228,12 @@ class _Job:
         for rank in range(self.opts.ranks):
             spec = rank_spec(self.opts, rank, self.address, self.token, self.job_id)
             spec["print_result"] = self.coordinator is None
-            env = dict(os.environ, **self.fabric_env, **{SPEC_ENV: json.dumps(spec)})
+            # The ranks heartbeat as the coordinator expects them to (and watch it with the same timeout).
+            heartbeat = {
+                protocol.ENV_HEARTBEAT_INTERVAL: repr(self.heartbeat.interval),
+                protocol.ENV_HEARTBEAT_TIMEOUT: repr(self.heartbeat.timeout),
+            }
+            env = dict(os.environ, **self.fabric_env, **heartbeat, **{SPEC_ENV: json.dumps(spec)})
             # Under --debug only the debugged rank reads the terminal; the others must not take its input.
             stdin = subprocess.DEVNULL if self.opts.debug is not None and self.opts.debug != rank else None
             process = subprocess.Popen([sys.executable, "-P", "-m", "ckpt.runtime.rank"], env=env, stdin=stdin)
