@@ -16,7 +16,7 @@ from types import FrameType
 from typing import Any
 
 from ckpt import _jobdir as jobdir
-from ckpt._errors import CoordinatorError, ImageError
+from ckpt._errors import CoordinatorError, ImageError, ProtocolError
 from ckpt._jobdir import read_job_file, write_job_file
 from ckpt.coordinator import protocol
 from ckpt.coordinator.server import Coordinator
@@ -204,6 +204,10 @@ class _Job:
             raise CoordinatorError(f"no token for the coordinator at {opts.coordinator}: set CKPT_TOKEN")
         self.token = given or existing.get("token") or protocol.new_token()
         self.job_id = restart["job"] if restart else uuid.uuid4().hex[:12]
+        try:  # checked here, once, rather than by every rank
+            self.heartbeat = protocol.Heartbeat.from_environment()
+        except ProtocolError as exc:
+            raise CoordinatorError(str(exc)) from None
         self.coordinator: Coordinator | None = None
         self.claim: jobdir.DirectoryClaim | None = None
         if opts.coordinator is None:
@@ -229,6 +233,7 @@ class _Job:
                     phase_timeout=opts.phase_timeout,
                     job_id=self.job_id,
                     recorded_phase_timeout=opts.recorded_phase_timeout,
+                    heartbeat=self.heartbeat,
                 ).start()
             except BaseException:
                 self._stop_fabric()  # and its fabric.json: no job runs on it
@@ -283,7 +288,12 @@ class _Job:
         for rank in range(self.opts.ranks):
             spec = rank_spec(self.opts, rank, self.address, self.token, self.job_id)
             spec["print_result"] = self.coordinator is None
-            env = dict(os.environ, **self.fabric_env, **{SPEC_ENV: json.dumps(spec)})
+            # The ranks heartbeat as the coordinator expects them to (and watch it with the same timeout).
+            heartbeat = {
+                protocol.ENV_HEARTBEAT_INTERVAL: repr(self.heartbeat.interval),
+                protocol.ENV_HEARTBEAT_TIMEOUT: repr(self.heartbeat.timeout),
+            }
+            env = dict(os.environ, **self.fabric_env, **heartbeat, **{SPEC_ENV: json.dumps(spec)})
             # Under --debug only the debugged rank reads the terminal; the others must not take its input.
             stdin = subprocess.DEVNULL if self.opts.debug is not None and self.opts.debug != rank else None
             process = subprocess.Popen([sys.executable, "-P", "-m", "ckpt.runtime.rank"], env=env, stdin=stdin)

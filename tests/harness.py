@@ -9,7 +9,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import select
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -171,3 +173,42 @@ class Job:
         state = self.status()
         assert state is not None
         return {r["rank"]: r["pid"] for r in state["ranks"]}
+
+
+# ----------------------------------------------------------------- hostile peers of a server
+def closed_by_peer(sock: socket.socket, timeout: float) -> bool:
+    """True once the peer has closed `sock` (EOF or reset), False if it is still open after `timeout` s.
+
+    What the peer sends meanwhile (a challenge, heartbeats) is read and dropped.
+    """
+    deadline = time.monotonic() + timeout
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    while poller.poll(max(0.0, deadline - time.monotonic()) * 1000):
+        try:
+            if not sock.recv(65536, socket.MSG_DONTWAIT):
+                return True
+        except BlockingIOError:
+            pass
+        except ConnectionResetError:
+            return True
+    return False
+
+
+def trickle_until_closed(sock: socket.socket, data: bytes, pace: float) -> tuple[float, int]:
+    """Send `data` one byte every `pace` s until the server closes `sock`: (seconds until then, bytes sent).
+
+    A server with a timeout per read never closes such a peer; one with a deadline for the whole
+    handshake does.  Fails the test if all of `data` but its last byte went out first.
+    """
+    start = time.monotonic()
+    sent = 0
+    while not closed_by_peer(sock, pace):
+        if sent >= len(data) - 1:
+            raise AssertionError(f"the server still had the connection open after {sent} bytes in {sent * pace:.1f} s")
+        try:
+            sock.sendall(data[sent : sent + 1])
+        except OSError:
+            break
+        sent += 1
+    return time.monotonic() - start, sent

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import queue
 import random
 import socket
 import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from ckpt._errors import CoordinatorError
 from ckpt.coordinator import protocol
 from ckpt.coordinator.client import CoordinatorClient, control
 from ckpt.coordinator.server import Coordinator
+from harness import trickle_until_closed
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -106,11 +108,25 @@ def raw_connect(coordinator: Coordinator) -> tuple[socket.socket, bytes]:
     return sock, challenge["nonce"]
 
 
+def recv_message(sock: socket.socket) -> dict[str, Any]:
+    """The next message that is not a heartbeat."""
+    while (message := protocol.recv(sock))["op"] == "heartbeat":
+        pass
+    return message
+
+
+def send_rank_hello(sock: socket.socket, nonce: bytes, rank: int, size: int, **extra: Any) -> None:
+    """What CoordinatorClient sends for a rank: the hello (authentication), then the join (who it is)."""
+    protocol.send(sock, {"op": "hello", "auth": protocol.auth_answer(TOKEN, nonce), "role": "rank"})
+    fields = {k: v for k, v in rank_hello(rank, size, **extra).items() if k != "role"}
+    protocol.send(sock, {"op": "join", **fields})
+
+
 def raw_control(coordinator: Coordinator) -> socket.socket:
     """A plain socket authenticated as a control client."""
     sock, nonce = raw_connect(coordinator)
     protocol.send(sock, {"op": "hello", "auth": protocol.auth_answer(TOKEN, nonce), "role": "control"})
-    assert protocol.recv(sock)["op"] == "welcome"
+    assert recv_message(sock)["op"] == "welcome"
     return sock
 
 
@@ -123,9 +139,8 @@ class RawRank:
 
     def __init__(self, coordinator: Coordinator, rank: int, size: int) -> None:
         self.sock, nonce = raw_connect(coordinator)
-        hello = {"op": "hello", "auth": protocol.auth_answer(TOKEN, nonce), **rank_hello(rank, size)}
-        protocol.send(self.sock, hello)
-        self.welcome = protocol.recv(self.sock)
+        send_rank_hello(self.sock, nonce, rank, size)
+        self.welcome = recv_message(self.sock)
         assert self.welcome["op"] == "welcome"
         self._ids = iter(range(1, 1_000_000))
 
@@ -136,7 +151,7 @@ class RawRank:
 
     def recv(self, timeout: float = WAIT) -> dict[str, Any]:
         self.sock.settimeout(timeout)
-        return protocol.recv(self.sock)
+        return recv_message(self.sock)
 
     def call(self, op: str, **fields: Any) -> dict[str, Any]:
         rid = self.send(op, **fields)
@@ -294,7 +309,7 @@ def test_the_token_never_travels_in_clear(coordinator: Coordinator) -> None:
     hello = protocol.encode({"op": "hello", "auth": protocol.auth_answer(TOKEN, nonce), "role": "control"})
     assert TOKEN.encode() not in hello
     sock.sendall(hello)
-    assert protocol.recv(sock)["op"] == "welcome"
+    assert recv_message(sock)["op"] == "welcome"
     sock.close()
 
 
@@ -302,7 +317,7 @@ def test_a_replayed_answer_is_refused(coordinator: Coordinator) -> None:
     sock, nonce = raw_connect(coordinator)
     answer = protocol.auth_answer(TOKEN, nonce)
     protocol.send(sock, {"op": "hello", "auth": answer, "role": "control"})
-    assert protocol.recv(sock)["op"] == "welcome"
+    assert recv_message(sock)["op"] == "welcome"
     sock.close()
     sock, _ = raw_connect(coordinator)  # a new nonce: the old answer is worthless
     protocol.send(sock, {"op": "hello", "auth": answer, "role": "control"})
@@ -318,9 +333,8 @@ def test_a_replayed_answer_is_refused(coordinator: Coordinator) -> None:
         {"op": "hello", "role": "control"},  # no answer at all
         {"op": "hello", "role": "superuser", "good_auth": True},
         {"op": "hello", "good_auth": True},  # no role
-        {"op": "hello", "role": "rank", "good_auth": True},  # no rank / size
-        {"op": "hello", "role": "rank", "rank": "0", "size": 1, "good_auth": True},
-        {"op": "hello", "role": "rank", "rank": True, "size": 1, "good_auth": True},
+        {"op": "hello", "role": 7, "good_auth": True},
+        {"op": "join", "role": "rank", "rank": 0, "size": 1, "good_auth": True},  # the join before the hello
     ],
 )
 def test_bad_hellos_close_the_connection(coordinator: Coordinator, hello: dict[str, Any]) -> None:
@@ -329,6 +343,25 @@ def test_bad_hellos_close_the_connection(coordinator: Coordinator, hello: dict[s
     if message.pop("good_auth", False) or message["op"] == "status":
         message["auth"] = protocol.auth_answer(TOKEN, nonce)
     protocol.send(sock, message)
+    assert_closed_by_server(sock)
+    assert status(coordinator)["ranks"] == []
+
+
+@pytest.mark.parametrize(
+    "join",
+    [
+        {"op": "join"},  # no rank / size
+        {"op": "join", "rank": "0", "size": 1},
+        {"op": "join", "rank": True, "size": 1},
+        {"op": "join", "rank": 0, "size": None},
+        {"op": "status", "id": 1},  # anything but a join
+        {"op": "hello", "role": "rank", "rank": 0, "size": 1},
+    ],
+)
+def test_bad_joins_close_the_connection(coordinator: Coordinator, join: dict[str, Any]) -> None:
+    sock, nonce = raw_connect(coordinator)
+    protocol.send(sock, {"op": "hello", "auth": protocol.auth_answer(TOKEN, nonce), "role": "rank"})
+    protocol.send(sock, join)
     assert_closed_by_server(sock)
     assert status(coordinator)["ranks"] == []
 
@@ -366,8 +399,8 @@ def _garbage(seed: int) -> list[bytes]:
         frame("hello"),
         frame(None),
         frame({"v": 99, "op": "status"}),  # wrong version
-        frame({"v": 1}),  # no op
-        frame({"v": 1, "op": 7}),
+        frame({"v": protocol.PROTOCOL_VERSION}),  # no op
+        frame({"v": protocol.PROTOCOL_VERSION, "op": 7}),
         frame({1: 2}),  # non-string keys
     ]
     for _ in range(12):
@@ -463,13 +496,184 @@ def test_garbage_from_a_rank_fails_the_job_naming_it(
 ) -> None:
     connect(rank_hello(0, 2))
     sock, nonce = raw_connect(coordinator)
-    protocol.send(sock, {"op": "hello", "auth": protocol.auth_answer(TOKEN, nonce), **rank_hello(1, 2)})
-    assert protocol.recv(sock)["op"] == "welcome"
+    send_rank_hello(sock, nonce, 1, 2)
+    assert recv_message(sock)["op"] == "welcome"
     sock.sendall(frame(["not", "a", "map"]))
     assert_closed_by_server(sock)
     assert coordinator.ended.wait(WAIT)
     assert coordinator.outcome is not None and coordinator.outcome["status"] == "failed"
     assert "rank 1" in coordinator.outcome["message"]
+
+
+# ----------------------------------------------------------------- before authentication (issue #11)
+@pytest.mark.parametrize("announced", [protocol.HANDSHAKE_MAX_FRAME + 1, protocol.MAX_FRAME])
+def test_a_large_frame_before_authentication_is_refused_at_once(
+    coordinator: Coordinator, connect: Callable[..., CoordinatorClient], announced: int
+) -> None:
+    # The socket timeout (5 s) is shorter than the handshake deadline (10 s): only a refusal from the
+    # announced length closes it in time; a server that waits for the body (after allocating it) does not.
+    watcher = connect()
+    sock, _ = raw_connect(coordinator)
+    sock.sendall(struct.pack(">I", announced) + b"x" * 100)
+    assert_closed_by_server(sock)
+    assert watcher.call("status", reply_timeout=WAIT)["status"]["state"] == "waiting"
+
+
+def test_a_trickled_handshake_hits_one_deadline(tmp_path: Path) -> None:
+    coord = Coordinator(token=TOKEN, ckpt_dir=tmp_path, handshake_timeout=1.0).start()
+    try:
+        sock, nonce = raw_connect(coord)
+        hello = protocol.encode({"op": "hello", "auth": protocol.auth_answer(TOKEN, nonce), "role": "control"})
+        elapsed, _ = trickle_until_closed(sock, hello, pace=0.2)
+        sock.close()
+        assert elapsed <= 3.0
+        assert status(coord)["state"] == "waiting"
+    finally:
+        coord.stop()
+
+
+def test_a_rank_with_a_command_line_over_the_handshake_limit_joins(
+    coordinator: Coordinator, connect: Callable[..., CoordinatorClient]
+) -> None:
+    argv = [f"--option-{i}=" + "v" * 100 for i in range(100)]  # what a rank says about itself comes after the hello
+    connect(rank_hello(0, 1, argv=argv))
+    assert coordinator.job.argv == argv
+    assert [r["rank"] for r in status(coordinator)["ranks"]] == [0]
+
+
+# ----------------------------------------------------------------- heartbeats (issue #11)
+QUICK = protocol.Heartbeat(interval=0.1, timeout=1.0)
+
+
+@pytest.fixture
+def quick(tmp_path: Path) -> Iterator[Coordinator]:
+    """A coordinator that heartbeats every 0.1 s and drops a peer silent for 1 s."""
+    coord = Coordinator(token=TOKEN, ckpt_dir=tmp_path / "quick", heartbeat=QUICK).start()
+    yield coord
+    coord.stop()
+
+
+def test_the_coordinator_sends_heartbeats_to_an_idle_client(quick: Coordinator) -> None:
+    sock = raw_control(quick)
+    sock.settimeout(WAIT)
+    assert [protocol.recv(sock)["op"] for _ in range(3)] == ["heartbeat"] * 3
+    sock.close()
+
+
+def test_a_silent_rank_is_lost_within_the_heartbeat_timeout(quick: Coordinator) -> None:
+    talking = CoordinatorClient(quick.address, TOKEN, rank_hello(1, 2), heartbeat=QUICK)
+    silent = RawRank(quick, 0, 2)  # joins, then says nothing, ever
+    start = time.monotonic()
+    try:
+        assert quick.ended.wait(WAIT)
+        elapsed = time.monotonic() - start
+        assert QUICK.timeout - 0.2 <= elapsed <= QUICK.timeout + 2.0, elapsed
+        assert quick.outcome is not None and quick.outcome["status"] == "failed"
+        assert quick.outcome["message"] == (
+            "rank 0 (pid 1000 on h) was lost at step 0 (no word from it for 1 s); "
+            "there is no checkpoint to restart from"
+        )
+    finally:
+        talking.close()
+        silent.close()
+
+
+def test_clients_that_heartbeat_stay_in_the_job(quick: Coordinator) -> None:
+    ranks = [CoordinatorClient(quick.address, TOKEN, rank_hello(r, 2), heartbeat=QUICK) for r in range(2)]
+    watcher = CoordinatorClient(quick.address, TOKEN, {"role": "control"}, heartbeat=QUICK)
+    try:
+        assert not quick.ended.wait(3 * QUICK.timeout), quick.outcome
+        assert [r["state"] for r in status(quick)["ranks"]] == ["running", "running"]
+        assert watcher.call("status", reply_timeout=WAIT)["status"]["state"] == "running"
+    finally:
+        for client in [*ranks, watcher]:
+            client.close()
+
+
+def test_a_silent_control_client_is_closed_and_the_job_goes_on(quick: Coordinator) -> None:
+    rank = CoordinatorClient(quick.address, TOKEN, rank_hello(0, 1), heartbeat=QUICK)
+    sock = raw_control(quick)
+    assert_closed_by_server(sock)
+    assert quick.outcome is None
+    rank.close()
+
+
+def test_stop_sends_what_was_already_posted(coordinator: Coordinator) -> None:
+    # e.g. the answer to `ckpt checkpoint --kill`: posted as the job ends, just before the launcher stops.
+    sock = raw_control(coordinator)
+    (conn,) = coordinator._connections
+    for rid in range(100):
+        conn.post({"op": "reply", "id": rid, "pad": b"x" * 65536})  # more than the socket buffers hold
+    stopper = threading.Thread(target=coordinator.stop)
+    stopper.start()
+    try:
+        assert [recv_message(sock)["id"] for _ in range(100)] == list(range(100))
+        assert_closed_by_server(sock)
+    finally:
+        stopper.join(WAIT)
+
+
+class SilentCoordinator:
+    """Completes the handshake like a coordinator, then never says a word; counts the client's heartbeats."""
+
+    def __init__(self) -> None:
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.address = "{}:{}".format(*self._server.getsockname()[:2])
+        self.heartbeats = 0
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        conn, _ = self._server.accept()
+        with conn:
+            protocol.send(conn, {"op": "challenge", "nonce": protocol.new_nonce()})
+            protocol.recv(conn)
+            protocol.send(conn, {"op": "welcome", "job": "j", "address": self.address})
+            try:
+                while True:
+                    self.heartbeats += protocol.recv(conn)["op"] == "heartbeat"
+            except (EOFError, OSError):
+                pass
+
+    def close(self) -> None:
+        self._server.close()
+        self._thread.join(WAIT)
+
+
+def test_a_client_hears_a_silent_coordinator_within_its_timeout() -> None:
+    server = SilentCoordinator()
+    lost: queue.Queue[tuple[str, bool]] = queue.Queue()
+    calls: list[Future[dict[str, Any]]] = []
+    # on_lost runs before the waiting calls fail: a rank that exits there says why once, not twice.
+    client = CoordinatorClient(
+        server.address, TOKEN, {"role": "control"}, heartbeat=QUICK, on_lost=lambda r: lost.put((r, calls[0].done()))
+    )
+    start = time.monotonic()
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            calls.append(pool.submit(client.call, "status"))
+            reason, call_failed_first = lost.get(timeout=WAIT)
+            elapsed = time.monotonic() - start
+            assert reason == f"no word from the coordinator at {server.address} for 1 s"
+            assert not call_failed_first
+            with pytest.raises(CoordinatorError, match=r"^no word from the coordinator at \S+ for 1 s$"):
+                calls[0].result(WAIT)
+        assert QUICK.timeout - 0.2 <= elapsed <= QUICK.timeout + 2.0, elapsed
+        assert server.heartbeats >= 3  # it kept sending its own while it waited
+    finally:
+        client.close()
+        server.close()
+
+
+def test_a_handshake_that_never_ends_is_one_clear_error() -> None:
+    server = socket.create_server(("127.0.0.1", 0))  # accepts (the kernel does) but never challenges
+    try:
+        with pytest.raises(CoordinatorError, match=r"^the coordinator at \S+ did not answer within 0.5 s$"):
+            CoordinatorClient(
+                "{}:{}".format(*server.getsockname()[:2]), TOKEN, {"role": "control"}, connect_timeout=0.5
+            )
+    finally:
+        server.close()
 
 
 # ----------------------------------------------------------------- client errors
@@ -494,7 +698,7 @@ def test_client_to_something_that_is_not_a_coordinator() -> None:
     def serve() -> None:
         conn, _ = server.accept()
         with conn:
-            conn.sendall(frame({"v": 1, "op": "greetings"}))
+            conn.sendall(frame({"v": protocol.PROTOCOL_VERSION, "op": "greetings"}))
             conn.recv(1)
 
     thread = threading.Thread(target=serve, daemon=True)

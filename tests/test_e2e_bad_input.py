@@ -173,6 +173,16 @@ def test_bad_programs_and_options(tmp_path: Path) -> None:
     one_error_line(run("launch", *tcp, "--fabric-latency", "2us", *ckpt_dir, *HEAT), "simib's links")
 
 
+def test_bad_heartbeat_settings(tmp_path: Path) -> None:
+    ckpt_dir = ["--ckpt-dir", str(tmp_path / "ckpt")]
+    done = run("launch", *ckpt_dir, *HEAT, extra_env={"CKPT_HEARTBEAT_TIMEOUT": "soon"})
+    one_error_line(done, "CKPT_HEARTBEAT_TIMEOUT='soon': expected a number of seconds")
+    done = run("launch", *ckpt_dir, *HEAT, extra_env={"CKPT_HEARTBEAT_INTERVAL": "30"})
+    one_error_line(done, "heartbeat timeout (15 s) must be longer than the interval (30 s)")
+    done = run("status", "--coordinator", "127.0.0.1:9", extra_env={"CKPT_TOKEN": "x", "CKPT_HEARTBEAT_TIMEOUT": "0"})
+    one_error_line(done, "heartbeat timeout must be a number of seconds > 0")
+
+
 def test_a_wrong_token_for_a_running_job(start_job: Callable[..., Job], tmp_path: Path) -> None:
     ckpt_dir = tmp_path / "ckpt"
     job = start_job("launch", "-n", "2", "--ckpt-dir", str(ckpt_dir), *HEAT)

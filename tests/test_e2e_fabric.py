@@ -14,21 +14,11 @@ from typing import Any
 import pytest
 
 from ckpt.verbs.fabric import FABRIC_FILE, FabricClient
-from harness import Job, kill_pids, results, run, start_fabric, wait_for
+from harness import Job, kill_pids, one_error_line, results, run, start_fabric, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
 FabricStart = Callable[..., dict[str, Any]]
-
-
-def _one_error_line(done: Any, *needles: str) -> str:
-    assert done.returncode == 1, (done.stdout, done.stderr)
-    assert "Traceback" not in done.stderr, done.stderr
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-    return str(lines[0])
 
 
 def _alive(pid: int) -> bool:
@@ -97,27 +87,27 @@ def test_start_status_fail_restore_stop(fabric_start: FabricStart, tmp_path: Pat
 
 def test_errors_are_one_line(fabric_start: FabricStart, tmp_path: Path) -> None:
     nowhere = tmp_path / "nowhere"
-    _one_error_line(run("fabric", "status", "--dir", str(nowhere)), "no fabric.json")
-    _one_error_line(run("fabric", "fail-link", "--dir", str(nowhere), "12"), "no fabric.json")
-    _one_error_line(run("fabric", "start", "--dir", str(nowhere), "--fabric-latency", "fast"), "bad latency")
-    _one_error_line(run("fabric", "start", "--dir", str(nowhere), "--fabric-bandwidth", "4XB/s"), "bad bandwidth")
+    one_error_line(run("fabric", "status", "--dir", str(nowhere)), "no fabric.json")
+    one_error_line(run("fabric", "fail-link", "--dir", str(nowhere), "12"), "no fabric.json")
+    one_error_line(run("fabric", "start", "--dir", str(nowhere), "--fabric-latency", "fast"), "bad latency")
+    one_error_line(run("fabric", "start", "--dir", str(nowhere), "--fabric-bandwidth", "4XB/s"), "bad bandwidth")
 
     directory = tmp_path / "ckpt"
     record = fabric_start()
     port = record["address"].rsplit(":", 1)[1]
-    _one_error_line(run("fabric", "start", "--dir", str(directory)), "already running")
-    _one_error_line(run("fabric", "start", "--dir", str(tmp_path / "other"), "--port", port), "in use")
+    one_error_line(run("fabric", "start", "--dir", str(directory)), "already running")
+    one_error_line(run("fabric", "start", "--dir", str(tmp_path / "other"), "--port", port), "in use")
     unknown = 1 if _status(directory)["sm_lid"] != 1 else 2
-    _one_error_line(run("fabric", "fail-link", "--dir", str(directory), str(unknown)), f"no HCA port has LID {unknown}")
-    _one_error_line(run("fabric", "restore-link", "--dir", str(directory), "zero"), "bad LID")
-    _one_error_line(run("fabric", "status", "--fabric", record["address"]), "CKPT_FABRIC_TOKEN")
+    one_error_line(run("fabric", "fail-link", "--dir", str(directory), str(unknown)), f"no HCA port has LID {unknown}")
+    one_error_line(run("fabric", "restore-link", "--dir", str(directory), "zero"), "bad LID")
+    one_error_line(run("fabric", "status", "--fabric", record["address"]), "CKPT_FABRIC_TOKEN")
     wrong = {"CKPT_FABRIC_TOKEN": "wrong"}
-    _one_error_line(run("fabric", "status", "--fabric", record["address"], extra_env=wrong), "CKPT_FABRIC_TOKEN")
+    one_error_line(run("fabric", "status", "--fabric", record["address"], extra_env=wrong), "CKPT_FABRIC_TOKEN")
 
     os.kill(record["pid"], signal.SIGKILL)
     wait_for(lambda: not _alive(record["pid"]), 30, "the subnet manager process to die")
-    _one_error_line(run("fabric", "fail-link", "--dir", str(directory), "12"), "cannot reach the fabric")
-    _one_error_line(run("fabric", "stop", "--dir", str(directory)), "stale")
+    one_error_line(run("fabric", "fail-link", "--dir", str(directory), "12"), "cannot reach the fabric")
+    one_error_line(run("fabric", "stop", "--dir", str(directory)), "stale")
     assert not (directory / FABRIC_FILE).exists()
 
 
@@ -204,5 +194,5 @@ def test_launch_on_an_existing_fabric(probe: str, fabric_start: FabricStart, tmp
     assert (stats["hcas_registered"], stats["hcas_present"]) == (2, 0)
 
     conflicting = ("--fabric", record["address"], "--fabric-latency", "2us")
-    _one_error_line(run("launch", "--ckpt-dir", job_dir, *conflicting, probe, extra_env=token), "--fabric-latency")
-    _one_error_line(run("launch", "--ckpt-dir", str(fabric_dir), probe), "pass --fabric")
+    one_error_line(run("launch", "--ckpt-dir", job_dir, *conflicting, probe, extra_env=token), "--fabric-latency")
+    one_error_line(run("launch", "--ckpt-dir", str(fabric_dir), probe), "pass --fabric")

@@ -6,6 +6,7 @@ import random
 import socket
 import struct
 import threading
+import time
 from collections.abc import Iterator
 
 import msgpack
@@ -23,6 +24,9 @@ def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
     yield a, b
     a.close()
     b.close()
+
+
+V = protocol.PROTOCOL_VERSION
 
 
 def body(obj: object) -> bytes:
@@ -76,12 +80,13 @@ def test_encode_refuses_a_message_over_the_frame_limit(monkeypatch: pytest.Monke
         (body(7), "not a map"),
         (body(None), "not a map"),
         (body({"op": "status"}), "protocol version None"),
-        (body({"v": 2, "op": "status"}), "protocol version 2"),
-        (body({"v": "1", "op": "status"}), "protocol version"),
-        (body({"v": 1}), "no op"),
-        (body({"v": 1, "op": 5}), "no op"),
-        (body({"v": 1, "op": b"status"}), "no op"),
-        (body({"v": 1, "op": "x"}) + b"\x00", "undecodable"),  # trailing data
+        (body({"v": 99, "op": "status"}), "protocol version 99"),
+        (body({"v": 1, "op": "status"}), "protocol version 1, expected 2"),  # a peer of the previous version
+        (body({"v": str(V), "op": "status"}), "protocol version"),
+        (body({"v": V}), "no op"),
+        (body({"v": V, "op": 5}), "no op"),
+        (body({"v": V, "op": b"status"}), "no op"),
+        (body({"v": V, "op": "x"}) + b"\x00", "undecodable"),  # trailing data
     ],
 )
 def test_decode_rejects_malformed_bodies(raw: bytes, match: str) -> None:
@@ -135,7 +140,7 @@ def test_recv_reassembles_a_frame_sent_one_byte_at_a_time(pair: tuple[socket.soc
     writer = threading.Thread(target=trickle)
     writer.start()
     try:
-        assert protocol.recv(b) == {"v": 1, "op": "slow", "value": list(range(50))}
+        assert protocol.recv(b) == {"v": V, "op": "slow", "value": list(range(50))}
     finally:
         writer.join(5.0)
 
@@ -184,7 +189,7 @@ def test_recv_honours_the_frame_limit_exactly(
     pair: tuple[socket.socket, socket.socket], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     a, b = pair
-    ok = body({"v": 1, "op": "fits"})
+    ok = body({"v": V, "op": "fits"})
     monkeypatch.setattr(protocol, "MAX_FRAME", len(ok))
     a.sendall(struct.pack(">I", len(ok)) + ok)
     assert protocol.recv(b)["op"] == "fits"
@@ -296,3 +301,164 @@ def test_parse_address_rejects_bad_addresses_with_a_clear_line(address: str) -> 
 def test_parse_address_rejects_non_ascii_digits() -> None:
     with pytest.raises(ProtocolError, match="expected HOST:PORT"):
         protocol.parse_address("host:²")
+
+
+# ----------------------------------------------------------------- limits and deadlines (issue #11)
+def test_recv_takes_a_smaller_limit_before_authentication(pair: tuple[socket.socket, socket.socket]) -> None:
+    a, b = pair
+    a.sendall(struct.pack(">I", protocol.HANDSHAKE_MAX_FRAME + 1))
+    with pytest.raises(ProtocolError, match=f"limit is {protocol.HANDSHAKE_MAX_FRAME}"):
+        protocol.recv(b, limit=protocol.HANDSHAKE_MAX_FRAME)
+
+
+def test_recv_has_one_deadline_for_the_whole_frame(pair: tuple[socket.socket, socket.socket]) -> None:
+    a, b = pair
+    data = protocol.encode({"op": "slow", "pad": "x" * 100})
+    stop = threading.Event()
+
+    def trickle() -> None:  # a byte every 0.1 s: each read is quick, the frame is not
+        for i in range(len(data)):
+            if stop.wait(0.1):
+                return
+            a.sendall(data[i : i + 1])
+
+    writer = threading.Thread(target=trickle)
+    writer.start()
+    try:
+        with pytest.raises(TimeoutError, match="deadline"):
+            protocol.recv(b, deadline=time.monotonic() + 0.5)
+    finally:
+        stop.set()
+        writer.join(5.0)
+
+
+def test_recv_idle_counts_silence_not_frame_time(pair: tuple[socket.socket, socket.socket]) -> None:
+    a, b = pair
+    data = protocol.encode({"op": "slow", "pad": "x" * 20})
+    done = threading.Event()
+
+    def trickle() -> None:
+        for i in range(len(data)):
+            if done.wait(0.02):
+                return
+            a.sendall(data[i : i + 1])
+
+    writer = threading.Thread(target=trickle)
+    writer.start()
+    try:  # ~0.6 s for the frame, never 0.5 s without a byte
+        assert protocol.recv(b, idle=0.5)["op"] == "slow"
+        with pytest.raises(TimeoutError, match=r"silent for 0\.2 s"):
+            protocol.recv(b, idle=0.2)
+    finally:
+        done.set()
+        writer.join(5.0)
+
+
+def test_recv_on_a_socket_closed_by_another_thread_is_an_os_error(pair: tuple[socket.socket, socket.socket]) -> None:
+    _, b = pair
+    b.close()
+    with pytest.raises(OSError):
+        protocol.recv(b, idle=1.0)
+
+
+def test_frame_reader_reassembles_pieces_and_reads_nothing_past_its_frame(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    a, b = pair
+    b.setblocking(False)
+    reader = protocol.FrameReader()
+    first = protocol.encode({"op": "hello", "n": 1})
+    assert reader.read_from(b) is None  # nothing there yet
+    for byte in first[:-1]:
+        a.sendall(bytes([byte]))
+        assert reader.read_from(b) is None
+    a.sendall(first[-1:] + protocol.encode({"op": "next"}))
+    assert reader.read_from(b) == {"v": V, "op": "hello", "n": 1}
+    b.setblocking(True)
+    assert protocol.recv(b)["op"] == "next"
+
+
+@pytest.mark.parametrize("announced", [protocol.HANDSHAKE_MAX_FRAME + 1, 64 << 20, 0xFFFFFFFF])
+def test_frame_reader_refuses_an_oversize_length_from_the_header_alone(
+    pair: tuple[socket.socket, socket.socket], announced: int
+) -> None:
+    a, b = pair
+    a.sendall(struct.pack(">I", announced))
+    with pytest.raises(ProtocolError, match="limit is 4096"):
+        protocol.FrameReader().read_from(b)
+
+
+@pytest.mark.parametrize(
+    ("data", "error"),
+    [
+        (struct.pack(">I", 0), ProtocolError),
+        (struct.pack(">I", 2) + b"\x92\x01", ProtocolError),
+        (b"\x00\x00", EOFError),  # closed inside the length
+        (struct.pack(">I", 10) + b"abc", EOFError),  # closed inside the body
+    ],
+)
+def test_frame_reader_on_garbage_and_early_closes(
+    pair: tuple[socket.socket, socket.socket], data: bytes, error: type[Exception]
+) -> None:
+    a, b = pair
+    a.sendall(data)
+    a.shutdown(socket.SHUT_WR)
+    reader = protocol.FrameReader()
+    with pytest.raises(error):
+        while reader.read_from(b) is None:
+            pass
+
+
+def test_client_handshake_skips_heartbeats_before_the_answer(pair: tuple[socket.socket, socket.socket]) -> None:
+    a, b = pair
+    nonce = protocol.new_nonce()
+    protocol.send(a, {"op": "challenge", "nonce": nonce})
+    protocol.send(a, protocol.HEARTBEAT)  # the server's writer may heartbeat before the welcome goes out
+    protocol.send(a, {"op": "welcome", "job": "j"})
+    answer = protocol.client_handshake(b, "tok", "coordinator", role="rank", then={"op": "join", "rank": 0})
+    assert answer["op"] == "welcome"
+    hello, join = protocol.recv(a), protocol.recv(a)
+    assert hello == {"v": V, "op": "hello", "auth": protocol.auth_answer("tok", nonce), "role": "rank"}
+    assert join == {"v": V, "op": "join", "rank": 0}
+
+
+def test_client_handshake_bounds_the_challenge(pair: tuple[socket.socket, socket.socket]) -> None:
+    a, b = pair
+    a.sendall(struct.pack(">I", protocol.HANDSHAKE_MAX_FRAME + 1))
+    with pytest.raises(ProtocolError, match="limit"):
+        protocol.client_handshake(b, "tok", "coordinator")
+
+
+def test_client_handshake_has_one_deadline(pair: tuple[socket.socket, socket.socket]) -> None:
+    a, b = pair
+    protocol.send(a, {"op": "challenge", "nonce": protocol.new_nonce()})
+    with pytest.raises(TimeoutError):
+        protocol.client_handshake(b, "tok", "coordinator", timeout=0.3)
+
+
+# ----------------------------------------------------------------- heartbeat settings
+def test_heartbeat_defaults() -> None:
+    assert protocol.Heartbeat.from_environment({}) == protocol.Heartbeat(1.0, 15.0)
+
+
+def test_heartbeat_from_the_environment() -> None:
+    env = {"CKPT_HEARTBEAT_INTERVAL": "0.25", "CKPT_HEARTBEAT_TIMEOUT": " 3 "}
+    assert protocol.Heartbeat.from_environment(env) == protocol.Heartbeat(0.25, 3.0)
+    assert protocol.Heartbeat.from_environment({"CKPT_HEARTBEAT_TIMEOUT": "60"}) == protocol.Heartbeat(1.0, 60.0)
+
+
+@pytest.mark.parametrize(
+    ("env", "match"),
+    [
+        ({"CKPT_HEARTBEAT_INTERVAL": "soon"}, r"CKPT_HEARTBEAT_INTERVAL='soon': expected a number of seconds"),
+        ({"CKPT_HEARTBEAT_TIMEOUT": "0"}, "heartbeat timeout must be a number of seconds > 0"),
+        ({"CKPT_HEARTBEAT_TIMEOUT": "-1"}, "heartbeat timeout must be"),
+        ({"CKPT_HEARTBEAT_INTERVAL": "nan"}, "heartbeat interval must be"),
+        ({"CKPT_HEARTBEAT_INTERVAL": "inf"}, "heartbeat interval must be"),
+        ({"CKPT_HEARTBEAT_INTERVAL": "20"}, r"timeout \(15 s\) must be longer than the interval \(20 s\)"),
+    ],
+)
+def test_bad_heartbeat_settings_are_one_clear_line(env: dict[str, str], match: str) -> None:
+    with pytest.raises(ProtocolError, match=match) as caught:
+        protocol.Heartbeat.from_environment(env)
+    assert "\n" not in str(caught.value)

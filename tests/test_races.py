@@ -43,19 +43,12 @@ class Rank:
         host, port = protocol.parse_address(address)
         self.sock = socket.create_connection((host, port), timeout=WAIT)
         challenge = protocol.recv(self.sock)
-        hello = {
-            "op": "hello",
-            "auth": protocol.auth_answer(TOKEN, challenge["nonce"]),
-            "role": "rank",
-            "rank": rank,
-            "size": size,
-            "pid": 1000 + rank,
-            "host": "h",
-            "program": {"name": "p"},
-            **extra,
-        }
-        protocol.send(self.sock, hello)
-        self.welcome = protocol.recv(self.sock)
+        protocol.send(
+            self.sock, {"op": "hello", "auth": protocol.auth_answer(TOKEN, challenge["nonce"]), "role": "rank"}
+        )
+        join = {"op": "join", "rank": rank, "size": size, "pid": 1000 + rank, "host": "h", "program": {"name": "p"}}
+        protocol.send(self.sock, {**join, **extra})
+        self.welcome = self._next_message()
         assert self.welcome["op"] == "welcome", self.welcome
         self.rank = rank
         self.pushes: list[dict[str, Any]] = []
@@ -67,9 +60,14 @@ class Rank:
         protocol.send(self.sock, {"op": op, "id": rid, **fields})
         return rid
 
+    def _next_message(self) -> dict[str, Any]:
+        while (message := protocol.recv(self.sock))["op"] == "heartbeat":
+            pass
+        return message
+
     def _read_one(self, timeout: float) -> None:
         self.sock.settimeout(timeout)
-        message = protocol.recv(self.sock)
+        message = self._next_message()
         if message["op"] == "reply":
             self._replies[message["id"]] = message
         else:

@@ -209,3 +209,45 @@ def test_a_very_distant_deadline_does_not_stop_the_scheduler(scheduler: Schedule
     second = threading.Event()
     scheduler.call_at(time.monotonic() + 0.05, second.set)
     assert second.wait(2.0)
+
+
+def test_cancelled_timers_leave_the_heap(scheduler: Scheduler) -> None:
+    # Each checkpoint arms phase timers (300 s by default) and cancels them when the phase ends:
+    # cancelled timers must not pile up until their deadlines.
+    far = time.monotonic() + 3600.0
+    for _ in range(10_000):
+        scheduler.call_at(far, lambda: None).cancel()
+    assert len(scheduler._heap) <= 1
+    armed = [scheduler.call_at(far + i, lambda: None) for i in range(10_000)]
+    for timer in armed:
+        timer.cancel()
+    assert len(scheduler._heap) <= 1
+
+
+def test_cancelling_some_timers_keeps_the_others(scheduler: Scheduler) -> None:
+    _, release = hold_the_timer_thread(scheduler)
+    log: list[str] = []
+    done = threading.Event()
+    now = time.monotonic()
+    timers = [scheduler.call_at(now - 100 + i, recorder(log, f"t{i}")) for i in range(99)]
+    for i, timer in enumerate(timers):
+        if i % 3:
+            timer.cancel()
+    timers[0].cancel()  # twice: still counted once
+    timers[1].cancel()
+    scheduler.call_at(now - 0.5, recorder(log, "last", done))
+    assert len(scheduler._heap) <= 2 * (99 // 3 + 1)
+    release.set()
+    assert done.wait(WAIT)
+    assert log == [f"t{i}" for i in range(3, 99, 3)] + ["last"]
+
+
+def test_cancelling_a_timer_that_already_ran_changes_nothing(scheduler: Scheduler) -> None:
+    fired = threading.Event()
+    timer = scheduler.call_at(time.monotonic() - 1.0, fired.set)
+    assert fired.wait(WAIT)
+    keep = threading.Event()
+    later = scheduler.call_at(time.monotonic() + 0.05, keep.set)
+    timer.cancel()
+    assert not later.cancelled
+    assert keep.wait(WAIT)

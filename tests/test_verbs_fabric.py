@@ -7,6 +7,7 @@ import os
 import queue
 import random
 import socket
+import struct
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Any
 import pytest
 
 from ckpt import CkptError
+from ckpt.coordinator import protocol
 from ckpt.verbs import _subnet, fabric
 from ckpt.verbs.fabric import (
     FabricClient,
@@ -24,6 +26,7 @@ from ckpt.verbs.fabric import (
     parse_bandwidth,
     parse_latency,
 )
+from harness import closed_by_peer, trickle_until_closed
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -241,6 +244,44 @@ def test_a_wrong_token_is_refused_and_the_fabric_keeps_serving(start_sm: StartSM
     host, port = sm.address.rsplit(":", 1)
     with socket.create_connection((host, int(port))) as raw:
         raw.sendall(b"\xff\xff\xff\xffgarbage")
+    assert register(connect(sm), 1)["fabric"] == sm.fabric_id
+
+
+def _raw(sm: SubnetManager) -> tuple[socket.socket, bytes]:
+    """A plain socket past the SM's challenge: (socket, nonce)."""
+    host, port = protocol.parse_address(sm.address)
+    sock = socket.create_connection((host, port), timeout=PUSH_TIMEOUT)
+    return sock, protocol.recv(sock)["nonce"]
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        struct.pack(">I", protocol.HANDSHAKE_MAX_FRAME + 1),  # refused from its length, body or not
+        struct.pack(">I", protocol.MAX_FRAME) + b"x" * 100,
+        struct.pack(">I", 3) + b"abc",
+        protocol.encode({"op": "register", "guid": 1}),  # a request before the hello
+        protocol.encode({"op": "hello", "auth": b"\x00" * 32}),
+    ],
+)
+def test_bad_frames_before_authentication_close_that_connection_at_once(
+    start_sm: StartSM, connect: Connect, data: bytes
+) -> None:
+    sm = start_sm()  # 10 s handshake deadline: closing within 5 s is the server's doing
+    sock, _ = _raw(sm)
+    with sock:
+        sock.sendall(data)
+        assert closed_by_peer(sock, 5.0), "the subnet manager kept a bad connection open"
+    assert register(connect(sm), 1)["fabric"] == sm.fabric_id
+
+
+def test_a_trickled_handshake_hits_one_deadline(start_sm: StartSM, connect: Connect) -> None:
+    sm = start_sm(handshake_timeout=1.0)
+    sock, nonce = _raw(sm)
+    with sock:
+        hello = protocol.encode({"op": "hello", "auth": protocol.auth_answer(sm.token, nonce)})
+        elapsed, _ = trickle_until_closed(sock, hello, pace=0.2)
+    assert elapsed <= 3.0
     assert register(connect(sm), 1)["fabric"] == sm.fabric_id
 
 

@@ -14,7 +14,14 @@ from ckpt.coordinator import protocol
 
 class CoordinatorClient:
     """Connects, authenticates, then multiplexes requests by id; messages that are not replies
-    (suspend, abort, kill, done) are handed to `on_push` on the reader thread."""
+    (suspend, abort, kill, done) are handed to `on_push` on the reader thread.
+
+    `hello` is {"role": "control"}, or {"role": "rank", ...} with what the rank tells the coordinator
+    about itself (sent as the "join" right behind the authentication). `connect_timeout` bounds
+    connecting and authenticating together. Heartbeats both ways follow `heartbeat`
+    ($CKPT_HEARTBEAT_INTERVAL / $CKPT_HEARTBEAT_TIMEOUT by default): a coordinator silent for its
+    timeout is lost (`on_lost`, then every waiting call fails).
+    """
 
     def __init__(
         self,
@@ -25,9 +32,13 @@ class CoordinatorClient:
         on_push: Callable[[dict[str, Any]], None] | None = None,
         on_lost: Callable[[str], None] | None = None,
         connect_timeout: float = 10.0,
+        heartbeat: protocol.Heartbeat | None = None,
     ) -> None:
         self.address = address
         host, port = _parse(address)
+        heartbeat = _heartbeat(heartbeat)
+        role = hello.get("role")
+        join = {"op": "join", **{k: v for k, v in hello.items() if k != "role"}} if role == "rank" else None
         try:
             sock = socket.create_connection((host, port), timeout=connect_timeout)
         except OSError as exc:
@@ -36,7 +47,14 @@ class CoordinatorClient:
             ) from None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
-            welcome = protocol.client_handshake(sock, token, hello, "coordinator")
+            welcome = protocol.client_handshake(
+                sock, token, "coordinator", role=None if role is None else str(role), then=join, timeout=connect_timeout
+            )
+        except TimeoutError:
+            sock.close()
+            raise CoordinatorError(
+                f"the coordinator at {address} did not answer within {connect_timeout:g} s"
+            ) from None
         except (EOFError, OSError) as exc:
             sock.close()
             raise CoordinatorError(
@@ -58,6 +76,8 @@ class CoordinatorClient:
             on_message=self._push,
             on_lost=on_lost,
             thread_name="ckpt-coord-client",
+            heartbeat=heartbeat,
+            silent=f"no word from the coordinator at {address}",
         )
 
     # ----------------------------------------------------------- requests
@@ -76,6 +96,15 @@ class CoordinatorClient:
 
     def close(self) -> None:
         self._connection.close()
+
+
+def _heartbeat(given: protocol.Heartbeat | None) -> protocol.Heartbeat:
+    if given is not None:
+        return given
+    try:
+        return protocol.Heartbeat.from_environment()
+    except ProtocolError as exc:
+        raise CoordinatorError(str(exc)) from None
 
 
 def _parse(address: str) -> tuple[str, int]:

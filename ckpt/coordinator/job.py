@@ -219,7 +219,8 @@ class Job:
     def all_joined(self) -> bool:
         return self.size > 0 and len(self.ranks) == self.size
 
-    def rank_lost(self, rank: int) -> None:
+    def rank_lost(self, rank: int, cause: str = "") -> None:
+        """The rank's connection closed (or went silent: `cause` says so)."""
         info = self.ranks.get(rank)
         if info is None or not info.connected:
             return
@@ -228,7 +229,7 @@ class Job:
             return  # the job already ended; ranks leaving is expected
         info.state = "failed"
         where = f"during checkpoint {self._ckpt.number} ({self._ckpt.stage})" if self._ckpt else f"at step {info.step}"
-        reason = f"rank {rank} (pid {info.pid} on {info.host}) was lost {where}"
+        reason = f"rank {rank} (pid {info.pid} on {info.host}) was lost {where}{f' ({cause})' if cause else ''}"
         self._end_checkpoint(reason)
         latest = self.last_checkpoint["number"] if self.last_checkpoint else None
         tail = f"; the latest checkpoint is {latest}" if latest else "; there is no checkpoint to restart from"

@@ -1,18 +1,22 @@
 """The coordinator's TCP server: accepts ranks and control clients and dispatches their requests."""
 
-# One reader thread per connection parses frames (protocol.recv) and handles
-# each request under the coordinator's single lock; requests that must wait
-# (barriers, collectives, subscribe, checkpoint --wait) register a reply
-# callback with the Job or the key-value store and return at once, so a rank's
-# checkpoint thread and its program thread can both have requests outstanding
-# on the one connection.  Replies and pushes go through a per-connection outbox
-# drained by a writer thread, so a client that stops reading can never block
-# the coordinator while it holds its lock.
+# Connections are authenticated by one handshake gate thread (_connections.py):
+# until a peer has answered the challenge it has no thread and no buffer of its
+# own.  An authenticated connection gets a reader thread, which parses frames
+# (protocol.recv) and handles each request under the coordinator's single lock;
+# requests that must wait (barriers, collectives, subscribe, checkpoint --wait)
+# register a reply callback with the Job or the key-value store and return at
+# once, so a rank's checkpoint thread and its program thread can both have
+# requests outstanding on the one connection.  Replies and pushes go through a
+# per-connection outbox drained by a writer thread, so a client that stops
+# reading can never block the coordinator while it holds its lock.  The writer
+# sends a heartbeat when it has been idle for the heartbeat interval, and the
+# reader treats a peer silent for the heartbeat timeout as lost: a stopped or
+# partitioned rank fails the job instead of hanging it.
 
 from __future__ import annotations
 
 import logging
-import queue
 import socket
 import threading
 import time
@@ -21,30 +25,23 @@ from typing import Any
 
 from ckpt._errors import CkptError, CoordinatorError, ProtocolError
 from ckpt.coordinator import protocol
+from ckpt.coordinator._connections import HandshakeGate, PeerConnection
 from ckpt.coordinator._scheduler import Scheduler, Timer
 from ckpt.coordinator.job import Job, JobSettings
 from ckpt.coordinator.kvstore import Reply
 
 log = logging.getLogger(__name__)
 
-_HANDSHAKE_TIMEOUT = 10.0
 _MAX_SUBSCRIBE_TIMEOUT = 7 * 24 * 3600.0
+#: How long stop() lets the writers send what was posted (the answer to a `checkpoint --kill` ...).
+_FLUSH_ON_STOP = 5.0
 
 
-class _Connection:
-    def __init__(self, sock: socket.socket, peer: str) -> None:
-        self.sock = sock
-        self.peer = peer
-        self.role = ""
+class _Connection(PeerConnection):
+    def __init__(self, sock: socket.socket, peer: str, role: str, heartbeat: protocol.Heartbeat) -> None:
+        super().__init__(sock, peer, thread_name=f"ckpt-coord-w-{peer}", heartbeat_interval=heartbeat.interval)
+        self.role = role
         self.rank = -1
-        self.closed = False
-        self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
-        self._writer = threading.Thread(target=self._write_loop, name=f"ckpt-coord-w-{peer}", daemon=True)
-        self._writer.start()
-
-    def post(self, message: dict[str, Any]) -> None:
-        if not self.closed:
-            self._outbox.put(protocol.encode(message))
 
     def reply_to(self, rid: Any) -> Reply:
         def reply(payload: dict[str, Any]) -> None:
@@ -54,27 +51,6 @@ class _Connection:
                 self.post({"op": "reply", "id": rid, "error": str(exc)})
 
         return reply
-
-    def _write_loop(self) -> None:
-        while True:
-            frame = self._outbox.get()
-            if frame is None:
-                return
-            try:
-                self.sock.sendall(frame)
-            except OSError:
-                self.close()
-                return
-
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self._outbox.put(None)
-            try:
-                self.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            self.sock.close()
 
 
 class Coordinator:
@@ -93,14 +69,21 @@ class Coordinator:
         serve_forever: bool = False,
         job_id: str = "",
         recorded_phase_timeout: float | None = None,
+        heartbeat: protocol.Heartbeat | None = None,
+        handshake_timeout: float = protocol.HANDSHAKE_TIMEOUT,
     ) -> None:
         self._lock = threading.RLock()
         self._token = token
         self._serve_forever = serve_forever
+        try:
+            self._heartbeat = heartbeat or protocol.Heartbeat.from_environment()
+        except ProtocolError as exc:
+            raise CoordinatorError(str(exc)) from None
         self.ended = threading.Event()
-        self._sock = _listen(host, port)
-        bound_host, bound_port = self._sock.getsockname()[:2]
+        sock = _listen(host, port)
+        bound_host, bound_port = sock.getsockname()[:2]
         self.address = f"{bound_host}:{bound_port}"
+        self._gate = HandshakeGate(sock, token, self._admit, name="ckpt-coord-gate", timeout=handshake_timeout)
         self._settings = JobSettings(
             token=token,
             ckpt_dir=Path(ckpt_dir).resolve(),
@@ -117,7 +100,6 @@ class Coordinator:
         self._ranks: dict[int, _Connection] = {}
         self.job = self._new_job()
         self._stopped = False
-        self._acceptor = threading.Thread(target=self._accept_loop, name="ckpt-coord-accept", daemon=True)
 
     def _new_job(self) -> Job:
         job = Job(self._settings, self._push, self._scheduler)
@@ -125,19 +107,22 @@ class Coordinator:
         return job
 
     def start(self) -> Coordinator:
-        self._acceptor.start()
+        self._gate.start()
         return self
 
     def stop(self) -> None:
+        """Stop accepting, let each connection send what was posted to it (at most a few seconds), close."""
+        self._gate.stop()
         with self._lock:
             self._stopped = True
-            for conn in list(self._connections):
+            connections = list(self._connections)
+            for conn in connections:
                 conn.close()
         self._scheduler.stop()
-        try:
-            self._sock.close()
-        except OSError:
-            pass
+        deadline = time.monotonic() + _FLUSH_ON_STOP
+        for conn in connections:
+            conn.flushed(max(0.0, deadline - time.monotonic()))
+            conn.abort()
 
     @property
     def outcome(self) -> dict[str, Any] | None:
@@ -177,23 +162,28 @@ class Coordinator:
             conn.post(message)
 
     # ----------------------------------------------------------- connections
-    def _accept_loop(self) -> None:
-        while not self._stopped:
-            try:
-                sock, peer = self._sock.accept()
-            except OSError:
-                return
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = _Connection(sock, f"{peer[0]}:{peer[1]}")
-            threading.Thread(target=self._serve, args=(conn,), name=f"ckpt-coord-r-{conn.peer}", daemon=True).start()
+    def _admit(self, sock: socket.socket, peer: str, hello: dict[str, Any]) -> None:
+        """On the gate's thread: `hello` verified; give the connection its writer and reader threads."""
+        role = protocol.require(hello, "role", str)
+        if role not in ("control", "rank"):
+            raise ProtocolError(f"unknown role {role!r}")
+        conn = _Connection(sock, peer, role, self._heartbeat)
+        threading.Thread(target=self._serve, args=(conn,), name=f"ckpt-coord-r-{peer}", daemon=True).start()
 
     def _serve(self, conn: _Connection) -> None:
+        silent = ""
+        timeout = self._heartbeat.timeout
         try:
-            self._handshake(conn)
+            self._welcome(conn)
             while True:
-                message = protocol.recv(conn.sock)
+                message = protocol.recv(conn.sock, idle=timeout)
+                if message["op"] == "heartbeat":
+                    continue
                 with self._lock:
                     self._dispatch(conn, message)
+        except TimeoutError:
+            silent = f"no word from it for {timeout:g} s"
+            log.warning("closing connection from %s (%s): %s", conn.peer, self._who(conn), silent)
         except (EOFError, OSError):
             pass
         except ProtocolError as exc:
@@ -201,41 +191,42 @@ class Coordinator:
         except Exception:  # a bug must cost one connection, never the coordinator
             log.exception("closing connection from %s after an internal error", conn.peer)
         finally:
-            conn.close()
             with self._lock:
                 self._connections.discard(conn)
                 if conn.role == "rank" and self._ranks.get(conn.rank) is conn:
                     del self._ranks[conn.rank]
-                    self.job.rank_lost(conn.rank)
+                    self.job.rank_lost(conn.rank, silent)
                     self._maybe_next_job()
+            # What was posted (a refusal, a last reply) still goes out, unless the peer does not read it.
+            conn.close()
+            conn.flushed(0.0 if silent else timeout)
+            conn.abort()
 
-    def _handshake(self, conn: _Connection) -> None:
-        nonce = protocol.new_nonce()
-        conn.sock.settimeout(_HANDSHAKE_TIMEOUT)
-        protocol.send(conn.sock, {"op": "challenge", "nonce": nonce})
-        hello = protocol.recv(conn.sock)
-        if hello["op"] != "hello" or not protocol.check_answer(self._token, nonce, hello.get("auth")):
-            raise ProtocolError("authentication failed (wrong CKPT_TOKEN?)")
-        conn.sock.settimeout(None)
-        role = protocol.require(hello, "role", str)
+    def _who(self, conn: _Connection) -> str:
+        return f"rank {conn.rank}" if conn.rank >= 0 else f"a {conn.role} client"
+
+    def _welcome(self, conn: _Connection) -> None:
+        """A control client is welcome at once; a rank first says who it is in a "join" frame."""
+        join: dict[str, Any] = {}
+        if conn.role == "rank":
+            join = protocol.recv(conn.sock, idle=self._heartbeat.timeout)
+            if join["op"] != "join":
+                raise ProtocolError(f"expected the rank's join, got {join['op']!r}")
+            protocol.require(join, "rank", int)
+            protocol.require(join, "size", int)
         with self._lock:
             if self._stopped:
                 raise EOFError
             self._connections.add(conn)
-            conn.role = role
-            if role == "control":
+            if conn.role == "control":
                 conn.post({"op": "welcome", "job": self.job.job_id, "address": self.address})
                 return
-            if role != "rank":
-                raise ProtocolError(f"unknown role {role!r}")
-            protocol.require(hello, "rank", int)
-            protocol.require(hello, "size", int)
             try:
-                welcome = self.job.join(hello)
+                welcome = self.job.join(join)
             except (CkptError, KeyError, ValueError, TypeError, AttributeError) as exc:
-                protocol.send(conn.sock, {"op": "refused", "error": str(exc)})
+                conn.post({"op": "refused", "error": str(exc)})
                 raise EOFError from None
-            conn.rank = int(hello["rank"])
+            conn.rank = int(join["rank"])
             self._ranks[conn.rank] = conn
             conn.post({"op": "welcome", **welcome})
             self.job.joined()

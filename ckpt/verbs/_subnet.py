@@ -20,13 +20,15 @@
 #   registration, so every process of a job simulates the same network.
 #
 # The framing and the challenge/response authentication are the coordinator's
-# (ckpt.coordinator.protocol); each fabric has a token of its own.
+# (ckpt.coordinator.protocol), and so are the handshake gate and the outbox of
+# an authenticated peer (ckpt.coordinator._connections); each fabric has a
+# token of its own.  Fabric connections carry no heartbeats: an HCA's
+# registration lives exactly as long as its TCP connection.
 
 from __future__ import annotations
 
 import logging
 import math
-import queue
 import random
 import socket
 import threading
@@ -37,14 +39,13 @@ from typing import Any, final
 
 from ckpt._errors import CkptError, ProtocolError
 from ckpt.coordinator import protocol
+from ckpt.coordinator._connections import HandshakeGate, PeerConnection
 
 log = logging.getLogger(__name__)
 
 #: Unicast LIDs are 1..0xBFFF: 0 is reserved, 0xC000 and up are multicast.
 MAX_UNICAST_LID = 0xBFFF
 PORTS_PER_HCA = 2
-
-_HANDSHAKE_TIMEOUT = 10.0
 
 
 class FabricError(CkptError):
@@ -102,55 +103,12 @@ class _LidAllocator:
 
 
 # ----------------------------------------------------------- the subnet manager
-class _Connection:
-    """One authenticated peer of the SM; frames go out through an outbox so the SM never blocks on a peer."""
+class _Connection(PeerConnection):
+    """One authenticated peer of the SM and the HCAs it registered."""
 
     def __init__(self, sock: socket.socket, peer: str) -> None:
-        self.sock = sock
-        self.peer = peer
+        super().__init__(sock, peer, thread_name=f"ckpt-sm-w-{peer}", heartbeat_interval=None)
         self.hcas: list[_Hca] = []
-        self.closed = False
-        self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
-        self._writer = threading.Thread(target=self._write_loop, name=f"ckpt-sm-w-{peer}", daemon=True)
-        self._writer.start()
-
-    def post(self, message: dict[str, Any]) -> None:
-        if not self.closed:
-            self._outbox.put(protocol.encode(message))
-
-    def _write_loop(self) -> None:
-        while True:
-            frame = self._outbox.get()
-            if frame is None:
-                break
-            try:
-                self.sock.sendall(frame)
-            except OSError:
-                break
-        self._shutdown()
-
-    def close(self) -> None:
-        """Close once what is already posted (e.g. the reply to `stop`) has been sent."""
-        if not self.closed:
-            self.closed = True
-            self._outbox.put(None)
-
-    def flushed(self, timeout: float) -> None:
-        """Wait (at most `timeout` s) until the writer has sent what was posted before `close`."""
-        if threading.current_thread() is not self._writer:
-            self._writer.join(timeout)
-
-    def abort(self) -> None:
-        self.closed = True
-        self._outbox.put(None)
-        self._shutdown()
-
-    def _shutdown(self) -> None:
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.sock.close()
 
 
 @dataclass
@@ -179,12 +137,19 @@ class SubnetManager:
     """The fabric's SM: LID assignment, routing table, link states and fault injection, over TCP."""
 
     def __init__(
-        self, host: str = "127.0.0.1", port: int = 0, token: str | None = None, link_model: LinkModel = LinkModel()
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        token: str | None = None,
+        link_model: LinkModel = LinkModel(),
+        *,
+        handshake_timeout: float = protocol.HANDSHAKE_TIMEOUT,
     ) -> None:
         self.host = host
         self.port = port
         self.token = token or protocol.new_token()
         self.link_model = link_model
+        self._handshake_timeout = handshake_timeout
         self.fabric_id = uuid.uuid4().hex[:12]
         self.address = ""
         self._lock = threading.Lock()
@@ -192,19 +157,26 @@ class SubnetManager:
         self.sm_lid = self._lids.allocate()
         self._routes: dict[int, _Route] = {}
         self._connections: set[_Connection] = set()
-        self._sock: socket.socket | None = None
+        self._gate: HandshakeGate | None = None
         self._stopped = threading.Event()
         self._down = threading.Event()  # set by stop() last, once the posted frames have left: what wait() waits for
         self._counts = dict.fromkeys(("registered", "lost", "resolves", "failed", "restored"), 0)
 
     def start(self) -> SubnetManager:
         """Bind and serve in daemon threads; FabricError with one clear line if the address is taken."""
-        if self._sock is not None:
+        if self._gate is not None:
             raise FabricError(f"the subnet manager of fabric {self.fabric_id} is already started")
-        self._sock = _listen(self.host, self.port)
-        bound_host, bound_port = self._sock.getsockname()[:2]
+        sock = _listen(self.host, self.port)
+        bound_host, bound_port = sock.getsockname()[:2]
         self.address = f"{bound_host}:{bound_port}"
-        threading.Thread(target=self._accept_loop, name="ckpt-sm-accept", daemon=True).start()
+        self._gate = HandshakeGate(
+            sock,
+            self.token,
+            self._admit,
+            name="ckpt-sm-gate",
+            timeout=self._handshake_timeout,
+            refusal="authentication failed",
+        ).start()
         log.info("subnet manager of fabric %s listening on %s (SM LID %d)", self.fabric_id, self.address, self.sm_lid)
         return self
 
@@ -215,12 +187,8 @@ class SubnetManager:
                 return
             self._stopped.set()
             connections, self._connections = self._connections, set()
-        if self._sock is not None:
-            try:
-                self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread (close alone does not)
-            except OSError:
-                pass
-            self._sock.close()
+        if self._gate is not None:
+            self._gate.stop()
         for conn in connections:
             conn.close()
         for conn in connections:  # the reply to `stop` must leave before the process that waits may exit
@@ -297,23 +265,20 @@ class SubnetManager:
                 conn.post(message)
 
     # ----------------------------------------------------------- connections
-    def _accept_loop(self) -> None:
-        assert self._sock is not None
-        while not self._stopped.is_set():
-            try:
-                sock, peer = self._sock.accept()
-            except OSError:
-                return
+    def _admit(self, sock: socket.socket, peer: str, hello: dict[str, Any]) -> None:
+        """On the gate's thread: `hello` verified; give the connection its writer and reader threads."""
+        conn = _Connection(sock, peer)
+        with self._lock:
             if self._stopped.is_set():
-                sock.close()
+                conn.post({"op": "refused", "error": "the subnet manager is stopping"})
+                conn.close()
                 return
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = _Connection(sock, f"{peer[0]}:{peer[1]}")
-            threading.Thread(target=self._serve, args=(conn,), name=f"ckpt-sm-r-{conn.peer}", daemon=True).start()
+            self._connections.add(conn)
+            conn.post({"op": "welcome", "fabric": self.fabric_id, "sm_lid": self.sm_lid})
+        threading.Thread(target=self._serve, args=(conn,), name=f"ckpt-sm-r-{peer}", daemon=True).start()
 
     def _serve(self, conn: _Connection) -> None:
         try:
-            self._handshake(conn)
             while True:
                 message = protocol.recv(conn.sock)
                 if self._dispatch(conn, message):
@@ -327,23 +292,6 @@ class SubnetManager:
             log.exception("fabric %s: closing connection from %s after an internal error", self.fabric_id, conn.peer)
         conn.abort()
         self._forget(conn)
-
-    def _handshake(self, conn: _Connection) -> None:
-        nonce = protocol.new_nonce()
-        conn.sock.settimeout(_HANDSHAKE_TIMEOUT)
-        protocol.send(conn.sock, {"op": "challenge", "nonce": nonce})
-        hello = protocol.recv(conn.sock)
-        if hello["op"] != "hello" or not protocol.check_answer(self.token, nonce, hello.get("auth")):
-            protocol.send(conn.sock, {"op": "refused", "error": "authentication failed"})
-            raise ProtocolError("authentication failed (wrong CKPT_FABRIC_TOKEN?)")
-        conn.sock.settimeout(None)
-        with self._lock:
-            if self._stopped.is_set():
-                conn.post({"op": "refused", "error": "the subnet manager is stopping"})
-                conn.close()
-                return
-            self._connections.add(conn)
-            conn.post({"op": "welcome", "fabric": self.fabric_id, "sm_lid": self.sm_lid})
 
     def _forget(self, conn: _Connection) -> None:
         """A connection closed: its HCAs leave the fabric and everyone sees their links go down."""

@@ -125,7 +125,10 @@ class FabricClient:
             ) from None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
-            welcome = protocol.client_handshake(sock, token, {}, "subnet manager")
+            welcome = protocol.client_handshake(sock, token, "subnet manager", timeout=timeout)
+        except TimeoutError:
+            sock.close()
+            raise FabricError(f"the fabric at {address} did not answer within {timeout:g} s") from None
         except (EOFError, OSError) as exc:
             sock.close()
             raise FabricError(f"the fabric at {address} closed the connection (wrong {ENV_TOKEN}?): {exc}") from None
