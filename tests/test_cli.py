@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import click
 import pytest
@@ -68,3 +69,40 @@ def test_a_usage_error_is_one_line(
     assert err.startswith("error: ")
     for needle in needles:
         assert needle in err, err
+
+
+def test_a_restart_can_drop_a_recorded_with_plugin_module() -> None:
+    from ckpt.cli import _recorded_plugins
+
+    manifest = {
+        "with_plugins": ["pkg.ckpt_probe", "ckpt_other"],
+        "plugins": [{"name": "probe", "module": "pkg.ckpt_probe"}, {"name": "ib", "module": "ckpt_ib"}],
+    }
+    assert _recorded_plugins(manifest, ()) == ["pkg.ckpt_probe", "ckpt_other"]
+    assert _recorded_plugins(manifest, ("probe",)) == ["ckpt_other"]  # by the name the manifest records
+    assert _recorded_plugins(manifest, ("ckpt_other",)) == ["pkg.ckpt_probe"]  # or the module's own name
+    assert _recorded_plugins({}, ()) == []
+
+
+def test_interval_zero_turns_interval_checkpoints_off() -> None:
+    from ckpt import CkptError
+    from ckpt.cli import _interval
+
+    assert _interval(None) is None and _interval(0.0) is None and _interval(2.5) == 2.5
+    with pytest.raises(CkptError, match=r"at least 0\.01 s"):
+        _interval(0.001)
+
+
+def test_ranks_of_an_external_launcher_need_a_coordinator(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("PMI_RANK", "1")
+    monkeypatch.setenv("PMI_SIZE", "4")
+    monkeypatch.delenv("CKPT_COORDINATOR", raising=False)
+    monkeypatch.setattr("sys.argv", ["ckpt", "launch", "--ckpt-dir", str(tmp_path / "d"), "prog.py"])
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: this process is rank 1 of 4 under an external launcher") and "--coordinator" in err
+    assert not (tmp_path / "d").exists()  # refused before it claimed anything

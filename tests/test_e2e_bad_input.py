@@ -272,6 +272,9 @@ def test_a_program_that_raises_on_every_rank_is_reported_once(tmp_path: Path) ->
     assert lines[1] == f'  File "{program}", line 8, in step', done.stderr
     assert "ckpt/runtime" not in done.stderr
     assert lines[-1].startswith("error: rank ") and "raised ValueError in step 2: bad value on rank" in lines[-1]
+    state = json.loads(run("status", "--json", "--ckpt-dir", str(tmp_path / "ckpt")).stdout)
+    states = [r["state"] for r in state["ranks"]]  # the ranks that had joined when the first one failed
+    assert states.count("failed") == 1 and set(states) <= {"failed", "killed"}, states
 
 
 def test_state_that_does_not_pickle_is_named_at_launch_and_at_each_checkpoint(

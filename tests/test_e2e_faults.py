@@ -169,3 +169,26 @@ def test_the_coordinator_killed_mid_checkpoint_leaves_nothing_the_next_restart_k
     assert results(again.stdout) == expected
     assert not list(ckpt_dir.glob("ckpt_counter_*_2.ckpt*")), "the uncommitted images of checkpoint 2 are still there"
     assert not list(ckpt_dir.glob("*.tmp"))
+
+
+def test_a_resume_phase_that_times_out_after_the_commit_reports_the_checkpoint_written(
+    start_job: Callable[..., Job], tmp_path: Path, expected: dict[int, str]
+) -> None:
+    ckpt_dir = tmp_path / "ckpt"
+    gate = tmp_path / "gate"
+    fault = {"CKPT_TEST_FAULT": "resumegate:1:2", "CKPT_TEST_GATE": str(gate)}
+    job = start_job(
+        "launch", "-n", "3", "--ckpt-dir", str(ckpt_dir), "--phase-timeout", "4", "--with-plugin", "ckpt_faults",
+        *COUNTER, extra_env=fault,
+    )  # fmt: skip
+    _first_checkpoint(job, ckpt_dir)
+    second = run("checkpoint", "--wait", "--ckpt-dir", str(ckpt_dir))  # rank 1 hangs in ckpt_resume
+    gate.touch()
+    assert second.returncode == 0, second.stderr
+    assert "checkpoint 2 written" in second.stdout
+    assert job.wait() == 1
+    assert "checkpoint 2 was written, but its RESUME phase failed" in job.stderr, job.stderr
+    assert (ckpt_dir / "latest").read_text().strip() == "ckpt_counter_2.json"
+    again = start_job("restart", "--ckpt-dir", str(ckpt_dir))
+    assert again.wait() == 0, again.stderr
+    assert results(again.stdout) == expected

@@ -180,8 +180,9 @@ def test_a_restart_reuses_the_plugins_options_and_settings_of_the_checkpoint(
     assert run("kill", "--ckpt-dir", str(ckpt_dir)).returncode == 0
     assert again.wait() == 0
     lines = sorted(log.read_text().splitlines())
-    launched = ["rank=0 restarted=False step=0", "rank=1 restarted=False step=0"]
-    assert lines == sorted([*launched, f"rank=0 restarted=True step={step}", f"rank=1 restarted=True step={step}"])
+    launched = ["rank=0 restarted=False step=0 tag=untagged", "rank=1 restarted=False step=0 tag=untagged"]
+    restarted = [f"rank={r} restarted=True step={step} tag=untagged" for r in (0, 1)]
+    assert lines == sorted([*launched, *restarted])
 
 
 def test_a_launch_only_plugin_option_is_not_offered_by_restart(tmp_path: Path) -> None:
@@ -228,10 +229,53 @@ def test_a_directory_that_cannot_be_written() -> None:
         locked = top / "locked"
         locked.mkdir(mode=0o755)
         as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--"]
+        done = run("launch", "--ckpt-dir", str(locked / "sub"), str(PROGRAMS / "counter.py"), prefix=as_nobody)
+        one_error_line(done, f"cannot create the checkpoint directory {locked / 'sub'}", "Permission denied")
+        done = run("restart", "--ckpt-dir", str(locked / "sub"), prefix=as_nobody)
+        one_error_line(done, f"no checkpoint in {locked / 'sub'}: no such directory")
         for command in (["launch", str(PROGRAMS / "counter.py")], ["restart"]):
-            done = run(command[0], "--ckpt-dir", str(locked / "sub"), *command[1:], prefix=as_nobody)
-            one_error_line(done, f"cannot create the checkpoint directory {locked / 'sub'}", "Permission denied")
             done = run(command[0], "--ckpt-dir", str(locked), *command[1:], prefix=as_nobody)
             one_error_line(done, f"cannot write to the checkpoint directory {locked}", "permission denied")
     finally:
         shutil.rmtree(top)
+
+
+def test_checkpoint_kill_returns_once_the_directory_is_free_for_a_restart(
+    start_job: Callable[..., Job], tmp_path: Path
+) -> None:
+    ckpt_dir = tmp_path / "ckpt"
+    slow = {"CKPT_TEST_SLOW_EXIT": "2"}  # each rank's ckpt_exit takes 2 s: the launcher reaps them late
+    job = start_job(
+        "launch", "-n", "2", "--ckpt-dir", str(ckpt_dir), "--with-plugin", "ckpt_initprobe", *LONG, extra_env=slow
+    )
+    job.wait_step(3)
+    assert run("checkpoint", "--kill", "--ckpt-dir", str(ckpt_dir)).returncode == 0
+    assert jobdir.owner(ckpt_dir) is None, "checkpoint --kill returned while the launcher still held the directory"
+    again = start_job("restart", "--ckpt-dir", str(ckpt_dir))  # typed right after: accepted
+    again.wait_step(5)
+    assert run("kill", "--ckpt-dir", str(ckpt_dir)).returncode == 0
+    assert jobdir.owner(ckpt_dir) is None
+    assert again.wait() == 0 and job.wait() == 0
+
+
+def test_a_plugin_first_loaded_at_a_restart_gets_its_option_defaults(
+    start_job: Callable[..., Job], tmp_path: Path
+) -> None:
+    ckpt_dir = tmp_path / "ckpt"
+    log = tmp_path / "init.log"
+    _checkpoint_and_kill(start_job("launch", "-n", "2", "--ckpt-dir", str(ckpt_dir), *LONG), ckpt_dir)
+    probe = {"CKPT_TEST_INIT_LOG": str(log)}
+    again = start_job("restart", "--ckpt-dir", str(ckpt_dir), "--with-plugin", "ckpt_initprobe", extra_env=probe)
+    again.wait_step(6)
+    assert run("kill", "--ckpt-dir", str(ckpt_dir)).returncode == 0
+    assert again.wait() == 0, again.stderr
+    assert sorted(line.split()[-1] for line in log.read_text().splitlines()) == ["tag=untagged"] * 2
+
+
+def test_a_launch_that_cannot_start_leaves_the_previous_jobs_end(tmp_path: Path) -> None:
+    ckpt_dir = tmp_path / "ckpt"
+    done = run("launch", "-n", "2", "--ckpt-dir", str(ckpt_dir), *SHORT[:2], timeout=120)
+    assert done.returncode == 0, done.stderr
+    one_error_line(run("launch", "--ckpt-dir", str(ckpt_dir), "--fabric", "127.0.0.1:9", *SHORT), "CKPT_FABRIC_TOKEN")
+    state = json.loads(run("status", "--json", "--ckpt-dir", str(ckpt_dir)).stdout)
+    assert state["state"] == "finished", state

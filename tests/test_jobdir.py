@@ -7,6 +7,7 @@ import os
 import stat
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -54,11 +55,19 @@ def test_the_claim_dies_with_its_process(tmp_path: Path) -> None:
 
 
 def test_an_owner_probe_does_not_keep_a_launcher_out(tmp_path: Path) -> None:
-    held = jobdir.claim(tmp_path)
-    held.release()
-    for _ in range(20):  # probes and claims interleaved: a probe never makes a claim fail
-        assert jobdir.owner(tmp_path) is None
-        jobdir.claim(tmp_path).release()
+    jobdir.claim(tmp_path).release()
+    code = (
+        "import sys; from pathlib import Path; from ckpt import _jobdir as j; d = Path(sys.argv[1]);"
+        "print('probing', flush=True)\nwhile True: j.owner(d)"
+    )
+    prober = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert prober.stdout is not None and prober.stdout.readline().strip() == "probing"
+        for _ in range(200):  # a client probing in a tight loop never makes a launcher's claim fail
+            jobdir.claim(tmp_path).release()
+    finally:
+        prober.kill()
+        prober.wait()
 
 
 def test_the_directory_is_created_private_and_must_be_a_writable_directory(tmp_path: Path) -> None:
@@ -101,17 +110,73 @@ def test_what_a_client_sees(tmp_path: Path) -> None:
 def test_a_client_waits_for_a_starting_job(tmp_path: Path) -> None:
     held = jobdir.claim(tmp_path)
     code = (
-        "import sys; from pathlib import Path; from ckpt import _jobdir as j;"
-        f"print(j.find_job(Path({str(tmp_path)!r}), wait=30).state, flush=True)"
+        "import sys; from pathlib import Path; from ckpt import _jobdir as j; d = Path(sys.argv[1]);"
+        "print(j.find_job(d).state, flush=True); print(j.find_job(d, wait=30).state, flush=True)"
     )
-    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None
+    assert child.stdout.readline().strip() == "starting"  # it has looked once: now it waits
     jobdir.write_job_file(tmp_path, address="a:2", token="t", job="new", pid=os.getpid(), claim=held.id)
-    out, _ = child.communicate(timeout=60)
-    assert out.strip() == "live"
+    assert child.stdout.readline().strip() == "live"
+    child.wait(timeout=30)
+
+
+def test_a_holder_that_has_not_noted_itself_yet_is_starting(tmp_path: Path) -> None:
+    """Between a new holder's flock and its note(), the lock file still names the previous holder."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    jobdir.write_job_file(tmp_path, address="a:1", token="t", job="old", pid=dead.pid, claim="old", ended={})
+    held = jobdir.claim(tmp_path)
+    os.pwrite(held.fd, json.dumps({"pid": dead.pid, "claim": "old", "job": "old"}).encode(), 0)
+    assert jobdir.find_job(tmp_path).state == "starting"
+    held.release()
+
+
+def test_a_claim_waits_for_a_job_that_has_recorded_its_end(tmp_path: Path) -> None:
+    """`ckpt kill` then `ckpt restart`: the killed job's launcher may still be reaping its ranks."""
+    child = _hold_in_child(tmp_path)
+    jobdir.write_job_file(
+        tmp_path,
+        address="a:1",
+        token="t",
+        job="other",
+        pid=child.pid,
+        claim=child.claim_id,
+        ended={},  # type: ignore[attr-defined]
+    )
+    result: list[object] = []
+    done = threading.Event()
+
+    def claim() -> None:
+        try:
+            result.append(jobdir.claim(tmp_path))
+        except CkptError as exc:
+            result.append(exc)
+        done.set()
+
+    threading.Thread(target=claim, daemon=True).start()
+    assert not done.wait(2.0), result  # past the 1 s a live job's directory is retried for
+    _release(child)
+    assert done.wait(30) and isinstance(result[0], jobdir.DirectoryClaim), result
+    result[0].release()  # type: ignore[union-attr]
+
+
+def test_wait_released(tmp_path: Path) -> None:
+    child = _hold_in_child(tmp_path)
+    assert not jobdir.wait_released(tmp_path, child.claim_id, 0.2)  # type: ignore[attr-defined]
+    _release(child)
+    assert jobdir.wait_released(tmp_path, child.claim_id, 30)  # type: ignore[attr-defined]
+
+
+def test_a_restart_does_not_create_its_directory(tmp_path: Path) -> None:
+    with pytest.raises(CkptError, match=r"no checkpoint in .*missing: no such directory"):
+        jobdir.claim(tmp_path / "missing", create=False)
+    assert not (tmp_path / "missing").exists()
 
 
 def test_leftovers_of_a_killed_job_are_removed(tmp_path: Path) -> None:
     keep = ["ckpt_prog_0_1.ckpt", "ckpt_prog_1_1.ckpt", "ckpt_prog_1.json", "ckpt_other_0_2.ckpt", "notes.txt"]
+    keep += ["download.part.tmp"]  # the user's, not ckpt's
     stray = ["ckpt_prog_0_2.ckpt", "ckpt_prog_1_2.ckpt.tmp", "ckpt_prog_2.json.tmp", "latest.tmp", "fabric.json.tmp"]
     for name in keep + stray:
         (tmp_path / name).write_text("x")
