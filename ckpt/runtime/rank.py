@@ -197,7 +197,7 @@ class RankEngine:
 
     def _on_lost(self, reason: str) -> None:
         if not self._done.is_set():
-            print(f"ckpt rank {self.rank}: {reason}; exiting", file=sys.stderr, flush=True)
+            say(f"ckpt rank {self.rank}: {reason}; exiting")
             _exit(1)
 
     # ----------------------------------------------------------- program thread
@@ -220,11 +220,9 @@ class RankEngine:
                 # The program contract: say now which attribute will fail every checkpoint; the job runs on.
                 culprit = None if self.native else images.find_unpicklable(self.program, "program")
                 if culprit is not None:
-                    print(
+                    say(
                         f"ckpt rank {self.rank}: warning: {culprit.name} cannot be pickled; "
-                        "checkpoints of this job will fail",
-                        file=sys.stderr,
-                        flush=True,
+                        "checkpoints of this job will fail"
                     )
                 with self._cv:
                     self._in_setup = False
@@ -318,8 +316,7 @@ class RankEngine:
         except CoordinatorError:
             pass
         if not reported or self.spec.get("print_result"):
-            sys.stderr.write(traceback_text)
-            print(f"ckpt rank {self.rank}: {message}", file=sys.stderr, flush=True)
+            say(f"{traceback_text}ckpt rank {self.rank}: {message}")
         _exit(1)
 
     # ----------------------------------------------------------- restart
@@ -539,6 +536,13 @@ def _program_traceback(exc: BaseException) -> str:
     return "".join(traceback.format_exception(type(exc), exc, tb))
 
 
+def say(line: str) -> None:
+    """One line (or a block ending in one) on stderr in a single write: ranks share the launcher's stderr,
+    and a print() of text and newline in two writes interleaves with another rank's."""
+    sys.stderr.flush()
+    os.write(sys.stderr.fileno(), (line + "\n").encode(errors="replace"))
+
+
 def _exit(code: int) -> NoReturn:
     try:
         sys.stdout.flush()
@@ -567,7 +571,7 @@ def main(spec: dict[str, Any] | None = None) -> NoReturn:
     try:
         engine = RankEngine(spec)
     except CkptError as exc:
-        print(f"ckpt rank {spec['rank']}: {exc}", file=sys.stderr, flush=True)
+        say(f"ckpt rank {spec['rank']}: {exc}")
         _exit(1)
     _exit(engine.run())
 
