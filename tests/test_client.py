@@ -474,12 +474,11 @@ def test_garbage_from_a_rank_fails_the_job_naming_it(
 
 # ----------------------------------------------------------------- client errors
 def test_client_to_an_address_nobody_listens_on() -> None:
-    probe = socket.socket()
-    probe.bind(("127.0.0.1", 0))
-    port = probe.getsockname()[1]
-    probe.close()
-    with pytest.raises(CoordinatorError, match=rf"cannot reach the coordinator at 127.0.0.1:{port}"):
-        CoordinatorClient(f"127.0.0.1:{port}", TOKEN, {"role": "control"}, connect_timeout=WAIT)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))  # held, never listening: refused, and no other test can take the port
+        port = probe.getsockname()[1]
+        with pytest.raises(CoordinatorError, match=rf"cannot reach the coordinator at 127.0.0.1:{port}"):
+            CoordinatorClient(f"127.0.0.1:{port}", TOKEN, {"role": "control"}, connect_timeout=WAIT)
 
 
 def test_client_with_a_bad_address() -> None:
