@@ -189,7 +189,12 @@ def test_a_phase_that_takes_too_long_aborts_the_checkpoint(start_job: Callable[.
     job = start_job(
         "launch", "-n", "2", "--ckpt-dir", str(ckpt_dir), "--phase-timeout", "1", str(PROGRAMS / "stuck.py"), "8"
     )
-    wait_for(lambda: (job.status() or {}).get("ranks") and job.status()["ranks"][1]["step"] >= 10, 30, "step 10")
+
+    def rank_1_at_step_10() -> bool:
+        ranks = (job.poll_status() or {}).get("ranks") or []
+        return len(ranks) == 2 and ranks[1]["step"] >= 10  # rank 1 may not have joined yet
+
+    wait_for(rank_1_at_step_10, 30, "rank 1 at step 10")
     taken = run("checkpoint", "--wait", "--ckpt-dir", str(ckpt_dir), timeout=30)
     assert taken.returncode == 1
     assert "rank 1 (near step 10)" in taken.stderr and "rank 0 (in barrier" in taken.stderr
@@ -206,7 +211,7 @@ def test_finished_ranks_take_part_in_checkpoints_and_restarts(start_job: Callabl
     job = start_job("launch", "-n", "3", "--ckpt-dir", str(ckpt_dir), *program)
 
     def rank0_finished() -> bool:
-        state = job.status()
+        state = job.poll_status()
         return bool(state and state["ranks"] and state["ranks"][0]["state"] == "finished")
 
     wait_for(rank0_finished, 60, "rank 0 to finish while the others run")
