@@ -161,9 +161,11 @@ def test_checkpoints_requested_by_the_program_during_setup_and_inside_a_step(
     assert job.wait() == 0, job.stderr
     assert results(job.stdout) == results(native.stdout)
     first, second = (json.loads((ckpt_dir / f"ckpt_selfckpt_{n}.json").read_text()) for n in (1, 2))
-    # asked for in setup: the first boundary every rank can still reach (0, or 1 if a peer is in step 0)
-    assert len({r["step"] for r in first["ranks"]}) == 1 and first["ranks"][0]["step"] <= 1
-    assert min(r["step"] for r in second["ranks"]) >= 51
+    # Asked for in setup: one boundary for every rank, the first each can still reach when its checkpoint
+    # thread handles the request. That is 0 or 1 on an idle machine, later when that thread waits for a core
+    # while the program thread steps on (2 seen on 2 busy cores); always before the one asked for in step 50.
+    assert len({r["step"] for r in first["ranks"]}) == 1
+    assert first["ranks"][0]["step"] < 50 < min(r["step"] for r in second["ranks"])
     again = start_job("restart", str(ckpt_dir / "ckpt_selfckpt_1.json"))
     assert again.wait() == 0, again.stderr
     assert results(again.stdout) == results(native.stdout)
