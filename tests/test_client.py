@@ -678,12 +678,11 @@ def test_a_handshake_that_never_ends_is_one_clear_error() -> None:
 
 # ----------------------------------------------------------------- client errors
 def test_client_to_an_address_nobody_listens_on() -> None:
-    probe = socket.socket()
-    probe.bind(("127.0.0.1", 0))
-    port = probe.getsockname()[1]
-    probe.close()
-    with pytest.raises(CoordinatorError, match=rf"cannot reach the coordinator at 127.0.0.1:{port}"):
-        CoordinatorClient(f"127.0.0.1:{port}", TOKEN, {"role": "control"}, connect_timeout=WAIT)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))  # held, never listening: refused, and no other test can take the port
+        port = probe.getsockname()[1]
+        with pytest.raises(CoordinatorError, match=rf"cannot reach the coordinator at 127.0.0.1:{port}"):
+            CoordinatorClient(f"127.0.0.1:{port}", TOKEN, {"role": "control"}, connect_timeout=WAIT)
 
 
 def test_client_with_a_bad_address() -> None:

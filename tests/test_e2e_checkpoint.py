@@ -168,9 +168,11 @@ def test_checkpoints_requested_by_the_program_during_setup_and_inside_a_step(
     assert job.wait() == 0, job.stderr
     assert results(job.stdout) == results(native.stdout)
     first, second = (json.loads((ckpt_dir / f"ckpt_selfckpt_{n}.json").read_text()) for n in (1, 2))
-    # asked for in setup: the first boundary every rank can still reach (0, or 1 if a peer is in step 0)
-    assert len({r["step"] for r in first["ranks"]}) == 1 and first["ranks"][0]["step"] <= 1
-    assert min(r["step"] for r in second["ranks"]) >= 51
+    # Asked for in setup: one boundary for every rank, the first each can still reach when its checkpoint
+    # thread handles the request. That is 0 or 1 on an idle machine, later when that thread waits for a core
+    # while the program thread steps on (2 seen on 2 busy cores); always before the one asked for in step 50.
+    assert len({r["step"] for r in first["ranks"]}) == 1
+    assert first["ranks"][0]["step"] < 50 < min(r["step"] for r in second["ranks"])
     again = start_job("restart", str(ckpt_dir / "ckpt_selfckpt_1.json"))
     assert again.wait() == 0, again.stderr
     assert results(again.stdout) == results(native.stdout)
@@ -223,7 +225,12 @@ def test_a_phase_that_takes_too_long_aborts_the_checkpoint(start_job: Callable[.
     job = start_job(
         "launch", "-n", "2", "--ckpt-dir", str(ckpt_dir), "--phase-timeout", "1", str(PROGRAMS / "stuck.py"), "8"
     )
-    wait_for(lambda: (job.status() or {}).get("ranks") and job.status()["ranks"][1]["step"] >= 10, 30, "step 10")
+
+    def rank_1_at_step_10() -> bool:
+        ranks = (job.poll_status() or {}).get("ranks") or []
+        return len(ranks) == 2 and ranks[1]["step"] >= 10  # rank 1 may not have joined yet
+
+    wait_for(rank_1_at_step_10, 30, "rank 1 at step 10")
     taken = run("checkpoint", "--wait", "--ckpt-dir", str(ckpt_dir), timeout=30)
     assert taken.returncode == 1
     assert "rank 1 (near step 10)" in taken.stderr and "rank 0 (in barrier" in taken.stderr
@@ -240,7 +247,7 @@ def test_finished_ranks_take_part_in_checkpoints_and_restarts(start_job: Callabl
     job = start_job("launch", "-n", "3", "--ckpt-dir", str(ckpt_dir), *program)
 
     def rank0_finished() -> bool:
-        state = job.status()
+        state = job.poll_status()
         return bool(state and state["ranks"] and state["ranks"][0]["state"] == "finished")
 
     wait_for(rank0_finished, 60, "rank 0 to finish while the others run")

@@ -27,7 +27,7 @@ from ckpt.coordinator.client import CoordinatorClient, control
 from ckpt.coordinator.server import Coordinator
 from ckpt.runtime import images
 from ckpt.runtime.rank import RankEngine
-from harness import Job, results, run, wait_for
+from harness import Job, results, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -540,9 +540,15 @@ def test_a_checkpoint_during_result_keeps_the_result(start_job: Callable[..., Jo
     ckpt_dir = tmp_path / "ckpt"
     job = start_job("launch", "-n", "1", "--ckpt-dir", str(ckpt_dir), str(program), str(marks))
     wait_for(lambda: (marks / "in_result").exists(), 60, "the rank to be in result()")
-    taken = run("checkpoint", "--wait", "--ckpt-dir", str(ckpt_dir), timeout=60)
-    assert taken.returncode == 0, taken.stderr
-    (marks / "go").touch()
+    taken = start_job("checkpoint", "--wait", "--ckpt-dir", str(ckpt_dir), ckpt_dir=ckpt_dir)
+
+    def requested() -> bool:
+        state = job.poll_status() or {}
+        return state.get("checkpoint_in_progress") is not None or bool(state.get("last_checkpoint"))
+
+    wait_for(requested, 60, "the coordinator to start the checkpoint")
+    (marks / "go").touch()  # only now may result() return: the checkpoint was asked for while it ran
+    assert taken.wait(timeout=60) == 0, taken.stderr
     assert job.wait() == 0, job.stderr
     assert results(job.stdout) == {0: "i=3"}
     header = images.read_header(ckpt_dir / "ckpt_slowresult_0_1.ckpt")

@@ -294,10 +294,10 @@ def test_a_taken_port_is_one_clear_error(start_sm: StartSM) -> None:
 
 def test_an_unreachable_fabric_is_one_clear_error() -> None:
     with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
+        probe.bind(("127.0.0.1", 0))  # held, never listening: refused, and no other test can take the port
         address = f"127.0.0.1:{probe.getsockname()[1]}"
-    with pytest.raises(FabricError, match=f"cannot reach the fabric at {address}"):
-        FabricClient(address, "token", timeout=5)
+        with pytest.raises(FabricError, match=f"cannot reach the fabric at {address}"):
+            FabricClient(address, "token", timeout=5)
     with pytest.raises(FabricError, match="bad fabric address"):
         FabricClient("no-port", "token")
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import errno
+import threading
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -39,6 +41,7 @@ from verbs_util import (
 )
 
 from ckpt import verbs as v
+from ckpt.verbs._qpbase import ack_timeout
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -880,6 +883,31 @@ def test_peer_gone_is_retry_exceeded(ctxs: tuple[v.Context, ...], gone: str) -> 
     wc = poll_one(a.scq, timeout=WAIT)
     assert (wc.wr_id, wc.status) == (21, v.IBV_WC_RETRY_EXC_ERR)
     assert a.qp.qp_state == v.IBV_QPS_ERR
+
+
+def test_retry_exceeded_counts_from_the_post_when_an_earlier_timer_runs_late(ctxs: tuple[v.Context, ...]) -> None:
+    """The retransmission timer armed for an acknowledged WR, run only after the next post (its thread was
+    starved of the CPU), must not count a retry at once: RETRY_EXC_ERR takes retry_cnt + 1 ACK timeouts
+    from the post."""
+    timeout, retry_cnt = 14, 1
+    period = ack_timeout(timeout)  # 67 ms
+    a, b = rc_two(ctxs, timeout=timeout, retry_cnt=retry_cnt)
+    timers_free = threading.Event()
+    a.ctx.handle.hca.timers.at(0.0, timers_free.wait)  # a's timer thread runs nothing until it is set
+    try:
+        a.qp.post_send(rdma_wr(v.IBV_WR_RDMA_WRITE, a.sge(0, 8), b.mr.rkey, b.addr(0), wr_id=1))
+        assert poll_one(a.scq).status == v.IBV_WC_SUCCESS
+        acked = time.monotonic()
+        b.ctx.close()  # the peer's HCA is gone: the next send is a known loss
+        wait_for(lambda: time.monotonic() > acked + period, what="the first WR's timer to be overdue")
+        posted = time.monotonic()
+        a.qp.post_send(rdma_wr(v.IBV_WR_RDMA_WRITE, a.sge(0, 8), b.mr.rkey, b.addr(0), wr_id=2))
+    finally:
+        timers_free.set()
+    wc = poll_one(a.scq, timeout=WAIT)
+    failed = time.monotonic()
+    assert (wc.wr_id, wc.status) == (2, v.IBV_WC_RETRY_EXC_ERR)
+    assert failed - posted >= (retry_cnt + 1) * period, f"RETRY_EXC_ERR {failed - posted:.3f} s after the post"
 
 
 # ====================================================================== query_qp

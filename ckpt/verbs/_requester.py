@@ -148,6 +148,7 @@ class Requester(QPState):
         posted together costs one doorbell, not one per WR.
         """
         sq = self.sq
+        idle = self.next_send == 0  # nothing in flight: a send now starts the transport timer afresh
         packets: list[tuple[tuple[Any, ...], list[Any]]] = []
         sent: list[SendEntry] = []
         while self.next_send < len(sq) and self.state == _RTS and not self.backoff:
@@ -172,9 +173,12 @@ class Requester(QPState):
                 for entry in sent:
                     entry.done = True
                 self._retire()
-            elif not self.timer_armed:
+            elif idle or not self.timer_armed:
+                # A timer still pending for WRs acknowledged since (its thread late for the CPU) must
+                # count from this send, not from their progress, or it would count a retry at once.
                 self.last_progress = self.progress_at = time.monotonic()
-                self._arm_timer()
+                if not self.timer_armed:
+                    self._arm_timer()
         if self.state == _SQD:
             self._check_drained()
 
