@@ -84,18 +84,24 @@ def test_a_rank_killed_during_a_checkpoint_phase(
     _assert_failed_and_restartable(job, ckpt_dir, expected, start_job, lost=1)
 
 
-def test_a_rank_killed_after_writing_its_image_before_the_manifest(
-    start_job: Callable[..., Job], tmp_path: Path, expected: dict[int, str]
-) -> None:
+def _second_checkpoint_held_at_the_gate(start_job: Callable[..., Job], tmp_path: Path) -> tuple[Job, Job, Path]:
+    """(the job, its `checkpoint --wait`, the gate): checkpoint 2 with rank 2's image written and rank 0
+    held at the gate in precheckpoint, before the manifest."""
     ckpt_dir = tmp_path / "ckpt"
     gate = tmp_path / "gate"
     job = _launch_with_faults(start_job, ckpt_dir, {"CKPT_TEST_FAULT": "gate:0:2", "CKPT_TEST_GATE": str(gate)})
     _first_checkpoint(job, ckpt_dir)
-    pids = job.rank_pids()
     second = start_job("checkpoint", "--wait", "--ckpt-dir", str(ckpt_dir))
-    image = ckpt_dir / "ckpt_counter_2_2.ckpt"
-    wait_for(image.exists, 60, "rank 2's image of checkpoint 2")  # rank 0 is held at the gate
-    os.kill(pids[2], signal.SIGKILL)
+    wait_for((ckpt_dir / "ckpt_counter_2_2.ckpt").exists, 60, "rank 2's image of checkpoint 2")
+    return job, second, gate
+
+
+def test_a_rank_killed_after_writing_its_image_before_the_manifest(
+    start_job: Callable[..., Job], tmp_path: Path, expected: dict[int, str]
+) -> None:
+    ckpt_dir = tmp_path / "ckpt"
+    job, second, gate = _second_checkpoint_held_at_the_gate(start_job, tmp_path)
+    os.kill(job.rank_pids()[2], signal.SIGKILL)
     gate.touch()
     assert second.wait() == 1
     _assert_failed_and_restartable(job, ckpt_dir, expected, start_job, lost=2)
@@ -150,11 +156,7 @@ def test_the_coordinator_killed_mid_checkpoint_leaves_nothing_the_next_restart_k
     start_job: Callable[..., Job], tmp_path: Path, expected: dict[int, str]
 ) -> None:
     ckpt_dir = tmp_path / "ckpt"
-    gate = tmp_path / "gate"
-    job = _launch_with_faults(start_job, ckpt_dir, {"CKPT_TEST_FAULT": "gate:0:2", "CKPT_TEST_GATE": str(gate)})
-    _first_checkpoint(job, ckpt_dir)
-    second = start_job("checkpoint", "--wait", "--ckpt-dir", str(ckpt_dir))
-    wait_for((ckpt_dir / "ckpt_counter_2_2.ckpt").exists, 60, "rank 2's image of checkpoint 2")
+    job, second, gate = _second_checkpoint_held_at_the_gate(start_job, tmp_path)
     assert job.process is not None
     os.kill(job.process.pid, signal.SIGKILL)  # the launcher and its embedded coordinator (and fabric)
     second.wait()
