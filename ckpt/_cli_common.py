@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,3 +58,16 @@ def link_model(latency: str | None, bandwidth: str | None) -> tuple[float, float
         return parse_latency(latency or "0"), parse_bandwidth(bandwidth or "0")
     except ValueError as exc:
         raise CkptError(str(exc)) from None
+
+
+def serve_until_signal(wait: Callable[[], object], what: str) -> None:
+    """Run `wait()` (a server's life) in the foreground until it returns, Ctrl-C or SIGTERM."""
+
+    def on_signal(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        wait()
+    except KeyboardInterrupt:
+        click.echo(f"{what}: stopping", err=True)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import threading
 import time
 from pathlib import Path
@@ -14,7 +13,7 @@ from typing import Any
 import click
 
 from ckpt import _jobdir as jobdir
-from ckpt._cli_common import ckpt_dir_option, coordinator_option, plugin_options
+from ckpt._cli_common import ckpt_dir_option, coordinator_option, plugin_options, serve_until_signal
 from ckpt._errors import CkptError, ImageError
 from ckpt.coordinator import client as coord_client
 from ckpt.coordinator import protocol
@@ -218,32 +217,21 @@ def coordinator_cmd(
         phase_timeout=phase_timeout,
         serve_forever=True,
     ).start()
-    jobdir.write_job_file(
-        ckpt_dir, address=server.address, token=token, job="", pid=os.getpid(), claim=claim.id, standalone=True
-    )
+
+    def record(ended: dict[str, Any] | None = None) -> None:
+        jobdir.write_job_file(
+            ckpt_dir, address=server.address, token=token, job="", pid=os.getpid(), claim=claim.id, standalone=True,
+            ended=ended,
+        )  # fmt: skip
+
+    record()
     click.echo(f"ckpt coordinator listening on {server.address}")
     click.echo(f"export CKPT_COORDINATOR={server.address} CKPT_TOKEN={token}")
-
-    def on_signal(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_signal)
     try:
-        threading.Event().wait()
-    except KeyboardInterrupt:
-        click.echo("ckpt coordinator: stopping", err=True)
+        serve_until_signal(threading.Event().wait, "ckpt coordinator")
     finally:
         server.kill("the coordinator was stopped")
-        jobdir.write_job_file(
-            ckpt_dir,
-            address=server.address,
-            token=token,
-            job="",
-            pid=os.getpid(),
-            claim=claim.id,
-            standalone=True,
-            ended=server.status(),
-        )
+        record(ended=server.status())
         server.stop()
 
 

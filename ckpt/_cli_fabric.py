@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 from pathlib import Path
 from typing import Any
 
 import click
 
-from ckpt._cli_common import default_ckpt_dir, link_model
+from ckpt._cli_common import default_ckpt_dir, link_model, serve_until_signal
 from ckpt._errors import CkptError
 from ckpt._jobdir import process_exists
 
@@ -125,15 +124,8 @@ def _serve_fabric(sm: Any, directory: Path) -> None:
     fabric.write_fabric_file(directory, sm)
     click.echo(f"{fabric.ENV_ADDRESS}={sm.address}")
     click.echo(f"{fabric.ENV_TOKEN}={sm.token}")
-
-    def on_signal(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_signal)
     try:
-        sm.wait()
-    except KeyboardInterrupt:
-        click.echo("ckpt fabric: stopping", err=True)
+        serve_until_signal(sm.wait, "ckpt fabric")
     finally:
         sm.stop()
         fabric.remove_fabric_file(directory, sm.address)

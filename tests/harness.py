@@ -80,6 +80,14 @@ def one_error_line(done: subprocess.CompletedProcess[str], *needles: str) -> str
     return line
 
 
+def uninterrupted(directory: Path, ranks: int, *program: str) -> dict[int, str]:
+    """The results of an uninterrupted `ckpt launch -n RANKS PROGRAM...` in `directory`: what every
+    checkpoint -> kill -> restart of the same program must end with."""
+    done = run("launch", "-n", str(ranks), "--ckpt-dir", str(directory), *program, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return results(done.stdout)
+
+
 def start_fabric(directory: Path, *args: str) -> tuple[dict[str, Any], str]:
     """`ckpt fabric start --dir DIRECTORY ARGS`: (its fabric.json, its stdout). The fabric outlives the
     command: kill its record["pid"] (kill_pids) when done."""
@@ -190,6 +198,11 @@ class Job:
             self.process.wait(timeout=30)
         for f in getattr(self, "_files", ()):
             f.close()
+
+    def finishes_with(self, expected: dict[int, str]) -> None:
+        """This job (a restart, typically) ends well with `expected` as its results."""
+        assert self.wait() == 0, self.stderr
+        assert results(self.stdout) == expected, self.stdout + self.stderr
 
     def rank_pids(self) -> dict[int, int]:
         state = self.status()

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from ckpt import _jobdir as jobdir
-from harness import PROGRAMS, Job, results, run, wait_for
+from harness import PROGRAMS, Job, results, run, uninterrupted, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -25,10 +25,7 @@ COUNTER = [str(PROGRAMS / "counter.py"), "1200", "0.004"]
 
 @pytest.fixture(scope="module")
 def expected(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
-    directory = tmp_path_factory.mktemp("plain")
-    done = run("launch", "-n", "3", "--ckpt-dir", str(directory / "ckpt"), *COUNTER, timeout=120)
-    assert done.returncode == 0, done.stderr
-    return results(done.stdout)
+    return uninterrupted(tmp_path_factory.mktemp("plain") / "ckpt", 3, *COUNTER)
 
 
 def _launch_with_faults(start_job: Callable[..., Job], ckpt_dir: Path, fault_env: dict[str, str]) -> Job:
@@ -147,9 +144,7 @@ def test_a_rank_lost_in_resume_after_the_commit_leaves_that_checkpoint_the_lates
     assert "rank 1" in job.stderr and "the latest checkpoint is 2" in job.stderr, job.stderr
     assert (ckpt_dir / "latest").read_text().strip() == "ckpt_counter_2.json"
     assert len(list(ckpt_dir.glob("ckpt_counter_*_2.ckpt"))) == 3
-    again = start_job("restart", "--ckpt-dir", str(ckpt_dir))
-    assert again.wait() == 0, again.stderr
-    assert results(again.stdout) == expected
+    start_job("restart", "--ckpt-dir", str(ckpt_dir)).finishes_with(expected)
 
 
 def test_the_coordinator_killed_mid_checkpoint_leaves_nothing_the_next_restart_keeps(
@@ -166,9 +161,7 @@ def test_the_coordinator_killed_mid_checkpoint_leaves_nothing_the_next_restart_k
     gone = run("status", "--ckpt-dir", str(ckpt_dir))
     assert gone.returncode == 1 and "exited without recording an end" in gone.stderr, gone.stderr
     assert "ckpt_counter_1.json" in gone.stderr
-    again = start_job("restart", "--ckpt-dir", str(ckpt_dir))
-    assert again.wait() == 0, again.stderr
-    assert results(again.stdout) == expected
+    start_job("restart", "--ckpt-dir", str(ckpt_dir)).finishes_with(expected)
     assert not list(ckpt_dir.glob("ckpt_counter_*_2.ckpt*")), "the uncommitted images of checkpoint 2 are still there"
     assert not list(ckpt_dir.glob("*.tmp"))
 
@@ -191,6 +184,4 @@ def test_a_resume_phase_that_times_out_after_the_commit_reports_the_checkpoint_w
     assert job.wait() == 1
     assert "checkpoint 2 was written, but its RESUME phase failed" in job.stderr, job.stderr
     assert (ckpt_dir / "latest").read_text().strip() == "ckpt_counter_2.json"
-    again = start_job("restart", "--ckpt-dir", str(ckpt_dir))
-    assert again.wait() == 0, again.stderr
-    assert results(again.stdout) == expected
+    start_job("restart", "--ckpt-dir", str(ckpt_dir)).finishes_with(expected)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import PROGRAMS, Job, results, run, wait_for
+from harness import PROGRAMS, Job, run, uninterrupted, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
@@ -29,10 +29,7 @@ SLACK = 5.0
 
 @pytest.fixture(scope="module")
 def expected(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
-    directory = tmp_path_factory.mktemp("plain")
-    done = run("launch", "-n", "3", "--ckpt-dir", str(directory / "ckpt"), *COUNTER, timeout=120)
-    assert done.returncode == 0, done.stderr
-    return results(done.stdout)
+    return uninterrupted(tmp_path_factory.mktemp("plain") / "ckpt", 3, *COUNTER)
 
 
 def _process_state(pid: int) -> tuple[str, int] | None:
@@ -83,9 +80,7 @@ def test_every_rank_exits_when_the_coordinator_stops_answering(
         assert said == [f"ckpt rank {rank}: no word from the coordinator at {address} for {TIMEOUT:g} s; exiting"], (
             stderr
         )
-    again = start_job("restart", "--ckpt-dir", str(ckpt_dir))
-    assert again.wait() == 0, again.stderr
-    assert results(again.stdout) == expected
+    start_job("restart", "--ckpt-dir", str(ckpt_dir)).finishes_with(expected)
 
 
 def test_a_stopped_rank_is_lost_within_the_heartbeat_timeout(
@@ -109,6 +104,4 @@ def test_a_stopped_rank_is_lost_within_the_heartbeat_timeout(
     assert _exited(victim)  # the launcher killed what was left of it
     state = json.loads(run("status", "--json", "--ckpt-dir", str(ckpt_dir)).stdout)
     assert state["state"] == "failed" and "rank 1" in state["message"]
-    again = start_job("restart", "--ckpt-dir", str(ckpt_dir))
-    assert again.wait() == 0, again.stderr
-    assert results(again.stdout) == expected
+    start_job("restart", "--ckpt-dir", str(ckpt_dir)).finishes_with(expected)

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from harness import ROOT, env, results, run
+import harness
+from harness import ROOT, env, results
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -81,12 +82,7 @@ def _bash(script: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedP
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
-    directory = tmp_path_factory.mktemp("plain")
-    done = run(
-        "launch", "-n", "4", "--ckpt-dir", str(directory), str(ROOT / "examples" / "heat.py"), "20000", timeout=300
-    )
-    assert done.returncode == 0, done.stderr
-    return results(done.stdout)
+    return harness.uninterrupted(tmp_path_factory.mktemp("plain"), 4, str(ROOT / "examples" / "heat.py"), "20000")
 
 
 def test_the_quick_start_demo_runs_in_a_fresh_clone(fresh_clone: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 import socket
 import struct
@@ -311,47 +312,41 @@ def test_recv_takes_a_smaller_limit_before_authentication(pair: tuple[socket.soc
         protocol.recv(b, limit=protocol.HANDSHAKE_MAX_FRAME)
 
 
-def test_recv_has_one_deadline_for_the_whole_frame(pair: tuple[socket.socket, socket.socket]) -> None:
-    a, b = pair
-    data = protocol.encode({"op": "slow", "pad": "x" * 100})
+@contextlib.contextmanager
+def _trickling(sock: socket.socket, data: bytes, every: float) -> Iterator[None]:
+    """Send `data` one byte every `every` seconds from another thread while the block runs."""
     stop = threading.Event()
 
-    def trickle() -> None:  # a byte every 0.1 s: each read is quick, the frame is not
+    def trickle() -> None:
         for i in range(len(data)):
-            if stop.wait(0.1):
+            if stop.wait(every):
                 return
-            a.sendall(data[i : i + 1])
+            sock.sendall(data[i : i + 1])
 
     writer = threading.Thread(target=trickle)
     writer.start()
     try:
-        with pytest.raises(TimeoutError, match="deadline"):
-            protocol.recv(b, deadline=time.monotonic() + 0.5)
+        yield
     finally:
         stop.set()
         writer.join(5.0)
 
 
+def test_recv_has_one_deadline_for_the_whole_frame(pair: tuple[socket.socket, socket.socket]) -> None:
+    a, b = pair
+    # a byte every 0.1 s: each read is quick, the frame is not
+    with _trickling(a, protocol.encode({"op": "slow", "pad": "x" * 100}), 0.1):
+        with pytest.raises(TimeoutError, match="deadline"):
+            protocol.recv(b, deadline=time.monotonic() + 0.5)
+
+
 def test_recv_idle_counts_silence_not_frame_time(pair: tuple[socket.socket, socket.socket]) -> None:
     a, b = pair
-    data = protocol.encode({"op": "slow", "pad": "x" * 20})
-    done = threading.Event()
-
-    def trickle() -> None:
-        for i in range(len(data)):
-            if done.wait(0.02):
-                return
-            a.sendall(data[i : i + 1])
-
-    writer = threading.Thread(target=trickle)
-    writer.start()
-    try:  # ~0.6 s for the frame, never 0.5 s without a byte
+    with _trickling(a, protocol.encode({"op": "slow", "pad": "x" * 20}), 0.02):
+        # ~0.6 s for the frame, never 0.5 s without a byte
         assert protocol.recv(b, idle=0.5)["op"] == "slow"
         with pytest.raises(TimeoutError, match=r"silent for 0\.2 s"):
             protocol.recv(b, idle=0.2)
-    finally:
-        done.set()
-        writer.join(5.0)
 
 
 def test_recv_on_a_socket_closed_by_another_thread_is_an_os_error(pair: tuple[socket.socket, socket.socket]) -> None:
