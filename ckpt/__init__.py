@@ -10,8 +10,7 @@ from ckpt._errors import (
     ProtocolError,
 )
 from ckpt._program import KeyValue, Program, Runtime
-from ckpt.runtime.hookspecs import CKPT_PLUGIN_API, hookimpl
-from ckpt.runtime.vid import VirtualIdTable
+from ckpt.plugin import CKPT_PLUGIN_API, VirtualIdTable, hookimpl
 
 __version__ = "0.1.0"
 

@@ -240,7 +240,7 @@ def coordinator_cmd(
 @click.option("--json", "as_json", is_flag=True, help="Print the list as JSON.")
 def plugins(with_plugins: tuple[str, ...], disabled: tuple[str, ...], as_json: bool) -> None:
     """List the installed plugins, their versions and the hooks they implement."""
-    from ckpt.runtime.hookspecs import CKPT_PLUGIN_API
+    from ckpt.plugin import CKPT_PLUGIN_API
     from ckpt.runtime.plugins import PluginHost
 
     host = PluginHost().load(list(with_plugins), list(disabled))

@@ -114,7 +114,7 @@ def _check_transport(name: str, *, native: bool, disabled: list[str]) -> str:
         raise CkptError(f"--transport {name} is provided by the {plugin} plugin, which --disable-plugin turns off")
     import importlib.metadata
 
-    from ckpt.runtime.plugins import ENTRY_POINT_GROUP
+    from ckpt.plugin import ENTRY_POINT_GROUP
 
     if not any(ep.name == plugin for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)):
         raise CkptError(f"--transport {name} needs the {plugin} plugin (ckpt_{plugin}), which is not installed")

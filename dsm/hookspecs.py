@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ckpt.runtime.hookspecs import hookspec
+from ckpt.plugin import hookspec
 
 Notices = list[tuple[int, int, list[int]]]  # (writer rank, interval, [gid, home, gid, home, ...])
 

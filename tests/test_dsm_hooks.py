@@ -126,7 +126,7 @@ def test_onesided_homes_see_no_diff_or_page_service_but_writers_do() -> None:
 
 PLUGIN = """
 import ckpt
-CKPT_PLUGIN_API = 1
+CKPT_PLUGIN_API = 2
 
 @ckpt.hookimpl
 def dsm_barrier_passed(memory, epoch):

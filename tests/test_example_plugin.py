@@ -64,7 +64,7 @@ def test_ckpt_plugins_lists_the_example_plugin(tmp_path: Path) -> None:
     assert as_json.returncode == 0, as_json.stderr
     (info,) = [p for p in json.loads(as_json.stdout) if p["name"] == "stepclock"]
     assert "ckpt_add_options" in info["hooks"]
-    assert info["api"] == 1 and info["version"] == "1.0" and info["module"] == "ckpt_stepclock"
+    assert info["api"] == 2 and info["version"] == "1.0" and info["module"] == "ckpt_stepclock"
     assert {"ckpt_presuspend", "ckpt_drain", "ckpt_precheckpoint", "ckpt_checkpointed", "ckpt_resume"} <= set(
         info["hooks"]
     )

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
+from ckpt import plugin as hookspecs
 from ckpt._errors import CkptError, PluginError
-from ckpt.runtime import hookspecs
-from ckpt.runtime.hookspecs import hookimpl
-from ckpt.runtime.plugins import ENTRY_POINT_GROUP, ImageContents, PluginHost, discover
+from ckpt.plugin import ENTRY_POINT_GROUP, ImageContents, hookimpl
+from ckpt.runtime.plugins import PluginHost, discover
 
 DOWN = ("ckpt_presuspend", "ckpt_drain", "ckpt_precheckpoint", "ckpt_init")
 UP = ("ckpt_resume", "ckpt_restart", "ckpt_refresh", "ckpt_checkpointed")
@@ -109,11 +109,11 @@ def test_the_framework_works_with_no_plugin() -> None:
 # ----------------------------------------------------------------- API version
 def test_a_plugin_without_an_api_version_is_refused(make_plugin: Callable[..., Any]) -> None:
     make_plugin("noapi", api=None)
-    with pytest.raises(PluginError, match=r"plugin 'noapi' declares CKPT_PLUGIN_API = None; this ckpt speaks API 1"):
+    with pytest.raises(PluginError, match=r"plugin 'noapi' declares CKPT_PLUGIN_API = None; this ckpt speaks API 2"):
         load("noapi")
 
 
-@pytest.mark.parametrize("api", [0, 2, "1"])
+@pytest.mark.parametrize("api", [0, 1, 3, "2"])
 def test_a_plugin_with_another_api_version_is_refused(make_plugin: Callable[..., Any], api: object) -> None:
     make_plugin("oldapi", api=api)
     with pytest.raises(PluginError, match=rf"declares CKPT_PLUGIN_API = {api!r}"):
@@ -144,7 +144,7 @@ def test_with_plugin_records_its_info(make_plugin: Callable[..., Any]) -> None:
     assert info.name == "myplug"  # the last dotted component
     assert info.module == "pkg_for_test.sub.myplug"
     assert info.version == "2.5"
-    assert info.api == 1
+    assert info.api == 2
     assert info.order == 100
     assert info.source == "--with-plugin"
     assert info.hooks == ("ckpt_drain", "ckpt_resume")
@@ -174,7 +174,7 @@ def test_a_disabled_with_plugin_is_skipped(make_plugin: Callable[..., Any], log:
 
 def test_an_implementation_with_unknown_arguments_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     module = types.ModuleType("badargs")
-    module.CKPT_PLUGIN_API = 1  # type: ignore[attr-defined]
+    module.CKPT_PLUGIN_API = 2  # type: ignore[attr-defined]
 
     @hookimpl
     def ckpt_drain(rt: object, bogus: int) -> None:
@@ -224,7 +224,7 @@ def test_a_plugin_without_a_hook_is_skipped(make_plugin: Callable[..., Any], log
 def test_hooks_receive_the_arguments_they_name(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: dict[str, Any] = {}
     module = types.ModuleType("argplug")
-    module.CKPT_PLUGIN_API = 1  # type: ignore[attr-defined]
+    module.CKPT_PLUGIN_API = 2  # type: ignore[attr-defined]
 
     @hookimpl
     def ckpt_precheckpoint(image: ImageContents, rt: object) -> None:
@@ -349,7 +349,7 @@ def test_a_plugin_error_from_a_hook_passes_through(
 def test_a_wrapper_hookimpl_is_run_or_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[str] = []
     module = types.ModuleType("wrapplug")
-    module.CKPT_PLUGIN_API = 1  # type: ignore[attr-defined]
+    module.CKPT_PLUGIN_API = 2  # type: ignore[attr-defined]
 
     @hookimpl(wrapper=True)
     def ckpt_drain(rt: object) -> Iterator[None]:
@@ -378,7 +378,7 @@ def test_extra_hookspecs_join_the_same_manager(monkeypatch: pytest.MonkeyPatch) 
 
     specs.dsm_barrier_passed = dsm_barrier_passed  # type: ignore[attr-defined]
     plugin = types.ModuleType("dsmplug")
-    plugin.CKPT_PLUGIN_API = 1  # type: ignore[attr-defined]
+    plugin.CKPT_PLUGIN_API = 2  # type: ignore[attr-defined]
 
     @hookimpl
     def dsm_barrier_passed_impl(number: int) -> int:
@@ -423,7 +423,7 @@ def test_image_contents_from_items_copies_them() -> None:
 class ObjectPlugin:
     """A plugin that is an object, not a module."""
 
-    CKPT_PLUGIN_API = 1
+    CKPT_PLUGIN_API = 2
 
     def __init__(self) -> None:
         self.calls: list[str] = []
@@ -446,9 +446,9 @@ def fake_distribution(root: Path, dist: str, entry_points: dict[str, str], modul
 
 
 PLUGIN_SOURCE = """\
-from ckpt.runtime.hookspecs import hookimpl
+from ckpt.plugin import hookimpl
 
-CKPT_PLUGIN_API = 1
+CKPT_PLUGIN_API = 2
 __version__ = "0.1"
 CALLS = []
 
@@ -526,7 +526,7 @@ def test_an_entry_point_that_fails_to_import(
 def test_an_entry_point_with_the_wrong_api_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, new_modules: None
 ) -> None:
-    source = PLUGIN_SOURCE.replace("CKPT_PLUGIN_API = 1", "CKPT_PLUGIN_API = 7")
+    source = PLUGIN_SOURCE.replace("CKPT_PLUGIN_API = 2", "CKPT_PLUGIN_API = 7")
     fake_distribution(tmp_path, "oldplug", {"oldplug": "oldplugmod"}, {"oldplugmod": source})
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(PluginError, match="plugin 'oldplug' declares CKPT_PLUGIN_API = 7"):

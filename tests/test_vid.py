@@ -9,8 +9,8 @@ import cloudpickle
 import pytest
 
 from ckpt._errors import CkptError
-from ckpt.runtime import vid
-from ckpt.runtime.vid import VirtualIdTable
+from ckpt.plugin import VirtualIdTable
+from ckpt.plugin import _vid as vid
 
 
 @pytest.fixture(autouse=True)

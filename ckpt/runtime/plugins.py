@@ -12,12 +12,17 @@ from typing import Any
 import pluggy
 
 from ckpt._errors import CheckpointAborted, PluginError
-from ckpt.runtime import hookspecs
+from ckpt.plugin import CKPT_PLUGIN_API, ENTRY_POINT_GROUP, PROJECT, Phase, hookspecs
 
 log = logging.getLogger(__name__)
 
-ENTRY_POINT_GROUP = "ckpt.plugins"
-_DOWN = ("ckpt_presuspend", "ckpt_drain", "ckpt_precheckpoint", "ckpt_init", "ckpt_wrap_verbs")
+#: The hooks that run down (in registration order): a phase hook's direction is its Phase's, every other
+#: one's is declared in the ORDER table of its hookspecs module. The rest run up.
+_PHASE_DOWN = frozenset(phase.hook for phase in Phase if phase.hook and phase.down)
+
+
+def _down_hooks(module: Any) -> set[str]:
+    return {hook for hook, direction in getattr(module, "ORDER", {}).items() if direction == "down"}
 
 
 @dataclass(frozen=True)
@@ -34,24 +39,6 @@ class PluginInfo:
 
     def record(self) -> dict[str, Any]:
         return {"name": self.name, "version": self.version, "module": self.module}
-
-
-class ImageContents:
-    """The plugins' part of an image: ``add(key, obj)`` at checkpoint, ``get(key)`` at restart."""
-
-    def __init__(self, items: dict[str, Any] | None = None) -> None:
-        self.items: dict[str, Any] = dict(items or {})
-
-    def add(self, key: str, obj: Any) -> None:
-        if key in self.items:
-            raise PluginError(f"image key {key!r} was added twice (two plugins with one key?)")
-        self.items[key] = obj
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self.items.get(key, default)
-
-    def __contains__(self, key: str) -> bool:
-        return key in self.items
 
 
 def discover(with_plugins: list[str], disabled: list[str]) -> list[tuple[str, Any, str]]:
@@ -84,10 +71,10 @@ def discover(with_plugins: list[str], disabled: list[str]) -> list[tuple[str, An
 
 def _info(name: str, plugin: Any, source: str) -> PluginInfo:
     api = getattr(plugin, "CKPT_PLUGIN_API", None)
-    if api != hookspecs.CKPT_PLUGIN_API:
+    if api != CKPT_PLUGIN_API:
         raise PluginError(
             f"plugin {name!r} declares CKPT_PLUGIN_API = {api!r}; this ckpt speaks API "
-            f"{hookspecs.CKPT_PLUGIN_API} (set the attribute, or upgrade the plugin)"
+            f"{CKPT_PLUGIN_API} (set the attribute, or upgrade the plugin)"
         )
     module = plugin.__name__ if isinstance(plugin, ModuleType) else type(plugin).__module__
     hooks = tuple(sorted(n for n in dir(plugin) if n.startswith("ckpt_") and callable(getattr(plugin, n))))
@@ -106,9 +93,10 @@ class PluginHost:
     """One pluggy PluginManager plus the DMTCP ordering: down in registration order, up reversed."""
 
     def __init__(self) -> None:
-        self.pm = pluggy.PluginManager(hookspecs.PROJECT)
+        self.pm = pluggy.PluginManager(PROJECT)
         self.pm.add_hookspecs(hookspecs)
         self._spec_modules: list[Any] = [hookspecs]
+        self._down = set(_PHASE_DOWN) | _down_hooks(hookspecs)
         self.plugins: list[PluginInfo] = []
 
     def load(self, with_plugins: list[str], disabled: list[str]) -> PluginHost:
@@ -142,10 +130,25 @@ class PluginHost:
         return self
 
     def add_hookspecs(self, module: Any) -> None:
-        """Extra hookspecs (e.g. the DSM's) on the same manager; adding a module twice is a no-op."""
+        """Extra hookspecs (e.g. the DSM's) on the same manager, with their ORDER; adding one twice is a no-op."""
         if module not in self._spec_modules:
             self._spec_modules.append(module)
             self.pm.add_hookspecs(module)
+            self._down |= _down_hooks(module)
+
+    def register(self, plugin: object, name: str) -> None:
+        """Register an object whose hookimpls implement hooks (a DSM memory); validated at once."""
+        try:
+            self.pm.register(plugin, name=name)
+            self.pm.check_pending()
+        except (ValueError, pluggy.PluginValidationError) as exc:
+            if self.pm.is_registered(plugin):
+                self.pm.unregister(plugin)
+            raise PluginError(f"{name!r} cannot be registered: {exc}") from None
+
+    def unregister(self, plugin: object) -> None:
+        if self.pm.is_registered(plugin):
+            self.pm.unregister(plugin)
 
     def has_impl(self, hook: str) -> bool:
         """Does any loaded plugin implement `hook`?"""
@@ -159,7 +162,7 @@ class PluginHost:
         first = [i for i in impls if i.tryfirst]
         last = [i for i in impls if i.trylast][::-1]  # pluggy inserts trylast ones at the front
         normal = [i for i in impls if not (i.tryfirst or i.trylast)]
-        if hook in _DOWN:
+        if hook in self._down:
             ordered = first + normal + last
         else:
             ordered = first[::-1] + normal[::-1] + last[::-1]

@@ -33,8 +33,9 @@ import numpy as np
 from ckpt._errors import CheckpointAborted, CkptError, CoordinatorError, ImageError, PluginError
 from ckpt._program import Program, Runtime, _set_current_runtime
 from ckpt.coordinator.client import CoordinatorClient
-from ckpt.runtime import images, manifest, vid
-from ckpt.runtime.plugins import ImageContents, PluginHost
+from ckpt.plugin import ImageContents, _vid
+from ckpt.runtime import images, manifest
+from ckpt.runtime.plugins import PluginHost
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +138,7 @@ class RankEngine:
         self.ckpt_dir = Path(spec.get("ckpt_dir") or welcome["ckpt_dir"])
         self.rt.ckpt_dir = str(self.ckpt_dir)
         _set_current_runtime(self.rt)
-        vid.set_global_allocator(self.rt.allocate_global)
+        _vid.set_global_allocator(self.rt.allocate_global)
 
     def _check_header(self, header: dict[str, Any]) -> None:
         restart = self.spec["restart"]

@@ -26,10 +26,11 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ckpt.plugin._verbs import Directory, DirectoryFactory
 from ckpt.verbs import _enums as e
 from ckpt.verbs import _wire as w
 from ckpt.verbs._attrs import WC, AsyncEvent, SrqAttr
@@ -269,22 +270,6 @@ class AHHandle(NotCheckpointable):
 
     def __init__(self, pd: PDHandle, attr: Any) -> None:
         self.pd, self.attr = pd, attr
-
-
-class Directory(Protocol):
-    """How an HCA finds its peers: the simib subnet manager (`fabric.FabricClient`), or another one.
-
-    `register` gives the HCA its two port LIDs ({lids, sm_lid, latency, bandwidth, links});
-    `resolve(lid)` is (endpoint "host:port", port, link up), or (None, None, False) for an unknown LID.
-    """
-
-    def register(self, guid: int, name: str, endpoint: str, pid: int, host: str) -> dict[str, Any]: ...
-
-    def resolve(self, lid: int) -> tuple[str | None, int | None, bool]: ...
-
-
-#: Makes the Directory of a new HCA; it calls on_link(lid, up) when a link changes.
-DirectoryFactory = Callable[[Callable[[int, bool], None]], Directory]
 
 
 class Hca:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ckpt.plugin import DirectoryFactory
 from ckpt.verbs import _enums as e
 from ckpt.verbs import _hca as hw
 from ckpt.verbs._attrs import GID, DeviceAttr, PortAttr, QPInitAttr, SrqAttr
@@ -209,7 +210,7 @@ def device_statistics(dev: DeviceHandle) -> hw.HcaStatistics:
 
 
 def make_ops(
-    provider: str = "simib", directory: hw.DirectoryFactory | None = None, host: Callable[[], str] | None = None
+    provider: str = "simib", directory: DirectoryFactory | None = None, host: Callable[[], str] | None = None
 ) -> VerbsOps:
     """An operations table over the HCA engine (a fresh one: wrappers modify it in place).
 

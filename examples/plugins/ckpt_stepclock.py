@@ -43,9 +43,9 @@ from typing import TYPE_CHECKING, Any
 import ckpt
 
 if TYPE_CHECKING:
-    from ckpt.runtime.plugins import ImageContents
+    from ckpt.plugin import ImageContents
 
-CKPT_PLUGIN_API = 1
+CKPT_PLUGIN_API = 2
 CKPT_PLUGIN_NAME = "stepclock"
 # Low: registered first, so it sits at the bottom of the stack.  Its down hooks
 # (presuspend, drain, precheckpoint) run before every other plugin's and its up

@@ -17,7 +17,7 @@ from dsm import hookspecs
 
 __all__ = ["CKPT_HOOKSPECS"]
 __version__ = "0.1.0"
-CKPT_PLUGIN_API = 1
+CKPT_PLUGIN_API = 2
 CKPT_HOOKSPECS = hookspecs
 
 

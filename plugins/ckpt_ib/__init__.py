@@ -40,7 +40,7 @@ from ckpt_ib._rebuild import rebuild, reconnect, repost_sends
 from ckpt_ib._virtual import Virtualizer
 
 __version__ = "0.1.0"
-CKPT_PLUGIN_API = 1
+CKPT_PLUGIN_API = 2
 #: When set, each rank writes the real IDs of each generation to <dir>/ib.<rank>.<generation>.json (for tests).
 TRACE_ENV = "CKPT_IB_TRACE_DIR"
 

@@ -26,7 +26,7 @@ from ckpt_ib2tcp._directory import DIRECTORY_ENV, factory
 
 __all__ = ["DIRECTORY_ENV", "HOST_ENV", "PROVIDER", "make_ops", "register"]
 __version__ = "0.1.0"
-CKPT_PLUGIN_API = 1
+CKPT_PLUGIN_API = 2
 PROVIDER = "tcp"
 #: The address tcp HCAs listen on; by default the one this host reaches the coordinator from.
 HOST_ENV = "CKPT_TCP_HOST"

@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import ckpt
-from ckpt.runtime.vid import VirtualIdTable
+from ckpt.plugin import VirtualIdTable
 
 
 class Recorder:
-    CKPT_PLUGIN_API = 1
+    CKPT_PLUGIN_API = 2
 
     def __init__(self, name: str, order: int) -> None:
         self.name = name

@@ -13,7 +13,7 @@ from typing import Any
 
 import ckpt
 
-CKPT_PLUGIN_API = 1
+CKPT_PLUGIN_API = 2
 __version__ = "1.0"
 
 

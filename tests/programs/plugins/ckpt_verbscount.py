@@ -8,7 +8,7 @@ from typing import Any
 import ckpt
 from ckpt import verbs
 
-CKPT_PLUGIN_API = 1
+CKPT_PLUGIN_API = 2
 posts = 0
 
 

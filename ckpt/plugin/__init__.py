@@ -1,0 +1,52 @@
+"""ckpt.plugin: the whole plugin contract -- what a plugin author reads, and all a plugin may import.
+
+Hooks and their order (:mod:`ckpt.plugin.hookspecs`), the phases (:class:`Phase`), what hooks are
+handed (:class:`Runtime`, :class:`KeyValue`, :class:`ImageContents`, :class:`JobInfo`), what they
+contribute (:class:`PluginOption`, :class:`Transport`, verbs providers typed by
+:class:`VerbsOpsTable`, peers found through a :class:`Directory`), :class:`VirtualIdTable`, and the
+contract's version, :data:`CKPT_PLUGIN_API`.  Built-in plugins use nothing of ckpt but ``ckpt``,
+``ckpt.plugin``, ``ckpt.verbs`` and ``ckpt.testing``; docs/plugins.md is checked against this package.
+"""
+
+from ckpt.plugin import hookspecs
+from ckpt.plugin._api import (
+    CKPT_PLUGIN_API,
+    PROJECT,
+    Direction,
+    ImageContents,
+    JobInfo,
+    Phase,
+    PluginOption,
+    Transport,
+    hookimpl,
+    hookspec,
+)
+from ckpt.plugin._runtime import KeyValue, PluginCalls, Runtime
+from ckpt.plugin._verbs import Directory, DirectoryFactory, ProviderFactory, VerbsOpsTable
+from ckpt.plugin._vid import VirtualIdTable
+
+#: The entry-point group through which installed plugins are found.
+ENTRY_POINT_GROUP = "ckpt.plugins"
+
+__all__ = [
+    "CKPT_PLUGIN_API",
+    "ENTRY_POINT_GROUP",
+    "PROJECT",
+    "Direction",
+    "Directory",
+    "DirectoryFactory",
+    "ImageContents",
+    "JobInfo",
+    "KeyValue",
+    "Phase",
+    "PluginCalls",
+    "PluginOption",
+    "ProviderFactory",
+    "Runtime",
+    "Transport",
+    "VerbsOpsTable",
+    "VirtualIdTable",
+    "hookimpl",
+    "hookspec",
+    "hookspecs",
+]
