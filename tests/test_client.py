@@ -16,8 +16,8 @@ from typing import Any
 import msgpack
 import pytest
 
+from ckpt import _wire as protocol
 from ckpt._errors import CoordinatorError
-from ckpt.coordinator import protocol
 from ckpt.coordinator.client import CoordinatorClient, control
 from ckpt.coordinator.server import Coordinator
 from harness import trickle_until_closed
@@ -464,6 +464,8 @@ def test_unknown_ops_close_the_connection(
     watcher = connect()
     sock = raw_control(coordinator)
     protocol.send(sock, {**message, "id": 1})
+    answer = recv_message(sock)  # answered with what was wrong, then closed
+    assert answer["id"] == 1 and f"unknown op {message['op']!r} for a control connection" in answer["error"]
     assert_closed_by_server(sock)
     assert watcher.call("status", reply_timeout=WAIT)["status"]["state"] == "waiting"
 
@@ -611,6 +613,43 @@ def test_stop_sends_what_was_already_posted(coordinator: Coordinator) -> None:
         assert_closed_by_server(sock)
     finally:
         stopper.join(WAIT)
+
+
+def stop_when_ended(coordinator: Coordinator) -> threading.Thread:
+    """A thread that stops the coordinator the moment its job ends, as the launcher does."""
+
+    def watch() -> None:
+        if coordinator.ended.wait(WAIT):
+            coordinator.stop()
+
+    watcher = threading.Thread(target=watch, name="test-stopper")
+    watcher.start()
+    return watcher
+
+
+@pytest.mark.parametrize("last", ["kill", "finished"])
+def test_the_last_reply_arrives_although_the_job_ends_and_the_coordinator_stops(
+    coordinator: Coordinator, connect: Callable[..., CoordinatorClient], last: str
+) -> None:
+    # The reply to `ckpt kill` or to the last rank's `finished` is posted after the job has ended, so the
+    # launcher may be stopping the coordinator already: stop() must send it, not drop it.
+    rank = connect(rank_hello(0, 1))
+    asker = connect() if last == "kill" else rank
+    (conn,) = [c for c in coordinator._connections if c.role == ("control" if last == "kill" else "rank")]
+    for _ in range(8):  # pushes the client ignores, queued ahead of the reply: it is still queued at stop()
+        conn.post({"op": "padding", "pad": b"x" * (1 << 20)})
+    watcher = stop_when_ended(coordinator)
+    try:
+        if last == "kill":
+            answer = asker.call("kill", reply_timeout=WAIT, reason="enough")
+        else:
+            answer = asker.call("finished", reply_timeout=WAIT, step=1, result="done")
+        assert "error" not in answer and answer["op"] == "reply"
+    finally:
+        watcher.join(WAIT)
+    assert not watcher.is_alive()
+    assert coordinator.outcome is not None
+    assert coordinator.outcome["status"] == ("killed" if last == "kill" else "finished")
 
 
 class SilentCoordinator:
@@ -931,7 +970,8 @@ def test_alloc_ids_with_a_bad_count_drops_that_rank(
     coordinator: Coordinator, ranks: Callable[..., list[CoordinatorClient]]
 ) -> None:
     (r0,) = ranks(1)
-    with pytest.raises(CoordinatorError, match="lost"):
+    # answered with what was wrong, then the connection closes: the rank is lost
+    with pytest.raises(CoordinatorError, match=r"op 'alloc_ids'.*>= 1.*\$\.count"):
         r0.call("alloc_ids", reply_timeout=WAIT, ns="n", count=0)
     assert coordinator.ended.wait(WAIT)
     assert "rank 0" in coordinator.outcome["message"]  # type: ignore[index]
@@ -1149,6 +1189,8 @@ def test_an_absurd_subscribe_timeout_is_a_protocol_error(
 ) -> None:
     r0 = raw_rank(0, 2)
     r0.send("subscribe", ns="n", key="forever", timeout=1e12)
+    answer = r0.recv(timeout=5.0)
+    assert "op 'subscribe'" in answer["error"] and "$.timeout" in answer["error"]
     with pytest.raises((EOFError, OSError)):
         r0.recv(timeout=5.0)
 

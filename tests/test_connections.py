@@ -7,14 +7,16 @@ import resource
 import socket
 import struct
 import threading
+import time
 import tracemalloc
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
-from ckpt.coordinator import protocol
-from ckpt.coordinator._connections import HandshakeGate, PeerConnection
+from ckpt import _wire as protocol
+from ckpt._gate import HandshakeGate
+from ckpt._server import PeerConnection
 from harness import closed_by_peer, trickle_until_closed, wait_for
 
 pytestmark = pytest.mark.timeout(60)
@@ -355,3 +357,28 @@ def test_abort_wakes_a_writer_blocked_on_a_peer_that_does_not_read(pair: tuple[s
     conn.abort()
     conn.flushed(WAIT)
     assert not conn._writer.is_alive()
+
+
+def test_close_delivers_the_last_frame_to_a_tcp_peer_whose_input_was_never_read() -> None:
+    # A socket closed with unread input sends a reset, and a reset may destroy what is still queued for
+    # the peer: the last reply would be lost. The writer discards that input before it closes.
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        client = socket.socket()
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window: the frame queues up
+        client.settimeout(WAIT)
+        client.connect(listener.getsockname()[:2])
+        server, _ = listener.accept()
+    conn = PeerConnection(server, "peer", thread_name="test-w", heartbeat_interval=None)
+    try:
+        client.sendall(b"\0" * 65536)  # never read by the server's side (it has no reader here)
+        last = b"y" * (4 << 20)  # more than the socket buffers hold: much of it is queued at close
+        conn.post({"op": "reply", "last": last})
+        conn.close()
+        assert protocol.recv(client, deadline=time.monotonic() + WAIT)["last"] == last
+        with pytest.raises(EOFError):
+            protocol.recv(client)
+        conn.flushed(WAIT)
+        assert not conn._writer.is_alive()
+    finally:
+        conn.abort()
+        client.close()

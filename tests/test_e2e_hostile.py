@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from ckpt.coordinator import protocol
+from ckpt import _wire as protocol
 from ckpt.verbs.fabric import FabricClient
 from harness import PROGRAMS, Job, closed_by_peer, kill_pids, run, start_fabric, wait_for
 

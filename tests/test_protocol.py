@@ -13,8 +13,8 @@ from collections.abc import Iterator
 import msgpack
 import pytest
 
+from ckpt import _wire as protocol
 from ckpt._errors import CkptError, ProtocolError
-from ckpt.coordinator import protocol
 
 
 @pytest.fixture

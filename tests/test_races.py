@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from ckpt.coordinator import protocol
+from ckpt import _wire as protocol
 from ckpt.coordinator.client import CoordinatorClient, control
 from ckpt.coordinator.server import Coordinator
 from ckpt.runtime import images

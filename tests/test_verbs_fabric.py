@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from ckpt import CkptError
-from ckpt.coordinator import protocol
+from ckpt import _wire as protocol
 from ckpt.verbs import _subnet, fabric
 from ckpt.verbs.fabric import (
     FabricClient,

@@ -7,9 +7,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ckpt import _wire
 from ckpt._errors import CoordinatorError, ProtocolError
 from ckpt._jobdir import JOB_FILE, read_job_file
-from ckpt.coordinator import protocol
 
 
 class CoordinatorClient:
@@ -32,7 +32,7 @@ class CoordinatorClient:
         on_push: Callable[[dict[str, Any]], None] | None = None,
         on_lost: Callable[[str], None] | None = None,
         connect_timeout: float = 10.0,
-        heartbeat: protocol.Heartbeat | None = None,
+        heartbeat: _wire.Heartbeat | None = None,
     ) -> None:
         self.address = address
         host, port = _parse(address)
@@ -47,7 +47,7 @@ class CoordinatorClient:
             ) from None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
-            welcome = protocol.client_handshake(
+            welcome = _wire.client_handshake(
                 sock, token, "coordinator", role=None if role is None else str(role), then=join, timeout=connect_timeout
             )
         except TimeoutError:
@@ -68,7 +68,7 @@ class CoordinatorClient:
             raise CoordinatorError(f"the coordinator refused this rank: {welcome.get('error')}")
         self.welcome = welcome
         self._on_push = on_push
-        self._connection = protocol.ClientConnection(
+        self._connection = _wire.ClientConnection(
             sock,
             error=CoordinatorError,
             peer="coordinator",
@@ -98,18 +98,18 @@ class CoordinatorClient:
         self._connection.close()
 
 
-def _heartbeat(given: protocol.Heartbeat | None) -> protocol.Heartbeat:
+def _heartbeat(given: _wire.Heartbeat | None) -> _wire.Heartbeat:
     if given is not None:
         return given
     try:
-        return protocol.Heartbeat.from_environment()
+        return _wire.Heartbeat.from_environment()
     except ProtocolError as exc:
         raise CoordinatorError(str(exc)) from None
 
 
 def _parse(address: str) -> tuple[str, int]:
     try:
-        return protocol.parse_address(address)
+        return _wire.parse_address(address, "coordinator address")
     except ProtocolError as exc:
         raise CoordinatorError(str(exc)) from None
 
