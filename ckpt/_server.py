@@ -240,6 +240,10 @@ class Server(abc.ABC, Generic[ConnT]):
         """On the reader thread (not under the lock): one request; True if it asked the server to stop.
         ProtocolError closes this connection."""
 
+    def _who(self, conn: ConnT) -> str:
+        """The peer as log lines name it."""
+        return conn.peer
+
     def _lost(self, conn: ConnT, silent: str) -> None:
         """Under the lock, once a welcomed connection ended (`silent`: why, if the peer fell silent)."""
 
@@ -271,13 +275,13 @@ class Server(abc.ABC, Generic[ConnT]):
                     return
         except TimeoutError:
             silent = f"no word from it for {idle:g} s"
-            log.warning("%s: closing connection from %s: %s", self._what, conn.peer, silent)
+            log.warning("%s: closing connection from %s: %s", self._what, self._who(conn), silent)
         except (EOFError, OSError):
             pass
         except ProtocolError as exc:
-            log.warning("%s: closing connection from %s: %s", self._what, conn.peer, exc)
+            log.warning("%s: closing connection from %s: %s", self._what, self._who(conn), exc)
         except Exception:  # a bug must cost one connection, never the server
-            log.exception("%s: closing connection from %s after an internal error", self._what, conn.peer)
+            log.exception("%s: closing connection from %s after an internal error", self._what, self._who(conn))
         finally:
             if welcomed:
                 with self._lock:

@@ -10,6 +10,7 @@ from typing import Any
 from ckpt import _wire
 from ckpt._errors import CoordinatorError, ProtocolError
 from ckpt._jobdir import JOB_FILE, read_job_file
+from ckpt.coordinator import protocol
 
 
 class CoordinatorClient:
@@ -83,12 +84,13 @@ class CoordinatorClient:
     # ----------------------------------------------------------- requests
     def call(self, op: str, reply_timeout: float | None = None, **fields: Any) -> dict[str, Any]:
         """Send a request and wait (up to `reply_timeout` s) for its reply; CoordinatorError on an error
-        reply or a lost link."""
-        return self._connection.call(op, reply_timeout, **fields)
+        reply or a lost link (an op the coordinator does not have is one at once: the coordinator would
+        close a connection that sends it)."""
+        return self._connection.call(_known(op), reply_timeout, **fields)
 
     def notify(self, op: str, **fields: Any) -> None:
         """Send a message that has no reply."""
-        self._connection.send({"op": op, **fields})
+        self._connection.send({"op": _known(op), **fields})
 
     def _push(self, message: dict[str, Any]) -> None:
         if self._on_push is not None:
@@ -96,6 +98,12 @@ class CoordinatorClient:
 
     def close(self) -> None:
         self._connection.close()
+
+
+def _known(op: str) -> str:
+    if op not in protocol.OPS:
+        raise CoordinatorError(f"the coordinator has no operation {op!r} (it has: {', '.join(sorted(protocol.OPS))})")
+    return op
 
 
 def _heartbeat(given: _wire.Heartbeat | None) -> _wire.Heartbeat:

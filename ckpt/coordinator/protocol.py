@@ -177,6 +177,8 @@ REQUESTS: Final[Mapping[Op, type[Request]]] = {
     Op.KILL: Kill,
 }
 _BY_NAME: Final[Mapping[str, type[Request]]] = {op.value: kind for op, kind in REQUESTS.items()}
+#: The op names, as a client checks them before sending.
+OPS: Final = frozenset(_BY_NAME)
 
 
 def parse_request(message: Message, role: str) -> Request:

@@ -179,6 +179,9 @@ class Coordinator(Server[_Connection]):
         conn.post({"op": "welcome", **welcome})
         self.job.joined()
 
+    def _who(self, conn: _Connection) -> str:
+        return f"{conn.peer} ({f'rank {conn.rank}' if conn.rank >= 0 else f'a {conn.role} client'})"
+
     def _lost(self, conn: _Connection, silent: str) -> None:
         if conn.role == protocol.ROLE_RANK and self._ranks.get(conn.rank) is conn:
             del self._ranks[conn.rank]
