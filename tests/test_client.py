@@ -725,7 +725,7 @@ def test_client_to_an_address_nobody_listens_on() -> None:
 
 
 def test_client_with_a_bad_address() -> None:
-    with pytest.raises(CoordinatorError, match="expected HOST:PORT"):
+    with pytest.raises(CoordinatorError, match=r"^bad coordinator address 'nocolon': expected HOST:PORT$"):
         CoordinatorClient("nocolon", TOKEN, {"role": "control"})
 
 

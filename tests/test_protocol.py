@@ -295,8 +295,10 @@ def test_parse_address(address: str, expected: tuple[str, int]) -> None:
     ["", "host", "host:", ":80", "host:0", "host:65536", "host:abc", "host:-1", "host: 80", "host:8o"],
 )
 def test_parse_address_rejects_bad_addresses_with_a_clear_line(address: str) -> None:
-    with pytest.raises(ProtocolError, match="expected HOST:PORT"):
+    with pytest.raises(ProtocolError, match=r"^bad address .*: expected HOST:PORT$"):
         wire.parse_address(address)
+    with pytest.raises(ProtocolError, match=r"^bad HCA endpoint .*: expected HOST:PORT$"):
+        wire.parse_address(address, "HCA endpoint")
 
 
 def test_parse_address_rejects_non_ascii_digits() -> None:
