@@ -13,10 +13,10 @@ from typing import Any
 import click
 
 from ckpt import _jobdir as jobdir
+from ckpt import _wire as protocol
 from ckpt._cli_common import ckpt_dir_option, coordinator_option, plugin_options, serve_until_signal
 from ckpt._errors import CkptError, ImageError
 from ckpt.coordinator import client as coord_client
-from ckpt.coordinator import protocol
 
 #: How long `checkpoint` and `kill` wait for a job that is still starting (its launcher holds the
 #: directory, its coordinator is not up yet) before they give up ...

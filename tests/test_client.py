@@ -16,8 +16,8 @@ from typing import Any
 import msgpack
 import pytest
 
+from ckpt import _wire as wire
 from ckpt._errors import CoordinatorError
-from ckpt.coordinator import protocol
 from ckpt.coordinator.client import CoordinatorClient, control
 from ckpt.coordinator.server import Coordinator
 from harness import trickle_until_closed
@@ -101,31 +101,31 @@ def frame(obj: object) -> bytes:
 
 def raw_connect(coordinator: Coordinator) -> tuple[socket.socket, bytes]:
     """A plain socket past the server's challenge; returns (socket, nonce)."""
-    host, port = protocol.parse_address(coordinator.address)
+    host, port = wire.parse_address(coordinator.address)
     sock = socket.create_connection((host, port), timeout=WAIT)
-    challenge = protocol.recv(sock)
+    challenge = wire.recv(sock)
     assert challenge["op"] == "challenge" and isinstance(challenge["nonce"], bytes)
     return sock, challenge["nonce"]
 
 
 def recv_message(sock: socket.socket) -> dict[str, Any]:
     """The next message that is not a heartbeat."""
-    while (message := protocol.recv(sock))["op"] == "heartbeat":
+    while (message := wire.recv(sock))["op"] == "heartbeat":
         pass
     return message
 
 
 def send_rank_hello(sock: socket.socket, nonce: bytes, rank: int, size: int, **extra: Any) -> None:
     """What CoordinatorClient sends for a rank: the hello (authentication), then the join (who it is)."""
-    protocol.send(sock, {"op": "hello", "auth": protocol.auth_answer(TOKEN, nonce), "role": "rank"})
+    wire.send(sock, {"op": "hello", "auth": wire.auth_answer(TOKEN, nonce), "role": "rank"})
     fields = {k: v for k, v in rank_hello(rank, size, **extra).items() if k != "role"}
-    protocol.send(sock, {"op": "join", **fields})
+    wire.send(sock, {"op": "join", **fields})
 
 
 def raw_control(coordinator: Coordinator) -> socket.socket:
     """A plain socket authenticated as a control client."""
     sock, nonce = raw_connect(coordinator)
-    protocol.send(sock, {"op": "hello", "auth": protocol.auth_answer(TOKEN, nonce), "role": "control"})
+    wire.send(sock, {"op": "hello", "auth": wire.auth_answer(TOKEN, nonce), "role": "control"})
     assert recv_message(sock)["op"] == "welcome"
     return sock
 
@@ -146,7 +146,7 @@ class RawRank:
 
     def send(self, op: str, **fields: Any) -> int:
         rid = next(self._ids)
-        protocol.send(self.sock, {"op": op, "id": rid, **fields})
+        wire.send(self.sock, {"op": op, "id": rid, **fields})
         return rid
 
     def recv(self, timeout: float = WAIT) -> dict[str, Any]:
@@ -180,7 +180,7 @@ def assert_closed_by_server(sock: socket.socket) -> None:
     """The server closes the connection (replies already queued may come first)."""
     try:
         while True:
-            protocol.recv(sock)
+            wire.recv(sock)
     except (EOFError, ConnectionResetError):
         pass
     except TimeoutError:
@@ -306,7 +306,7 @@ def test_a_wrong_token_does_not_disturb_a_running_job(
 
 def test_the_token_never_travels_in_clear(coordinator: Coordinator) -> None:
     sock, nonce = raw_connect(coordinator)
-    hello = protocol.encode({"op": "hello", "auth": protocol.auth_answer(TOKEN, nonce), "role": "control"})
+    hello = wire.encode({"op": "hello", "auth": wire.auth_answer(TOKEN, nonce), "role": "control"})
     assert TOKEN.encode() not in hello
     sock.sendall(hello)
     assert recv_message(sock)["op"] == "welcome"
@@ -315,12 +315,12 @@ def test_the_token_never_travels_in_clear(coordinator: Coordinator) -> None:
 
 def test_a_replayed_answer_is_refused(coordinator: Coordinator) -> None:
     sock, nonce = raw_connect(coordinator)
-    answer = protocol.auth_answer(TOKEN, nonce)
-    protocol.send(sock, {"op": "hello", "auth": answer, "role": "control"})
+    answer = wire.auth_answer(TOKEN, nonce)
+    wire.send(sock, {"op": "hello", "auth": answer, "role": "control"})
     assert recv_message(sock)["op"] == "welcome"
     sock.close()
     sock, _ = raw_connect(coordinator)  # a new nonce: the old answer is worthless
-    protocol.send(sock, {"op": "hello", "auth": answer, "role": "control"})
+    wire.send(sock, {"op": "hello", "auth": answer, "role": "control"})
     assert_closed_by_server(sock)
     assert status(coordinator)["ranks"] == []
 
@@ -341,8 +341,8 @@ def test_bad_hellos_close_the_connection(coordinator: Coordinator, hello: dict[s
     sock, nonce = raw_connect(coordinator)
     message = dict(hello)
     if message.pop("good_auth", False) or message["op"] == "status":
-        message["auth"] = protocol.auth_answer(TOKEN, nonce)
-    protocol.send(sock, message)
+        message["auth"] = wire.auth_answer(TOKEN, nonce)
+    wire.send(sock, message)
     assert_closed_by_server(sock)
     assert status(coordinator)["ranks"] == []
 
@@ -360,8 +360,8 @@ def test_bad_hellos_close_the_connection(coordinator: Coordinator, hello: dict[s
 )
 def test_bad_joins_close_the_connection(coordinator: Coordinator, join: dict[str, Any]) -> None:
     sock, nonce = raw_connect(coordinator)
-    protocol.send(sock, {"op": "hello", "auth": protocol.auth_answer(TOKEN, nonce), "role": "rank"})
-    protocol.send(sock, join)
+    wire.send(sock, {"op": "hello", "auth": wire.auth_answer(TOKEN, nonce), "role": "rank"})
+    wire.send(sock, join)
     assert_closed_by_server(sock)
     assert status(coordinator)["ranks"] == []
 
@@ -392,15 +392,15 @@ def _garbage(seed: int) -> list[bytes]:
     """Byte strings that are not a valid message, each to be sent on its own connection."""
     rng = random.Random(seed)
     cases = [
-        struct.pack(">I", protocol.MAX_FRAME + 1),  # oversize length, no body
+        struct.pack(">I", wire.MAX_FRAME + 1),  # oversize length, no body
         struct.pack(">I", 0xFFFFFFFF) + b"x" * 16,
         struct.pack(">I", 0),  # empty frame
         frame([1, 2, 3]),  # not a map
         frame("hello"),
         frame(None),
         frame({"v": 99, "op": "status"}),  # wrong version
-        frame({"v": protocol.PROTOCOL_VERSION}),  # no op
-        frame({"v": protocol.PROTOCOL_VERSION, "op": 7}),
+        frame({"v": wire.PROTOCOL_VERSION}),  # no op
+        frame({"v": wire.PROTOCOL_VERSION, "op": 7}),
         frame({1: 2}),  # non-string keys
     ]
     for _ in range(12):
@@ -414,12 +414,12 @@ def _garbage(seed: int) -> list[bytes]:
 
 def _not_a_control_request(data: bytes) -> bool:
     (length,) = struct.unpack(">I", data[:4])
-    if length > protocol.MAX_FRAME:
+    if length > wire.MAX_FRAME:
         return True
     assert length == len(data) - 4  # a frame that never completes would only hit a timeout
     try:
-        message = protocol.decode(data[4:])
-    except protocol.ProtocolError:
+        message = wire.decode(data[4:])
+    except wire.ProtocolError:
         return True
     return message["op"] not in ("status", "checkpoint", "kill")
 
@@ -463,7 +463,9 @@ def test_unknown_ops_close_the_connection(
 ) -> None:
     watcher = connect()
     sock = raw_control(coordinator)
-    protocol.send(sock, {**message, "id": 1})
+    wire.send(sock, {**message, "id": 1})
+    answer = recv_message(sock)  # answered with what was wrong, then closed
+    assert answer["id"] == 1 and f"unknown op {message['op']!r} for a control connection" in answer["error"]
     assert_closed_by_server(sock)
     assert watcher.call("status", reply_timeout=WAIT)["status"]["state"] == "waiting"
 
@@ -471,7 +473,7 @@ def test_unknown_ops_close_the_connection(
 def test_garbage_after_a_good_request_closes_the_connection(coordinator: Coordinator) -> None:
     sock = raw_control(coordinator)
     # the reply to the status request may or may not be sent before the connection is torn down
-    sock.sendall(protocol.encode({"op": "status", "id": 1}) + b"\x00\x00\x00\x03abc")
+    sock.sendall(wire.encode({"op": "status", "id": 1}) + b"\x00\x00\x00\x03abc")
     assert_closed_by_server(sock)
     assert status(coordinator)["state"] == "waiting"
 
@@ -479,7 +481,7 @@ def test_garbage_after_a_good_request_closes_the_connection(coordinator: Coordin
 def test_a_silent_connection_does_not_block_others(
     coordinator: Coordinator, connect: Callable[..., CoordinatorClient]
 ) -> None:
-    host, port = protocol.parse_address(coordinator.address)
+    host, port = wire.parse_address(coordinator.address)
     silent = [socket.create_connection((host, port), timeout=WAIT) for _ in range(5)]
     half = raw_connect(coordinator)[0]
     half.sendall(struct.pack(">I", 1000) + b"partial")  # a frame that never completes
@@ -506,7 +508,7 @@ def test_garbage_from_a_rank_fails_the_job_naming_it(
 
 
 # ----------------------------------------------------------------- before authentication (issue #11)
-@pytest.mark.parametrize("announced", [protocol.HANDSHAKE_MAX_FRAME + 1, protocol.MAX_FRAME])
+@pytest.mark.parametrize("announced", [wire.HANDSHAKE_MAX_FRAME + 1, wire.MAX_FRAME])
 def test_a_large_frame_before_authentication_is_refused_at_once(
     coordinator: Coordinator, connect: Callable[..., CoordinatorClient], announced: int
 ) -> None:
@@ -523,7 +525,7 @@ def test_a_trickled_handshake_hits_one_deadline(tmp_path: Path) -> None:
     coord = Coordinator(token=TOKEN, ckpt_dir=tmp_path, handshake_timeout=1.0).start()
     try:
         sock, nonce = raw_connect(coord)
-        hello = protocol.encode({"op": "hello", "auth": protocol.auth_answer(TOKEN, nonce), "role": "control"})
+        hello = wire.encode({"op": "hello", "auth": wire.auth_answer(TOKEN, nonce), "role": "control"})
         elapsed, _ = trickle_until_closed(sock, hello, pace=0.2)
         sock.close()
         assert elapsed <= 3.0
@@ -542,7 +544,7 @@ def test_a_rank_with_a_command_line_over_the_handshake_limit_joins(
 
 
 # ----------------------------------------------------------------- heartbeats (issue #11)
-QUICK = protocol.Heartbeat(interval=0.1, timeout=1.0)
+QUICK = wire.Heartbeat(interval=0.1, timeout=1.0)
 
 
 @pytest.fixture
@@ -556,7 +558,7 @@ def quick(tmp_path: Path) -> Iterator[Coordinator]:
 def test_the_coordinator_sends_heartbeats_to_an_idle_client(quick: Coordinator) -> None:
     sock = raw_control(quick)
     sock.settimeout(WAIT)
-    assert [protocol.recv(sock)["op"] for _ in range(3)] == ["heartbeat"] * 3
+    assert [wire.recv(sock)["op"] for _ in range(3)] == ["heartbeat"] * 3
     sock.close()
 
 
@@ -613,6 +615,43 @@ def test_stop_sends_what_was_already_posted(coordinator: Coordinator) -> None:
         stopper.join(WAIT)
 
 
+def stop_when_ended(coordinator: Coordinator) -> threading.Thread:
+    """A thread that stops the coordinator the moment its job ends, as the launcher does."""
+
+    def watch() -> None:
+        if coordinator.ended.wait(WAIT):
+            coordinator.stop()
+
+    watcher = threading.Thread(target=watch, name="test-stopper")
+    watcher.start()
+    return watcher
+
+
+@pytest.mark.parametrize("last", ["kill", "finished"])
+def test_the_last_reply_arrives_although_the_job_ends_and_the_coordinator_stops(
+    coordinator: Coordinator, connect: Callable[..., CoordinatorClient], last: str
+) -> None:
+    # The reply to `ckpt kill` or to the last rank's `finished` is posted after the job has ended, so the
+    # launcher may be stopping the coordinator already: stop() must send it, not drop it.
+    rank = connect(rank_hello(0, 1))
+    asker = connect() if last == "kill" else rank
+    (conn,) = [c for c in coordinator._connections if c.role == ("control" if last == "kill" else "rank")]
+    for _ in range(8):  # pushes the client ignores, queued ahead of the reply: it is still queued at stop()
+        conn.post({"op": "padding", "pad": b"x" * (1 << 20)})
+    watcher = stop_when_ended(coordinator)
+    try:
+        if last == "kill":
+            answer = asker.call("kill", reply_timeout=WAIT, reason="enough")
+        else:
+            answer = asker.call("finished", reply_timeout=WAIT, step=1, result="done")
+        assert "error" not in answer and answer["op"] == "reply"
+    finally:
+        watcher.join(WAIT)
+    assert not watcher.is_alive()
+    assert coordinator.outcome is not None
+    assert coordinator.outcome["status"] == ("killed" if last == "kill" else "finished")
+
+
 class SilentCoordinator:
     """Completes the handshake like a coordinator, then never says a word; counts the client's heartbeats."""
 
@@ -626,12 +665,12 @@ class SilentCoordinator:
     def _serve(self) -> None:
         conn, _ = self._server.accept()
         with conn:
-            protocol.send(conn, {"op": "challenge", "nonce": protocol.new_nonce()})
-            protocol.recv(conn)
-            protocol.send(conn, {"op": "welcome", "job": "j", "address": self.address})
+            wire.send(conn, {"op": "challenge", "nonce": wire.new_nonce()})
+            wire.recv(conn)
+            wire.send(conn, {"op": "welcome", "job": "j", "address": self.address})
             try:
                 while True:
-                    self.heartbeats += protocol.recv(conn)["op"] == "heartbeat"
+                    self.heartbeats += wire.recv(conn)["op"] == "heartbeat"
             except (EOFError, OSError):
                 pass
 
@@ -686,7 +725,7 @@ def test_client_to_an_address_nobody_listens_on() -> None:
 
 
 def test_client_with_a_bad_address() -> None:
-    with pytest.raises(CoordinatorError, match="expected HOST:PORT"):
+    with pytest.raises(CoordinatorError, match=r"^bad coordinator address 'nocolon': expected HOST:PORT$"):
         CoordinatorClient("nocolon", TOKEN, {"role": "control"})
 
 
@@ -697,7 +736,7 @@ def test_client_to_something_that_is_not_a_coordinator() -> None:
     def serve() -> None:
         conn, _ = server.accept()
         with conn:
-            conn.sendall(frame({"v": protocol.PROTOCOL_VERSION, "op": "greetings"}))
+            conn.sendall(frame({"v": wire.PROTOCOL_VERSION, "op": "greetings"}))
             conn.recv(1)
 
     thread = threading.Thread(target=serve, daemon=True)
@@ -746,7 +785,7 @@ def test_publish_and_get_across_ranks(ranks: Callable[..., list[CoordinatorClien
     r0.call("publish", reply_timeout=WAIT, ns="n", key="k", value={"lid": 7, "raw": b"\x01", "l": [1, None]})
     assert r1.call("get", reply_timeout=WAIT, ns="n", key="k")["value"] == {"lid": 7, "raw": b"\x01", "l": [1, None]}
     assert r1.call("get", reply_timeout=WAIT, ns="other", key="k") == {
-        "v": protocol.PROTOCOL_VERSION,
+        "v": wire.PROTOCOL_VERSION,
         "op": "reply",
         "id": 2,
         "found": False,
@@ -931,7 +970,8 @@ def test_alloc_ids_with_a_bad_count_drops_that_rank(
     coordinator: Coordinator, ranks: Callable[..., list[CoordinatorClient]]
 ) -> None:
     (r0,) = ranks(1)
-    with pytest.raises(CoordinatorError, match="lost"):
+    # answered with what was wrong, then the connection closes: the rank is lost
+    with pytest.raises(CoordinatorError, match=r"op 'alloc_ids'.*>= 1.*\$\.count"):
         r0.call("alloc_ids", reply_timeout=WAIT, ns="n", count=0)
     assert coordinator.ended.wait(WAIT)
     assert "rank 0" in coordinator.outcome["message"]  # type: ignore[index]
@@ -1149,6 +1189,8 @@ def test_an_absurd_subscribe_timeout_is_a_protocol_error(
 ) -> None:
     r0 = raw_rank(0, 2)
     r0.send("subscribe", ns="n", key="forever", timeout=1e12)
+    answer = r0.recv(timeout=5.0)
+    assert "op 'subscribe'" in answer["error"] and "$.timeout" in answer["error"]
     with pytest.raises((EOFError, OSError)):
         r0.recv(timeout=5.0)
 
@@ -1163,7 +1205,7 @@ def test_an_allgather_answer_over_the_frame_limit_is_an_error_not_a_lost_rank(
     coordinator: Coordinator, ranks: Callable[..., list[CoordinatorClient]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     r0, r1 = ranks(2)
-    monkeypatch.setattr(protocol, "MAX_FRAME", 1 << 20)
+    monkeypatch.setattr(wire, "MAX_FRAME", 1 << 20)
     payload = b"x" * (600 << 10)  # each request fits; the answer (both) does not
     answers: dict[int, BaseException | dict[str, Any]] = {}
 

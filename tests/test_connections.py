@@ -7,14 +7,16 @@ import resource
 import socket
 import struct
 import threading
+import time
 import tracemalloc
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
-from ckpt.coordinator import protocol
-from ckpt.coordinator._connections import HandshakeGate, PeerConnection
+from ckpt import _wire as wire
+from ckpt._gate import HandshakeGate
+from ckpt._server import PeerConnection
 from harness import closed_by_peer, trickle_until_closed, wait_for
 
 pytestmark = pytest.mark.timeout(60)
@@ -38,12 +40,12 @@ class Gate:
     def connect(self) -> tuple[socket.socket, bytes]:
         """A client socket past the challenge: (socket, nonce)."""
         sock = socket.create_connection(self.address, timeout=WAIT)
-        challenge = protocol.recv(sock)
+        challenge = wire.recv(sock)
         assert challenge["op"] == "challenge"
         return sock, challenge["nonce"]
 
     def hello(self, nonce: bytes, **fields: Any) -> bytes:
-        return protocol.encode({"op": "hello", "auth": protocol.auth_answer(TOKEN, nonce), **fields})
+        return wire.encode({"op": "hello", "auth": wire.auth_answer(TOKEN, nonce), **fields})
 
 
 @pytest.fixture
@@ -84,13 +86,13 @@ def assert_closed_soon(sock: socket.socket, timeout: float = WAIT) -> None:
 def test_an_authenticated_hello_is_handed_over_with_what_follows_it(start_gate: Callable[..., Gate]) -> None:
     gate = start_gate()
     sock, nonce = gate.connect()
-    sock.sendall(gate.hello(nonce, role="rank") + protocol.encode({"op": "join", "argv": ["x" * 50_000]}))
+    sock.sendall(gate.hello(nonce, role="rank") + wire.encode({"op": "join", "argv": ["x" * 50_000]}))
     served, peer, hello = gate.handed.get(timeout=WAIT)
     with served:
         assert hello["role"] == "rank" and peer == "{}:{}".format(*sock.getsockname()[:2])
         assert served.gettimeout() is None  # blocking again, for the server's reader thread
         served.settimeout(WAIT)
-        assert protocol.recv(served) == {"v": protocol.PROTOCOL_VERSION, "op": "join", "argv": ["x" * 50_000]}
+        assert wire.recv(served) == {"v": wire.PROTOCOL_VERSION, "op": "join", "argv": ["x" * 50_000]}
     sock.close()
     stats = gate.gate.statistics()
     assert (stats.pending, stats.accepted, stats.authenticated) == (0, 1, 1)
@@ -108,7 +110,7 @@ def test_a_hello_in_single_bytes_within_the_deadline_is_accepted(start_gate: Cal
 
 
 # ----------------------------------------------------------------- hostile peers
-@pytest.mark.parametrize("announced", [protocol.HANDSHAKE_MAX_FRAME + 1, 64 << 20, 0xFFFFFFFF])
+@pytest.mark.parametrize("announced", [wire.HANDSHAKE_MAX_FRAME + 1, 64 << 20, 0xFFFFFFFF])
 def test_a_frame_over_the_handshake_limit_is_refused_from_its_length_alone(
     start_gate: Callable[..., Gate], announced: int
 ) -> None:
@@ -123,9 +125,9 @@ def test_a_frame_at_the_handshake_limit_is_read(start_gate: Callable[..., Gate])
     gate = start_gate()
     sock, nonce = gate.connect()
     hello = gate.hello(nonce, role="control", pad="")
-    pad = "p" * (protocol.HANDSHAKE_MAX_FRAME - (len(hello) - 4) - 2)  # the str header grows by 2 bytes
+    pad = "p" * (wire.HANDSHAKE_MAX_FRAME - (len(hello) - 4) - 2)  # the str header grows by 2 bytes
     hello = gate.hello(nonce, role="control", pad=pad)
-    assert len(hello) - 4 == protocol.HANDSHAKE_MAX_FRAME
+    assert len(hello) - 4 == wire.HANDSHAKE_MAX_FRAME
     sock.sendall(hello)
     served, _, message = gate.handed.get(timeout=WAIT)
     served.close()
@@ -165,10 +167,10 @@ def test_a_wrong_op_or_answer_closes_that_connection_and_nothing_else(
     sock, nonce = gate.connect()
     fields = dict(message)
     if fields.pop("good_auth", False):
-        fields["auth"] = protocol.auth_answer(TOKEN, nonce)
+        fields["auth"] = wire.auth_answer(TOKEN, nonce)
     if fields.pop("wrong_token", False):
-        fields["auth"] = protocol.auth_answer("another-token", nonce)
-    sock.sendall(protocol.encode(fields))
+        fields["auth"] = wire.auth_answer("another-token", nonce)
+    sock.sendall(wire.encode(fields))
     assert_closed_soon(sock)
     good.sendall(gate.hello(good_nonce, role="control"))
     served, _, _ = gate.handed.get(timeout=WAIT)
@@ -203,10 +205,10 @@ def test_garbage_closes_that_connection_and_the_gate_keeps_serving(
 def test_a_refusal_is_sent_to_a_wrong_answer_when_asked(start_gate: Callable[..., Gate]) -> None:
     gate = start_gate(refusal="authentication failed")
     sock, nonce = gate.connect()
-    sock.sendall(protocol.encode({"op": "hello", "auth": protocol.auth_answer("wrong", nonce)}))
+    sock.sendall(wire.encode({"op": "hello", "auth": wire.auth_answer("wrong", nonce)}))
     try:
-        assert protocol.recv(sock) == {
-            "v": protocol.PROTOCOL_VERSION,
+        assert wire.recv(sock) == {
+            "v": wire.PROTOCOL_VERSION,
             "op": "refused",
             "error": "authentication failed",
         }
@@ -219,13 +221,13 @@ def test_a_bad_hello_field_raised_by_the_server_closes_the_connection(start_gate
     listener = socket.create_server(("127.0.0.1", 0))
 
     def on_hello(sock: socket.socket, peer: str, hello: dict[str, Any]) -> None:
-        raise protocol.ProtocolError("unknown role")
+        raise wire.ProtocolError("unknown role")
 
     gate = HandshakeGate(listener, TOKEN, on_hello, name="test-gate").start()
     try:
         sock = socket.create_connection(listener.getsockname()[:2], timeout=WAIT)
-        nonce = protocol.recv(sock)["nonce"]
-        sock.sendall(protocol.encode({"op": "hello", "auth": protocol.auth_answer(TOKEN, nonce)}))
+        nonce = wire.recv(sock)["nonce"]
+        sock.sendall(wire.encode({"op": "hello", "auth": wire.auth_answer(TOKEN, nonce)}))
         assert_closed_soon(sock)
     finally:
         gate.stop()
@@ -258,7 +260,7 @@ def test_a_thousand_pending_handshakes_cost_no_thread_and_little_memory(start_ga
             if i % 2:
                 sock.sendall(struct.pack(">I", 64 << 20))
             else:
-                sock.sendall(struct.pack(">I", protocol.HANDSHAKE_MAX_FRAME) + b"\x81" + b"x" * 4000)
+                sock.sendall(struct.pack(">I", wire.HANDSHAKE_MAX_FRAME) + b"\x81" + b"x" * 4000)
             hostile.append(sock)
         sock, nonce = gate.connect()  # and an honest client still gets in
         sock.sendall(gate.hello(nonce, role="control"))
@@ -309,10 +311,10 @@ def test_an_idle_peer_connection_sends_heartbeats(pair: tuple[socket.socket, soc
     a, b = pair
     conn = PeerConnection(a, "peer", thread_name="test-w", heartbeat_interval=0.05)
     try:
-        assert protocol.recv(b)["op"] == "heartbeat"
-        assert protocol.recv(b)["op"] == "heartbeat"
+        assert wire.recv(b)["op"] == "heartbeat"
+        assert wire.recv(b)["op"] == "heartbeat"
         conn.post({"op": "push", "n": 1})
-        while (message := protocol.recv(b))["op"] == "heartbeat":
+        while (message := wire.recv(b))["op"] == "heartbeat":
             pass
         assert message["n"] == 1
     finally:
@@ -325,7 +327,7 @@ def test_without_an_interval_there_are_no_heartbeats(pair: tuple[socket.socket, 
     try:
         b.settimeout(0.3)
         with pytest.raises(TimeoutError):
-            protocol.recv(b)
+            wire.recv(b)
     finally:
         conn.abort()
 
@@ -337,9 +339,9 @@ def test_close_sends_what_was_posted_first(pair: tuple[socket.socket, socket.soc
         conn.post({"op": "reply", "n": n})
     conn.close()
     conn.post({"op": "late"})  # dropped: the connection is closing
-    assert [protocol.recv(b)["n"] for _ in range(3)] == [0, 1, 2]
+    assert [wire.recv(b)["n"] for _ in range(3)] == [0, 1, 2]
     with pytest.raises(EOFError):
-        protocol.recv(b)
+        wire.recv(b)
     conn.flushed(WAIT)
     assert not conn._writer.is_alive()
 
@@ -355,3 +357,28 @@ def test_abort_wakes_a_writer_blocked_on_a_peer_that_does_not_read(pair: tuple[s
     conn.abort()
     conn.flushed(WAIT)
     assert not conn._writer.is_alive()
+
+
+def test_close_delivers_the_last_frame_to_a_tcp_peer_whose_input_was_never_read() -> None:
+    # A socket closed with unread input sends a reset, and a reset may destroy what is still queued for
+    # the peer: the last reply would be lost. The writer discards that input before it closes.
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        client = socket.socket()
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window: the frame queues up
+        client.settimeout(WAIT)
+        client.connect(listener.getsockname()[:2])
+        server, _ = listener.accept()
+    conn = PeerConnection(server, "peer", thread_name="test-w", heartbeat_interval=None)
+    try:
+        client.sendall(b"\0" * 65536)  # never read by the server's side (it has no reader here)
+        last = b"y" * (4 << 20)  # more than the socket buffers hold: much of it is queued at close
+        conn.post({"op": "reply", "last": last})
+        conn.close()
+        assert wire.recv(client, deadline=time.monotonic() + WAIT)["last"] == last
+        with pytest.raises(EOFError):
+            wire.recv(client)
+        conn.flushed(WAIT)
+        assert not conn._writer.is_alive()
+    finally:
+        conn.abort()
+        client.close()

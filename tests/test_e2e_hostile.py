@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from ckpt.coordinator import protocol
+from ckpt import _wire as wire
 from ckpt.verbs.fabric import FabricClient
 from harness import PROGRAMS, Job, closed_by_peer, kill_pids, run, start_fabric, wait_for
 
@@ -52,7 +52,7 @@ class Flood:
     """Hostile connections to `address`; a thread keeps trickling bytes into them until stop()."""
 
     def __init__(self, address: str) -> None:
-        self.address = protocol.parse_address(address)
+        self.address = wire.parse_address(address)
         self.trickling: list[socket.socket] = []
         self.announcing: list[socket.socket] = []
         self._stop = threading.Event()
@@ -61,12 +61,12 @@ class Flood:
     def open(self) -> Flood:
         for i in range(TRICKLING + ANNOUNCING):
             sock = socket.create_connection(self.address, timeout=10)
-            protocol.recv(sock, limit=protocol.HANDSHAKE_MAX_FRAME)  # the challenge: the server took it in
+            wire.recv(sock, limit=wire.HANDSHAKE_MAX_FRAME)  # the challenge: the server took it in
             if i % 4 == 3 and len(self.announcing) < ANNOUNCING:
                 sock.sendall(struct.pack(">I", 64 << 20) + b"\x81" + b"x" * 4000)
                 self.announcing.append(sock)
             else:
-                sock.sendall(struct.pack(">I", protocol.HANDSHAKE_MAX_FRAME) + b"\x81" + b"x" * 3500)
+                sock.sendall(struct.pack(">I", wire.HANDSHAKE_MAX_FRAME) + b"\x81" + b"x" * 3500)
                 self.trickling.append(sock)
         self._thread.start()
         return self

@@ -1,4 +1,4 @@
-"""Unit tests of the coordinator wire protocol: framing, limits, decoding, auth helpers, addresses."""
+"""Unit tests of the wire both servers speak (ckpt._wire): framing, limits, decoding, auth, addresses, handshake."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from collections.abc import Iterator
 import msgpack
 import pytest
 
+from ckpt import _wire as wire
 from ckpt._errors import CkptError, ProtocolError
-from ckpt.coordinator import protocol
 
 
 @pytest.fixture
@@ -27,7 +27,7 @@ def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
     b.close()
 
 
-V = protocol.PROTOCOL_VERSION
+V = wire.PROTOCOL_VERSION
 
 
 def body(obj: object) -> bytes:
@@ -45,29 +45,29 @@ def test_protocol_error_is_a_ckpt_error() -> None:
 
 
 def test_encode_prefixes_a_big_endian_length_and_adds_the_version() -> None:
-    data = protocol.encode({"op": "status", "id": 3})
+    data = wire.encode({"op": "status", "id": 3})
     (length,) = struct.unpack(">I", data[:4])
     assert length == len(data) - 4
-    assert msgpack.unpackb(data[4:], raw=False) == {"v": protocol.PROTOCOL_VERSION, "op": "status", "id": 3}
+    assert msgpack.unpackb(data[4:], raw=False) == {"v": wire.PROTOCOL_VERSION, "op": "status", "id": 3}
 
 
 def test_round_trip_keeps_bytes_strings_and_nesting() -> None:
     message = {"op": "publish", "ns": "ib", "key": "qp/0", "value": {"raw": b"\x00\xff", "list": [1, "a", None]}}
-    decoded = protocol.decode(protocol.encode(message)[4:])
-    assert decoded == {"v": protocol.PROTOCOL_VERSION, **message}
+    decoded = wire.decode(wire.encode(message)[4:])
+    assert decoded == {"v": wire.PROTOCOL_VERSION, **message}
     assert isinstance(decoded["value"]["raw"], bytes)
 
 
 def test_a_message_cannot_override_the_protocol_version() -> None:
     with pytest.raises(ProtocolError, match="protocol version"):
-        protocol.decode(protocol.encode({"op": "x", "v": 99})[4:])
+        wire.decode(wire.encode({"op": "x", "v": 99})[4:])
 
 
 def test_encode_refuses_a_message_over_the_frame_limit(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(protocol, "MAX_FRAME", 64)
-    protocol.encode({"op": "small"})
+    monkeypatch.setattr(wire, "MAX_FRAME", 64)
+    wire.encode({"op": "small"})
     with pytest.raises(ProtocolError, match=r"'big'.*64-byte frame limit"):
-        protocol.encode({"op": "big", "data": b"x" * 100})
+        wire.encode({"op": "big", "data": b"x" * 100})
 
 
 @pytest.mark.parametrize(
@@ -92,7 +92,7 @@ def test_encode_refuses_a_message_over_the_frame_limit(monkeypatch: pytest.Monke
 )
 def test_decode_rejects_malformed_bodies(raw: bytes, match: str) -> None:
     with pytest.raises(ProtocolError, match=match):
-        protocol.decode(raw)
+        wire.decode(raw)
 
 
 def test_decode_of_random_garbage_only_ever_raises_protocol_error() -> None:
@@ -100,21 +100,21 @@ def test_decode_of_random_garbage_only_ever_raises_protocol_error() -> None:
     for _ in range(3000):
         raw = rng.randbytes(rng.randrange(0, 64))
         try:
-            message = protocol.decode(raw)
+            message = wire.decode(raw)
         except ProtocolError:
             continue
-        assert message["v"] == protocol.PROTOCOL_VERSION and isinstance(message["op"], str)
+        assert message["v"] == wire.PROTOCOL_VERSION and isinstance(message["op"], str)
 
 
 def test_decode_of_mutated_valid_frames_only_ever_raises_protocol_error() -> None:
     rng = random.Random(7)
-    valid = protocol.encode({"op": "publish", "ns": "n", "key": "k", "value": [1, 2.5, b"x", {"a": None}]})[4:]
+    valid = wire.encode({"op": "publish", "ns": "n", "key": "k", "value": [1, 2.5, b"x", {"a": None}]})[4:]
     for _ in range(3000):
         mutated = bytearray(valid)
         for _ in range(rng.randrange(1, 4)):
             mutated[rng.randrange(len(mutated))] = rng.randrange(256)
         try:
-            message = protocol.decode(bytes(mutated))
+            message = wire.decode(bytes(mutated))
         except ProtocolError:
             continue
         assert isinstance(message, dict) and isinstance(message["op"], str)
@@ -123,16 +123,16 @@ def test_decode_of_mutated_valid_frames_only_ever_raises_protocol_error() -> Non
 # ----------------------------------------------------------------- recv / send on sockets
 def test_send_and_recv_over_a_socket(pair: tuple[socket.socket, socket.socket]) -> None:
     a, b = pair
-    protocol.send(a, {"op": "one", "n": 1})
-    protocol.send(a, {"op": "two", "payload": b"\x01" * 100_000})
-    assert protocol.recv(b)["op"] == "one"
-    second = protocol.recv(b)
+    wire.send(a, {"op": "one", "n": 1})
+    wire.send(a, {"op": "two", "payload": b"\x01" * 100_000})
+    assert wire.recv(b)["op"] == "one"
+    second = wire.recv(b)
     assert second["op"] == "two" and second["payload"] == b"\x01" * 100_000
 
 
 def test_recv_reassembles_a_frame_sent_one_byte_at_a_time(pair: tuple[socket.socket, socket.socket]) -> None:
     a, b = pair
-    data = protocol.encode({"op": "slow", "value": list(range(50))})
+    data = wire.encode({"op": "slow", "value": list(range(50))})
 
     def trickle() -> None:
         for i in range(len(data)):
@@ -141,7 +141,7 @@ def test_recv_reassembles_a_frame_sent_one_byte_at_a_time(pair: tuple[socket.soc
     writer = threading.Thread(target=trickle)
     writer.start()
     try:
-        assert protocol.recv(b) == {"v": V, "op": "slow", "value": list(range(50))}
+        assert wire.recv(b) == {"v": V, "op": "slow", "value": list(range(50))}
     finally:
         writer.join(5.0)
 
@@ -150,16 +150,16 @@ def test_recv_raises_eof_on_a_clean_close(pair: tuple[socket.socket, socket.sock
     a, b = pair
     a.close()
     with pytest.raises(EOFError):
-        protocol.recv(b)
+        wire.recv(b)
 
 
 def test_recv_raises_eof_when_the_peer_closes_mid_frame(pair: tuple[socket.socket, socket.socket]) -> None:
     a, b = pair
-    data = protocol.encode({"op": "cut", "value": "x" * 100})
+    data = wire.encode({"op": "cut", "value": "x" * 100})
     a.sendall(data[:30])
     a.shutdown(socket.SHUT_WR)
     with pytest.raises(EOFError):
-        protocol.recv(b)
+        wire.recv(b)
 
 
 def test_recv_raises_eof_when_the_peer_closes_inside_the_length(
@@ -169,7 +169,7 @@ def test_recv_raises_eof_when_the_peer_closes_inside_the_length(
     a.sendall(b"\x00\x00")
     a.shutdown(socket.SHUT_WR)
     with pytest.raises(EOFError):
-        protocol.recv(b)
+        wire.recv(b)
 
 
 @pytest.mark.timeout(10)
@@ -178,12 +178,12 @@ def test_recv_refuses_an_oversize_length_before_reading_the_body(
 ) -> None:
     a, b = pair
     # Only the header is sent: reading the body would block (and hit the socket timeout).
-    a.sendall(struct.pack(">I", protocol.MAX_FRAME + 1))
+    a.sendall(struct.pack(">I", wire.MAX_FRAME + 1))
     with pytest.raises(ProtocolError, match="limit"):
-        protocol.recv(b)
+        wire.recv(b)
     a.sendall(struct.pack(">I", 0xFFFFFFFF))
     with pytest.raises(ProtocolError, match="limit"):
-        protocol.recv(b)
+        wire.recv(b)
 
 
 def test_recv_honours_the_frame_limit_exactly(
@@ -191,31 +191,31 @@ def test_recv_honours_the_frame_limit_exactly(
 ) -> None:
     a, b = pair
     ok = body({"v": V, "op": "fits"})
-    monkeypatch.setattr(protocol, "MAX_FRAME", len(ok))
+    monkeypatch.setattr(wire, "MAX_FRAME", len(ok))
     a.sendall(struct.pack(">I", len(ok)) + ok)
-    assert protocol.recv(b)["op"] == "fits"
+    assert wire.recv(b)["op"] == "fits"
     a.sendall(struct.pack(">I", len(ok) + 1))
     with pytest.raises(ProtocolError):
-        protocol.recv(b)
+        wire.recv(b)
 
 
 def test_recv_of_a_zero_length_frame_is_a_protocol_error(pair: tuple[socket.socket, socket.socket]) -> None:
     a, b = pair
     a.sendall(struct.pack(">I", 0))
     with pytest.raises(ProtocolError):
-        protocol.recv(b)
+        wire.recv(b)
 
 
 def test_recv_of_a_non_map_frame_is_a_protocol_error(pair: tuple[socket.socket, socket.socket]) -> None:
     a, b = pair
     a.sendall(frame(["op", "status"]))
     with pytest.raises(ProtocolError, match="not a map"):
-        protocol.recv(b)
+        wire.recv(b)
 
 
 # ----------------------------------------------------------------- authentication helpers
 def test_new_token_is_random_hex() -> None:
-    tokens = {protocol.new_token() for _ in range(20)}
+    tokens = {wire.new_token() for _ in range(20)}
     assert len(tokens) == 20
     for token in tokens:
         assert len(token) == 32
@@ -223,47 +223,47 @@ def test_new_token_is_random_hex() -> None:
 
 
 def test_new_nonce_is_16_random_bytes() -> None:
-    nonces = {protocol.new_nonce() for _ in range(20)}
+    nonces = {wire.new_nonce() for _ in range(20)}
     assert len(nonces) == 20
     assert all(isinstance(n, bytes) and len(n) == 16 for n in nonces)
 
 
 def test_auth_answer_is_an_hmac_that_does_not_contain_the_token() -> None:
-    nonce = protocol.new_nonce()
-    answer = protocol.auth_answer("sekrit", nonce)
-    assert answer == protocol.auth_answer("sekrit", nonce)
+    nonce = wire.new_nonce()
+    answer = wire.auth_answer("sekrit", nonce)
+    assert answer == wire.auth_answer("sekrit", nonce)
     assert len(answer) == 32
     assert b"sekrit" not in answer
-    assert answer != protocol.auth_answer("sekrit", protocol.new_nonce())
-    assert answer != protocol.auth_answer("other", nonce)
+    assert answer != wire.auth_answer("sekrit", wire.new_nonce())
+    assert answer != wire.auth_answer("other", nonce)
 
 
 def test_check_answer_accepts_only_the_right_answer() -> None:
-    nonce = protocol.new_nonce()
-    right = protocol.auth_answer("tok", nonce)
-    assert protocol.check_answer("tok", nonce, right)
-    assert not protocol.check_answer("tok", nonce, protocol.auth_answer("bad", nonce))
-    assert not protocol.check_answer("tok", nonce, protocol.auth_answer("tok", protocol.new_nonce()))
-    assert not protocol.check_answer("tok", nonce, right[:-1])
-    assert not protocol.check_answer("tok", nonce, b"")
+    nonce = wire.new_nonce()
+    right = wire.auth_answer("tok", nonce)
+    assert wire.check_answer("tok", nonce, right)
+    assert not wire.check_answer("tok", nonce, wire.auth_answer("bad", nonce))
+    assert not wire.check_answer("tok", nonce, wire.auth_answer("tok", wire.new_nonce()))
+    assert not wire.check_answer("tok", nonce, right[:-1])
+    assert not wire.check_answer("tok", nonce, b"")
 
 
 @pytest.mark.parametrize("answer", [None, "tok", 0, [1], bytearray(32)])
 def test_check_answer_rejects_non_bytes(answer: object) -> None:
-    assert not protocol.check_answer("tok", protocol.new_nonce(), answer)
+    assert not wire.check_answer("tok", wire.new_nonce(), answer)
 
 
 def test_token_bytes_is_utf8() -> None:
-    assert protocol.token_bytes("jöb") == "jöb".encode()
+    assert wire.token_bytes("jöb") == "jöb".encode()
 
 
 # ----------------------------------------------------------------- require
 def test_require_returns_the_checked_field() -> None:
     message = {"op": "x", "n": 3, "name": "a", "t": 1.5}
-    assert protocol.require(message, "n", int) == 3
-    assert protocol.require(message, "name", str) == "a"
-    assert protocol.require(message, "t", (int, float)) == 1.5
-    assert protocol.require(message, "n", (int, float)) == 3
+    assert wire.require(message, "n", int) == 3
+    assert wire.require(message, "name", str) == "a"
+    assert wire.require(message, "t", (int, float)) == 1.5
+    assert wire.require(message, "n", (int, float)) == 3
 
 
 @pytest.mark.parametrize(
@@ -273,7 +273,7 @@ def test_require_returns_the_checked_field() -> None:
 def test_require_rejects_missing_and_mistyped_fields(key: str, kind: type) -> None:
     message = {"op": "x", "n": 3, "name": "a", "flag": True, "t": 1.5, "none": None}
     with pytest.raises(ProtocolError, match=rf"op 'x': field '{key}'"):
-        protocol.require(message, key, kind)
+        wire.require(message, key, kind)
 
 
 # ----------------------------------------------------------------- addresses
@@ -287,7 +287,7 @@ def test_require_rejects_missing_and_mistyped_fields(key: str, kind: type) -> No
     ],
 )
 def test_parse_address(address: str, expected: tuple[str, int]) -> None:
-    assert protocol.parse_address(address) == expected
+    assert wire.parse_address(address) == expected
 
 
 @pytest.mark.parametrize(
@@ -295,21 +295,23 @@ def test_parse_address(address: str, expected: tuple[str, int]) -> None:
     ["", "host", "host:", ":80", "host:0", "host:65536", "host:abc", "host:-1", "host: 80", "host:8o"],
 )
 def test_parse_address_rejects_bad_addresses_with_a_clear_line(address: str) -> None:
-    with pytest.raises(ProtocolError, match="expected HOST:PORT"):
-        protocol.parse_address(address)
+    with pytest.raises(ProtocolError, match=r"^bad address .*: expected HOST:PORT$"):
+        wire.parse_address(address)
+    with pytest.raises(ProtocolError, match=r"^bad HCA endpoint .*: expected HOST:PORT$"):
+        wire.parse_address(address, "HCA endpoint")
 
 
 def test_parse_address_rejects_non_ascii_digits() -> None:
     with pytest.raises(ProtocolError, match="expected HOST:PORT"):
-        protocol.parse_address("host:²")
+        wire.parse_address("host:²")
 
 
 # ----------------------------------------------------------------- limits and deadlines (issue #11)
 def test_recv_takes_a_smaller_limit_before_authentication(pair: tuple[socket.socket, socket.socket]) -> None:
     a, b = pair
-    a.sendall(struct.pack(">I", protocol.HANDSHAKE_MAX_FRAME + 1))
-    with pytest.raises(ProtocolError, match=f"limit is {protocol.HANDSHAKE_MAX_FRAME}"):
-        protocol.recv(b, limit=protocol.HANDSHAKE_MAX_FRAME)
+    a.sendall(struct.pack(">I", wire.HANDSHAKE_MAX_FRAME + 1))
+    with pytest.raises(ProtocolError, match=f"limit is {wire.HANDSHAKE_MAX_FRAME}"):
+        wire.recv(b, limit=wire.HANDSHAKE_MAX_FRAME)
 
 
 @contextlib.contextmanager
@@ -335,25 +337,25 @@ def _trickling(sock: socket.socket, data: bytes, every: float) -> Iterator[None]
 def test_recv_has_one_deadline_for_the_whole_frame(pair: tuple[socket.socket, socket.socket]) -> None:
     a, b = pair
     # a byte every 0.1 s: each read is quick, the frame is not
-    with _trickling(a, protocol.encode({"op": "slow", "pad": "x" * 100}), 0.1):
+    with _trickling(a, wire.encode({"op": "slow", "pad": "x" * 100}), 0.1):
         with pytest.raises(TimeoutError, match="deadline"):
-            protocol.recv(b, deadline=time.monotonic() + 0.5)
+            wire.recv(b, deadline=time.monotonic() + 0.5)
 
 
 def test_recv_idle_counts_silence_not_frame_time(pair: tuple[socket.socket, socket.socket]) -> None:
     a, b = pair
-    with _trickling(a, protocol.encode({"op": "slow", "pad": "x" * 20}), 0.02):
+    with _trickling(a, wire.encode({"op": "slow", "pad": "x" * 20}), 0.02):
         # ~0.6 s for the frame, never 0.5 s without a byte
-        assert protocol.recv(b, idle=0.5)["op"] == "slow"
+        assert wire.recv(b, idle=0.5)["op"] == "slow"
         with pytest.raises(TimeoutError, match=r"silent for 0\.2 s"):
-            protocol.recv(b, idle=0.2)
+            wire.recv(b, idle=0.2)
 
 
 def test_recv_on_a_socket_closed_by_another_thread_is_an_os_error(pair: tuple[socket.socket, socket.socket]) -> None:
     _, b = pair
     b.close()
     with pytest.raises(OSError):
-        protocol.recv(b, idle=1.0)
+        wire.recv(b, idle=1.0)
 
 
 def test_frame_reader_reassembles_pieces_and_reads_nothing_past_its_frame(
@@ -361,26 +363,26 @@ def test_frame_reader_reassembles_pieces_and_reads_nothing_past_its_frame(
 ) -> None:
     a, b = pair
     b.setblocking(False)
-    reader = protocol.FrameReader()
-    first = protocol.encode({"op": "hello", "n": 1})
+    reader = wire.FrameReader()
+    first = wire.encode({"op": "hello", "n": 1})
     assert reader.read_from(b) is None  # nothing there yet
     for byte in first[:-1]:
         a.sendall(bytes([byte]))
         assert reader.read_from(b) is None
-    a.sendall(first[-1:] + protocol.encode({"op": "next"}))
+    a.sendall(first[-1:] + wire.encode({"op": "next"}))
     assert reader.read_from(b) == {"v": V, "op": "hello", "n": 1}
     b.setblocking(True)
-    assert protocol.recv(b)["op"] == "next"
+    assert wire.recv(b)["op"] == "next"
 
 
-@pytest.mark.parametrize("announced", [protocol.HANDSHAKE_MAX_FRAME + 1, 64 << 20, 0xFFFFFFFF])
+@pytest.mark.parametrize("announced", [wire.HANDSHAKE_MAX_FRAME + 1, 64 << 20, 0xFFFFFFFF])
 def test_frame_reader_refuses_an_oversize_length_from_the_header_alone(
     pair: tuple[socket.socket, socket.socket], announced: int
 ) -> None:
     a, b = pair
     a.sendall(struct.pack(">I", announced))
     with pytest.raises(ProtocolError, match="limit is 4096"):
-        protocol.FrameReader().read_from(b)
+        wire.FrameReader().read_from(b)
 
 
 @pytest.mark.parametrize(
@@ -398,7 +400,7 @@ def test_frame_reader_on_garbage_and_early_closes(
     a, b = pair
     a.sendall(data)
     a.shutdown(socket.SHUT_WR)
-    reader = protocol.FrameReader()
+    reader = wire.FrameReader()
     with pytest.raises(error):
         while reader.read_from(b) is None:
             pass
@@ -406,40 +408,40 @@ def test_frame_reader_on_garbage_and_early_closes(
 
 def test_client_handshake_skips_heartbeats_before_the_answer(pair: tuple[socket.socket, socket.socket]) -> None:
     a, b = pair
-    nonce = protocol.new_nonce()
-    protocol.send(a, {"op": "challenge", "nonce": nonce})
-    protocol.send(a, protocol.HEARTBEAT)  # the server's writer may heartbeat before the welcome goes out
-    protocol.send(a, {"op": "welcome", "job": "j"})
-    answer = protocol.client_handshake(b, "tok", "coordinator", role="rank", then={"op": "join", "rank": 0})
+    nonce = wire.new_nonce()
+    wire.send(a, {"op": "challenge", "nonce": nonce})
+    wire.send(a, wire.HEARTBEAT)  # the server's writer may heartbeat before the welcome goes out
+    wire.send(a, {"op": "welcome", "job": "j"})
+    answer = wire.client_handshake(b, "tok", "coordinator", role="rank", then={"op": "join", "rank": 0})
     assert answer["op"] == "welcome"
-    hello, join = protocol.recv(a), protocol.recv(a)
-    assert hello == {"v": V, "op": "hello", "auth": protocol.auth_answer("tok", nonce), "role": "rank"}
+    hello, join = wire.recv(a), wire.recv(a)
+    assert hello == {"v": V, "op": "hello", "auth": wire.auth_answer("tok", nonce), "role": "rank"}
     assert join == {"v": V, "op": "join", "rank": 0}
 
 
 def test_client_handshake_bounds_the_challenge(pair: tuple[socket.socket, socket.socket]) -> None:
     a, b = pair
-    a.sendall(struct.pack(">I", protocol.HANDSHAKE_MAX_FRAME + 1))
+    a.sendall(struct.pack(">I", wire.HANDSHAKE_MAX_FRAME + 1))
     with pytest.raises(ProtocolError, match="limit"):
-        protocol.client_handshake(b, "tok", "coordinator")
+        wire.client_handshake(b, "tok", "coordinator")
 
 
 def test_client_handshake_has_one_deadline(pair: tuple[socket.socket, socket.socket]) -> None:
     a, b = pair
-    protocol.send(a, {"op": "challenge", "nonce": protocol.new_nonce()})
+    wire.send(a, {"op": "challenge", "nonce": wire.new_nonce()})
     with pytest.raises(TimeoutError):
-        protocol.client_handshake(b, "tok", "coordinator", timeout=0.3)
+        wire.client_handshake(b, "tok", "coordinator", timeout=0.3)
 
 
 # ----------------------------------------------------------------- heartbeat settings
 def test_heartbeat_defaults() -> None:
-    assert protocol.Heartbeat.from_environment({}) == protocol.Heartbeat(1.0, 15.0)
+    assert wire.Heartbeat.from_environment({}) == wire.Heartbeat(1.0, 15.0)
 
 
 def test_heartbeat_from_the_environment() -> None:
     env = {"CKPT_HEARTBEAT_INTERVAL": "0.25", "CKPT_HEARTBEAT_TIMEOUT": " 3 "}
-    assert protocol.Heartbeat.from_environment(env) == protocol.Heartbeat(0.25, 3.0)
-    assert protocol.Heartbeat.from_environment({"CKPT_HEARTBEAT_TIMEOUT": "60"}) == protocol.Heartbeat(1.0, 60.0)
+    assert wire.Heartbeat.from_environment(env) == wire.Heartbeat(0.25, 3.0)
+    assert wire.Heartbeat.from_environment({"CKPT_HEARTBEAT_TIMEOUT": "60"}) == wire.Heartbeat(1.0, 60.0)
 
 
 @pytest.mark.parametrize(
@@ -455,5 +457,5 @@ def test_heartbeat_from_the_environment() -> None:
 )
 def test_bad_heartbeat_settings_are_one_clear_line(env: dict[str, str], match: str) -> None:
     with pytest.raises(ProtocolError, match=match) as caught:
-        protocol.Heartbeat.from_environment(env)
+        wire.Heartbeat.from_environment(env)
     assert "\n" not in str(caught.value)

@@ -1,4 +1,4 @@
-"""Races between the rank runtime and the coordinator's checkpoint protocol.
+"""Races between the rank runtime and the coordinator's checkpoint wire.
 
 Most tests drive an in-process coordinator with raw rank connections, so the
 order in which messages arrive is exactly the order the test sends them: no
@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from ckpt.coordinator import protocol
+from ckpt import _wire as wire
 from ckpt.coordinator.client import CoordinatorClient, control
 from ckpt.coordinator.server import Coordinator
 from ckpt.runtime import images
@@ -40,14 +40,12 @@ class Rank:
     """One rank connection spoken to frame by frame; pushes and replies are kept apart."""
 
     def __init__(self, address: str, rank: int, size: int, **extra: Any) -> None:
-        host, port = protocol.parse_address(address)
+        host, port = wire.parse_address(address)
         self.sock = socket.create_connection((host, port), timeout=WAIT)
-        challenge = protocol.recv(self.sock)
-        protocol.send(
-            self.sock, {"op": "hello", "auth": protocol.auth_answer(TOKEN, challenge["nonce"]), "role": "rank"}
-        )
+        challenge = wire.recv(self.sock)
+        wire.send(self.sock, {"op": "hello", "auth": wire.auth_answer(TOKEN, challenge["nonce"]), "role": "rank"})
         join = {"op": "join", "rank": rank, "size": size, "pid": 1000 + rank, "host": "h", "program": {"name": "p"}}
-        protocol.send(self.sock, {**join, **extra})
+        wire.send(self.sock, {**join, **extra})
         self.welcome = self._next_message()
         assert self.welcome["op"] == "welcome", self.welcome
         self.rank = rank
@@ -57,11 +55,11 @@ class Rank:
 
     def send(self, op: str, **fields: Any) -> int:
         rid = next(self._ids)
-        protocol.send(self.sock, {"op": op, "id": rid, **fields})
+        wire.send(self.sock, {"op": op, "id": rid, **fields})
         return rid
 
     def _next_message(self) -> dict[str, Any]:
-        while (message := protocol.recv(self.sock))["op"] == "heartbeat":
+        while (message := wire.recv(self.sock))["op"] == "heartbeat":
             pass
         return message
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from ckpt import CkptError
-from ckpt.coordinator import protocol
+from ckpt import _wire as wire
 from ckpt.verbs import _subnet, fabric
 from ckpt.verbs.fabric import (
     FabricClient,
@@ -249,19 +249,19 @@ def test_a_wrong_token_is_refused_and_the_fabric_keeps_serving(start_sm: StartSM
 
 def _raw(sm: SubnetManager) -> tuple[socket.socket, bytes]:
     """A plain socket past the SM's challenge: (socket, nonce)."""
-    host, port = protocol.parse_address(sm.address)
+    host, port = wire.parse_address(sm.address)
     sock = socket.create_connection((host, port), timeout=PUSH_TIMEOUT)
-    return sock, protocol.recv(sock)["nonce"]
+    return sock, wire.recv(sock)["nonce"]
 
 
 @pytest.mark.parametrize(
     "data",
     [
-        struct.pack(">I", protocol.HANDSHAKE_MAX_FRAME + 1),  # refused from its length, body or not
-        struct.pack(">I", protocol.MAX_FRAME) + b"x" * 100,
+        struct.pack(">I", wire.HANDSHAKE_MAX_FRAME + 1),  # refused from its length, body or not
+        struct.pack(">I", wire.MAX_FRAME) + b"x" * 100,
         struct.pack(">I", 3) + b"abc",
-        protocol.encode({"op": "register", "guid": 1}),  # a request before the hello
-        protocol.encode({"op": "hello", "auth": b"\x00" * 32}),
+        wire.encode({"op": "register", "guid": 1}),  # a request before the hello
+        wire.encode({"op": "hello", "auth": b"\x00" * 32}),
     ],
 )
 def test_bad_frames_before_authentication_close_that_connection_at_once(
@@ -279,7 +279,7 @@ def test_a_trickled_handshake_hits_one_deadline(start_sm: StartSM, connect: Conn
     sm = start_sm(handshake_timeout=1.0)
     sock, nonce = _raw(sm)
     with sock:
-        hello = protocol.encode({"op": "hello", "auth": protocol.auth_answer(sm.token, nonce)})
+        hello = wire.encode({"op": "hello", "auth": wire.auth_answer(sm.token, nonce)})
         elapsed, _ = trickle_until_closed(sock, hello, pace=0.2)
     assert elapsed <= 3.0
     assert register(connect(sm), 1)["fabric"] == sm.fabric_id

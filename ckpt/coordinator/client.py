@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ckpt import _wire
 from ckpt._errors import CoordinatorError, ProtocolError
 from ckpt._jobdir import JOB_FILE, read_job_file
 from ckpt.coordinator import protocol
@@ -32,7 +33,7 @@ class CoordinatorClient:
         on_push: Callable[[dict[str, Any]], None] | None = None,
         on_lost: Callable[[str], None] | None = None,
         connect_timeout: float = 10.0,
-        heartbeat: protocol.Heartbeat | None = None,
+        heartbeat: _wire.Heartbeat | None = None,
     ) -> None:
         self.address = address
         host, port = _parse(address)
@@ -47,7 +48,7 @@ class CoordinatorClient:
             ) from None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
-            welcome = protocol.client_handshake(
+            welcome = _wire.client_handshake(
                 sock, token, "coordinator", role=None if role is None else str(role), then=join, timeout=connect_timeout
             )
         except TimeoutError:
@@ -68,7 +69,7 @@ class CoordinatorClient:
             raise CoordinatorError(f"the coordinator refused this rank: {welcome.get('error')}")
         self.welcome = welcome
         self._on_push = on_push
-        self._connection = protocol.ClientConnection(
+        self._connection = _wire.ClientConnection(
             sock,
             error=CoordinatorError,
             peer="coordinator",
@@ -83,12 +84,13 @@ class CoordinatorClient:
     # ----------------------------------------------------------- requests
     def call(self, op: str, reply_timeout: float | None = None, **fields: Any) -> dict[str, Any]:
         """Send a request and wait (up to `reply_timeout` s) for its reply; CoordinatorError on an error
-        reply or a lost link."""
-        return self._connection.call(op, reply_timeout, **fields)
+        reply or a lost link (an op the coordinator does not have is one at once: the coordinator would
+        close a connection that sends it)."""
+        return self._connection.call(_known(op), reply_timeout, **fields)
 
     def notify(self, op: str, **fields: Any) -> None:
         """Send a message that has no reply."""
-        self._connection.send({"op": op, **fields})
+        self._connection.send({"op": _known(op), **fields})
 
     def _push(self, message: dict[str, Any]) -> None:
         if self._on_push is not None:
@@ -98,18 +100,24 @@ class CoordinatorClient:
         self._connection.close()
 
 
-def _heartbeat(given: protocol.Heartbeat | None) -> protocol.Heartbeat:
+def _known(op: str) -> str:
+    if op not in protocol.OPS:
+        raise CoordinatorError(f"the coordinator has no operation {op!r} (it has: {', '.join(sorted(protocol.OPS))})")
+    return op
+
+
+def _heartbeat(given: _wire.Heartbeat | None) -> _wire.Heartbeat:
     if given is not None:
         return given
     try:
-        return protocol.Heartbeat.from_environment()
+        return _wire.Heartbeat.from_environment()
     except ProtocolError as exc:
         raise CoordinatorError(str(exc)) from None
 
 
 def _parse(address: str) -> tuple[str, int]:
     try:
-        return protocol.parse_address(address)
+        return _wire.parse_address(address, "coordinator address")
     except ProtocolError as exc:
         raise CoordinatorError(str(exc)) from None
 

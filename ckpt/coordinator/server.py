@@ -1,18 +1,18 @@
 """The coordinator's TCP server: accepts ranks and control clients and dispatches their requests."""
 
-# Connections are authenticated by one handshake gate thread (_connections.py):
-# until a peer has answered the challenge it has no thread and no buffer of its
-# own.  An authenticated connection gets a reader thread, which parses frames
-# (protocol.recv) and handles each request under the coordinator's single lock;
-# requests that must wait (barriers, collectives, subscribe, checkpoint --wait)
-# register a reply callback with the Job or the key-value store and return at
-# once, so a rank's checkpoint thread and its program thread can both have
-# requests outstanding on the one connection.  Replies and pushes go through a
-# per-connection outbox drained by a writer thread, so a client that stops
-# reading can never block the coordinator while it holds its lock.  The writer
-# sends a heartbeat when it has been idle for the heartbeat interval, and the
-# reader treats a peer silent for the heartbeat timeout as lost: a stopped or
-# partitioned rank fails the job instead of hanging it.
+# The accept loop, the handshake gate, the per-connection reader and writer
+# threads, heartbeats and the graceful stop are the server base's
+# (ckpt._server), shared with the subnet manager.  What is the coordinator's
+# own: a rank first says who it is ("join"), each request is parsed into its
+# typed form (protocol.parse_request) and handled under the coordinator's
+# single lock, and a lost rank fails the job.  Requests that must wait
+# (barriers, collectives, subscribe, checkpoint --wait) register a reply
+# callback with the Job or the key-value store and return at once, so a rank's
+# checkpoint thread and its program thread can both have requests outstanding
+# on the one connection.  Replies and pushes go through the connection's
+# outbox, so a client that stops reading can never block the coordinator while
+# it holds its lock; a peer silent for the heartbeat timeout is lost, so a
+# stopped or partitioned rank fails the job instead of hanging it.
 
 from __future__ import annotations
 
@@ -20,30 +20,28 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from ckpt import _wire
 from ckpt._errors import CkptError, CoordinatorError, ProtocolError
+from ckpt._server import PeerConnection, Server
 from ckpt.coordinator import protocol
-from ckpt.coordinator._connections import HandshakeGate, PeerConnection
 from ckpt.coordinator._scheduler import Scheduler, Timer
 from ckpt.coordinator.job import Job, JobSettings
 from ckpt.coordinator.kvstore import Reply
 
 log = logging.getLogger(__name__)
 
-_MAX_SUBSCRIBE_TIMEOUT = 7 * 24 * 3600.0
-#: How long stop() lets the writers send what was posted (the answer to a `checkpoint --kill` ...).
-_FLUSH_ON_STOP = 5.0
-
 
 class _Connection(PeerConnection):
-    def __init__(self, sock: socket.socket, peer: str, role: str, heartbeat: protocol.Heartbeat) -> None:
+    def __init__(self, sock: socket.socket, peer: str, role: str, heartbeat: _wire.Heartbeat) -> None:
         super().__init__(sock, peer, thread_name=f"ckpt-coord-w-{peer}", heartbeat_interval=heartbeat.interval)
         self.role = role
         self.rank = -1
 
-    def reply_to(self, rid: Any) -> Reply:
+    def reply_to(self, rid: int | None) -> Reply:
         def reply(payload: dict[str, Any]) -> None:
             try:
                 self.post({"op": "reply", "id": rid, **payload})
@@ -53,7 +51,7 @@ class _Connection(PeerConnection):
         return reply
 
 
-class Coordinator:
+class Coordinator(Server[_Connection]):
     """A coordinator serving one job (or, with `serve_forever`, one job after another)."""
 
     def __init__(
@@ -69,21 +67,25 @@ class Coordinator:
         serve_forever: bool = False,
         job_id: str = "",
         recorded_phase_timeout: float | None = None,
-        heartbeat: protocol.Heartbeat | None = None,
-        handshake_timeout: float = protocol.HANDSHAKE_TIMEOUT,
+        heartbeat: _wire.Heartbeat | None = None,
+        handshake_timeout: float = _wire.HANDSHAKE_TIMEOUT,
     ) -> None:
-        self._lock = threading.RLock()
-        self._token = token
-        self._serve_forever = serve_forever
         try:
-            self._heartbeat = heartbeat or protocol.Heartbeat.from_environment()
+            beat = heartbeat or _wire.Heartbeat.from_environment()
         except ProtocolError as exc:
             raise CoordinatorError(str(exc)) from None
+        lock = threading.RLock()
+        super().__init__(
+            token, name="ckpt-coord", what="coordinator", lock=lock, heartbeat=beat,
+            handshake_timeout=handshake_timeout,
+        )  # fmt: skip
+        self._heartbeat_of_peers = beat
+        self._serve_forever = serve_forever
         self.ended = threading.Event()
-        sock = _listen(host, port)
-        bound_host, bound_port = sock.getsockname()[:2]
-        self.address = f"{bound_host}:{bound_port}"
-        self._gate = HandshakeGate(sock, token, self._admit, name="ckpt-coord-gate", timeout=handshake_timeout)
+        try:
+            self._bind(host, port)
+        except OSError as exc:
+            raise CoordinatorError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
         self._settings = JobSettings(
             token=token,
             ckpt_dir=Path(ckpt_dir).resolve(),
@@ -94,12 +96,10 @@ class Coordinator:
             job_id=job_id,
             recorded_phase_timeout=recorded_phase_timeout,
         )
-        self._scheduler = Scheduler(self._lock)
+        self._scheduler = Scheduler(lock)
         self._kv_timer: Timer | None = None
-        self._connections: set[_Connection] = set()
         self._ranks: dict[int, _Connection] = {}
         self.job = self._new_job()
-        self._stopped = False
 
     def _new_job(self) -> Job:
         job = Job(self._settings, self._push, self._scheduler)
@@ -107,22 +107,11 @@ class Coordinator:
         return job
 
     def start(self) -> Coordinator:
-        self._gate.start()
+        self._serve_in_background()
         return self
 
-    def stop(self) -> None:
-        """Stop accepting, let each connection send what was posted to it (at most a few seconds), close."""
-        self._gate.stop()
-        with self._lock:
-            self._stopped = True
-            connections = list(self._connections)
-            for conn in connections:
-                conn.close()
+    def _stopping(self) -> None:
         self._scheduler.stop()
-        deadline = time.monotonic() + _FLUSH_ON_STOP
-        for conn in connections:
-            conn.flushed(max(0.0, deadline - time.monotonic()))
-            conn.abort()
 
     @property
     def outcome(self) -> dict[str, Any] | None:
@@ -161,75 +150,43 @@ class Coordinator:
         if conn is not None:
             conn.post(message)
 
-    # ----------------------------------------------------------- connections
-    def _admit(self, sock: socket.socket, peer: str, hello: dict[str, Any]) -> None:
-        """On the gate's thread: `hello` verified; give the connection its writer and reader threads."""
-        role = protocol.require(hello, "role", str)
-        if role not in ("control", "rank"):
+    # ----------------------------------------------------------- connections (the server base's hooks)
+    def _connection(self, sock: socket.socket, peer: str, hello: _wire.Message) -> _Connection:
+        role = _wire.require(hello, "role", str)
+        if role not in protocol.ROLES:
             raise ProtocolError(f"unknown role {role!r}")
-        conn = _Connection(sock, peer, role, self._heartbeat)
-        threading.Thread(target=self._serve, args=(conn,), name=f"ckpt-coord-r-{peer}", daemon=True).start()
+        return _Connection(sock, peer, role, self._heartbeat_of_peers)
 
-    def _serve(self, conn: _Connection) -> None:
-        silent = ""
-        timeout = self._heartbeat.timeout
+    def _greet(self, conn: _Connection) -> _wire.Message | None:
+        """A rank first says who it is in a "join" frame; a control client says nothing."""
+        if conn.role != protocol.ROLE_RANK:
+            return None
+        join = _wire.recv(conn.sock, idle=self._heartbeat_of_peers.timeout)
+        protocol.parse_join(join)
+        return join
+
+    def _welcome(self, conn: _Connection, greeting: _wire.Message | None) -> None:
+        if greeting is None:
+            conn.post({"op": "welcome", "job": self.job.job_id, "address": self.address})
+            return
         try:
-            self._welcome(conn)
-            while True:
-                message = protocol.recv(conn.sock, idle=timeout)
-                if message["op"] == "heartbeat":
-                    continue
-                with self._lock:
-                    self._dispatch(conn, message)
-        except TimeoutError:
-            silent = f"no word from it for {timeout:g} s"
-            log.warning("closing connection from %s (%s): %s", conn.peer, self._who(conn), silent)
-        except (EOFError, OSError):
-            pass
-        except ProtocolError as exc:
-            log.warning("closing connection from %s: %s", conn.peer, exc)
-        except Exception:  # a bug must cost one connection, never the coordinator
-            log.exception("closing connection from %s after an internal error", conn.peer)
-        finally:
-            with self._lock:
-                self._connections.discard(conn)
-                if conn.role == "rank" and self._ranks.get(conn.rank) is conn:
-                    del self._ranks[conn.rank]
-                    self.job.rank_lost(conn.rank, silent)
-                    self._maybe_next_job()
-            # What was posted (a refusal, a last reply) still goes out, unless the peer does not read it.
-            conn.close()
-            conn.flushed(0.0 if silent else timeout)
-            conn.abort()
+            welcome = self.job.join(greeting)
+        except (CkptError, KeyError, ValueError, TypeError, AttributeError) as exc:
+            conn.post({"op": "refused", "error": str(exc)})
+            raise EOFError from None
+        conn.rank = int(greeting["rank"])
+        self._ranks[conn.rank] = conn
+        conn.post({"op": "welcome", **welcome})
+        self.job.joined()
 
     def _who(self, conn: _Connection) -> str:
-        return f"rank {conn.rank}" if conn.rank >= 0 else f"a {conn.role} client"
+        return f"{conn.peer} ({f'rank {conn.rank}' if conn.rank >= 0 else f'a {conn.role} client'})"
 
-    def _welcome(self, conn: _Connection) -> None:
-        """A control client is welcome at once; a rank first says who it is in a "join" frame."""
-        join: dict[str, Any] = {}
-        if conn.role == "rank":
-            join = protocol.recv(conn.sock, idle=self._heartbeat.timeout)
-            if join["op"] != "join":
-                raise ProtocolError(f"expected the rank's join, got {join['op']!r}")
-            protocol.require(join, "rank", int)
-            protocol.require(join, "size", int)
-        with self._lock:
-            if self._stopped:
-                raise EOFError
-            self._connections.add(conn)
-            if conn.role == "control":
-                conn.post({"op": "welcome", "job": self.job.job_id, "address": self.address})
-                return
-            try:
-                welcome = self.job.join(join)
-            except (CkptError, KeyError, ValueError, TypeError, AttributeError) as exc:
-                conn.post({"op": "refused", "error": str(exc)})
-                raise EOFError from None
-            conn.rank = int(join["rank"])
-            self._ranks[conn.rank] = conn
-            conn.post({"op": "welcome", **welcome})
-            self.job.joined()
+    def _lost(self, conn: _Connection, silent: str) -> None:
+        if conn.role == protocol.ROLE_RANK and self._ranks.get(conn.rank) is conn:
+            del self._ranks[conn.rank]
+            self.job.rank_lost(conn.rank, silent)
+            self._maybe_next_job()
 
     def _maybe_next_job(self) -> None:
         if self._serve_forever and self.job.outcome is not None and not self._ranks:
@@ -238,49 +195,45 @@ class Coordinator:
             self.ended.clear()
 
     # ----------------------------------------------------------- requests
-    def _dispatch(self, conn: _Connection, message: dict[str, Any]) -> None:
-        op = message["op"]
-        reply = conn.reply_to(message.get("id"))
-        handler = _CONTROL_OPS.get(op) if conn.role == "control" else _RANK_OPS.get(op) or _CONTROL_OPS.get(op)
-        if handler is None:
-            raise ProtocolError(f"unknown op {op!r} for a {conn.role} connection")
-        handler(self, conn, message, reply)
+    def _handle(self, conn: _Connection, message: _wire.Message) -> bool:
+        """Parse, then handle under the lock; a malformed request is answered with its error, then the
+        connection closes (ProtocolError), and nothing else is touched."""
+        try:
+            request = protocol.parse_request(message, conn.role)
+        except ProtocolError as exc:
+            rid = message.get("id")
+            if isinstance(rid, int) and not isinstance(rid, bool):
+                conn.post({"op": "reply", "id": rid, "error": f"the coordinator refused the request: {exc}"})
+            raise
+        with self._lock:
+            _HANDLERS[type(request)](self, conn, request, conn.reply_to(request.id))
+        return False
 
-    def _op_status(self, conn: _Connection, message: dict[str, Any], reply: Reply) -> None:
+    def _op_status(self, conn: _Connection, request: protocol.Status, reply: Reply) -> None:
         reply({"status": self.job.status()})
 
-    def _op_checkpoint(self, conn: _Connection, message: dict[str, Any], reply: Reply) -> None:
-        wait = bool(message.get("wait"))
-        answer = self.job.request_checkpoint(kill=bool(message.get("kill")), waiter=reply if wait else None)
-        if not wait or "error" in answer:
+    def _op_checkpoint(self, conn: _Connection, request: protocol.Checkpoint, reply: Reply) -> None:
+        answer = self.job.request_checkpoint(kill=request.kill, waiter=reply if request.wait else None)
+        if not request.wait or "error" in answer:
             reply(answer)
 
-    def _op_kill(self, conn: _Connection, message: dict[str, Any], reply: Reply) -> None:
-        self.job.kill(str(message.get("reason") or "killed on request (ckpt kill)"))
+    def _op_kill(self, conn: _Connection, request: protocol.Kill, reply: Reply) -> None:
+        self.job.kill(request.reason or "killed on request (ckpt kill)")
         reply({})
 
-    def _op_publish(self, conn: _Connection, message: dict[str, Any], reply: Reply) -> None:
-        ns, key = protocol.require(message, "ns", str), protocol.require(message, "key", str)
-        self.job.kv.publish(ns, key, message.get("value"))
+    def _op_publish(self, conn: _Connection, request: protocol.Publish, reply: Reply) -> None:
+        self.job.kv.publish(request.ns, request.key, request.value)
         reply({})
 
-    def _op_get(self, conn: _Connection, message: dict[str, Any], reply: Reply) -> None:
-        found, value = self.job.kv.get(protocol.require(message, "ns", str), protocol.require(message, "key", str))
+    def _op_get(self, conn: _Connection, request: protocol.Get, reply: Reply) -> None:
+        found, value = self.job.kv.get(request.ns, request.key)
         reply({"found": found, "value": value})
 
-    def _op_subscribe(self, conn: _Connection, message: dict[str, Any], reply: Reply) -> None:
-        timeout = float(protocol.require(message, "timeout", (int, float)))
-        if not 0 <= timeout <= _MAX_SUBSCRIBE_TIMEOUT:
-            raise ProtocolError(f"subscribe timeout {timeout} outside 0..{_MAX_SUBSCRIBE_TIMEOUT} s")
+    def _op_subscribe(self, conn: _Connection, request: protocol.Subscribe, reply: Reply) -> None:
         self.job.kv.subscribe(
-            protocol.require(message, "ns", str),
-            protocol.require(message, "key", str),
-            prefix=bool(message.get("prefix")),
-            count=protocol.require(message, "count", int) if "count" in message else 1,
-            timeout=timeout,
-            reply=reply,
+            request.ns, request.key, prefix=request.prefix, count=request.count, timeout=request.timeout, reply=reply
         )
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + request.timeout
         if self._kv_timer is None or self._kv_timer.cancelled or deadline < self._kv_timer.when:
             if self._kv_timer:
                 self._kv_timer.cancel()
@@ -292,90 +245,54 @@ class Coordinator:
         if upcoming is not None:
             self._kv_timer = self._scheduler.call_at(upcoming, self._expire_subscribers)
 
-    def _op_atomic(self, conn: _Connection, message: dict[str, Any], reply: Reply) -> None:
+    def _op_atomic(self, conn: _Connection, request: protocol.Atomic, reply: Reply) -> None:
         try:
-            value = self.job.kv.atomic(
-                protocol.require(message, "kind", str),
-                protocol.require(message, "ns", str),
-                protocol.require(message, "key", str),
-                protocol.require(message, "operand", int),
-            )
+            value = self.job.kv.atomic(request.kind, request.ns, request.key, request.operand)
         except ValueError as exc:
             reply({"error": str(exc)})
             return
         reply({"value": value})
 
-    def _op_alloc_ids(self, conn: _Connection, message: dict[str, Any], reply: Reply) -> None:
-        count = protocol.require(message, "count", int)
-        if count < 1:
-            raise ProtocolError("alloc_ids: count must be positive")
-        reply({"first": self.job.kv.allocate_ids(protocol.require(message, "ns", str), count)})
+    def _op_alloc_ids(self, conn: _Connection, request: protocol.AllocIds, reply: Reply) -> None:
+        reply({"first": self.job.kv.allocate_ids(request.ns, request.count)})
 
-    def _op_collective(self, conn: _Connection, message: dict[str, Any], reply: Reply) -> None:
-        self.job.collective(
-            conn.rank,
-            protocol.require(message, "seq", int),
-            protocol.require(message, "kind", str),
-            protocol.require(message, "step", int),
-            message.get("data"),
-            reply,
-        )
+    def _op_collective(self, conn: _Connection, request: protocol.Collective, reply: Reply) -> None:
+        self.job.collective(conn.rank, request.seq, request.kind, request.step, request.data, reply)
 
-    def _op_barrier(self, conn: _Connection, message: dict[str, Any], reply: Reply) -> None:
-        self.job.barrier(conn.rank, protocol.require(message, "name", str), message.get("value"), reply)
+    def _op_barrier(self, conn: _Connection, request: protocol.Barrier, reply: Reply) -> None:
+        self.job.barrier(conn.rank, request.name, request.value, reply)
 
-    def _op_step(self, conn: _Connection, message: dict[str, Any], reply: Reply) -> None:
-        self.job.ranks[conn.rank].step = protocol.require(message, "step", int)
+    def _op_step(self, conn: _Connection, request: protocol.Step, reply: Reply) -> None:
+        self.job.ranks[conn.rank].step = request.step
 
-    def _op_finished(self, conn: _Connection, message: dict[str, Any], reply: Reply) -> None:
-        result = message.get("result")
-        self.job.finished(conn.rank, None if result is None else str(result), protocol.require(message, "step", int))
+    def _op_finished(self, conn: _Connection, request: protocol.Finished, reply: Reply) -> None:
+        result = None if request.result is None else str(request.result)
+        self.job.finished(conn.rank, result, request.step)
         reply({})
 
-    def _op_abort_checkpoint(self, conn: _Connection, message: dict[str, Any], reply: Reply) -> None:
-        self.job.abort_checkpoint(protocol.require(message, "number", int), str(message.get("reason")))
+    def _op_abort_checkpoint(self, conn: _Connection, request: protocol.AbortCheckpoint, reply: Reply) -> None:
+        self.job.abort_checkpoint(request.number, request.reason)
         reply({})
 
-    def _op_progress(self, conn: _Connection, message: dict[str, Any], reply: Reply) -> None:
-        done, total = protocol.require(message, "done", int), protocol.require(message, "total", int)
-        self.job.progress[conn.rank] = (done, total)
+    def _op_progress(self, conn: _Connection, request: protocol.Progress, reply: Reply) -> None:
+        self.job.progress[conn.rank] = (request.done, request.total)
 
-    def _op_fatal(self, conn: _Connection, message: dict[str, Any], reply: Reply) -> None:
+    def _op_fatal(self, conn: _Connection, request: protocol.Fatal, reply: Reply) -> None:
         if self.job.outcome is None:
             self.job.ranks[conn.rank].state = "failed"
-        self.job.fail(f"rank {conn.rank} failed: {message.get('error')}", detail=str(message.get("traceback") or ""))
+        self.job.fail(f"rank {conn.rank} failed: {request.error}", detail=request.traceback)
         reply({})
 
 
-_RANK_OPS = {
-    "publish": Coordinator._op_publish,
-    "get": Coordinator._op_get,
-    "subscribe": Coordinator._op_subscribe,
-    "atomic": Coordinator._op_atomic,
-    "alloc_ids": Coordinator._op_alloc_ids,
-    "collective": Coordinator._op_collective,
-    "barrier": Coordinator._op_barrier,
-    "step": Coordinator._op_step,
-    "finished": Coordinator._op_finished,
-    "fatal": Coordinator._op_fatal,
-    "abort_checkpoint": Coordinator._op_abort_checkpoint,
-    "progress": Coordinator._op_progress,
-}
-_CONTROL_OPS = {
-    "status": Coordinator._op_status,
-    "checkpoint": Coordinator._op_checkpoint,
-    "kill": Coordinator._op_kill,
-}
+_Handler = Callable[[Coordinator, _Connection, Any, Reply], None]
 
 
-def _listen(host: str, port: int) -> socket.socket:
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        family, _, _, _, sockaddr = infos[0]
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(sockaddr)
-        sock.listen(128)
-    except OSError as exc:
-        raise CoordinatorError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-    return sock
+def _handlers() -> Mapping[type[protocol.Request], _Handler]:
+    """The dispatch table, derived from protocol.Op: each op's handler is Coordinator._op_<op>."""
+    missing = [op.value for op in protocol.Op if not hasattr(Coordinator, f"_op_{op.value}")]
+    if missing:
+        raise AssertionError(f"coordinator operations without a handler: {', '.join(missing)}")
+    return {kind: getattr(Coordinator, f"_op_{op.value}") for op, kind in protocol.REQUESTS.items()}
+
+
+_HANDLERS = _handlers()

@@ -19,11 +19,11 @@
 # * the link model (latency, bandwidth) is the fabric's, handed to each HCA at
 #   registration, so every process of a job simulates the same network.
 #
-# The framing and the challenge/response authentication are the coordinator's
-# (ckpt.coordinator.protocol), and so are the handshake gate and the outbox of
-# an authenticated peer (ckpt.coordinator._connections); each fabric has a
-# token of its own.  Fabric connections carry no heartbeats: an HCA's
-# registration lives exactly as long as its TCP connection.
+# The framing and the challenge/response authentication are ckpt._wire's, and
+# the accept loop, handshake gate, outboxes and graceful stop are the server
+# base's (ckpt._server), shared with the coordinator; each fabric has a token
+# of its own.  Fabric connections carry no heartbeats: an HCA's registration
+# lives exactly as long as its TCP connection.
 
 from __future__ import annotations
 
@@ -37,9 +37,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, final
 
+from ckpt import _wire
 from ckpt._errors import CkptError, ProtocolError
-from ckpt.coordinator import protocol
-from ckpt.coordinator._connections import HandshakeGate, PeerConnection
+from ckpt._server import PeerConnection, Server
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ _Handler = Callable[["SubnetManager", _Connection, dict[str, Any]], dict[str, An
 
 
 @final
-class SubnetManager:
+class SubnetManager(Server[_Connection]):
     """The fabric's SM: LID assignment, routing table, link states and fault injection, over TCP."""
 
     def __init__(
@@ -143,62 +143,43 @@ class SubnetManager:
         token: str | None = None,
         link_model: LinkModel = LinkModel(),
         *,
-        handshake_timeout: float = protocol.HANDSHAKE_TIMEOUT,
+        handshake_timeout: float = _wire.HANDSHAKE_TIMEOUT,
     ) -> None:
+        super().__init__(
+            token or _wire.new_token(), name="ckpt-sm", what="subnet manager", lock=threading.Lock(), heartbeat=None,
+            handshake_timeout=handshake_timeout, refusal="authentication failed",
+        )  # fmt: skip
         self.host = host
         self.port = port
-        self.token = token or protocol.new_token()
         self.link_model = link_model
-        self._handshake_timeout = handshake_timeout
         self.fabric_id = uuid.uuid4().hex[:12]
-        self.address = ""
-        self._lock = threading.Lock()
+        self._started = False
         self._lids = _LidAllocator(random.SystemRandom())
         self.sm_lid = self._lids.allocate()
         self._routes: dict[int, _Route] = {}
-        self._connections: set[_Connection] = set()
-        self._gate: HandshakeGate | None = None
-        self._stopped = threading.Event()
-        self._down = threading.Event()  # set by stop() last, once the posted frames have left: what wait() waits for
         self._counts = dict.fromkeys(("registered", "lost", "resolves", "failed", "restored"), 0)
 
     def start(self) -> SubnetManager:
         """Bind and serve in daemon threads; FabricError with one clear line if the address is taken."""
-        if self._gate is not None:
+        if self._started:
             raise FabricError(f"the subnet manager of fabric {self.fabric_id} is already started")
-        sock = _listen(self.host, self.port)
-        bound_host, bound_port = sock.getsockname()[:2]
-        self.address = f"{bound_host}:{bound_port}"
-        self._gate = HandshakeGate(
-            sock,
-            self.token,
-            self._admit,
-            name="ckpt-sm-gate",
-            timeout=self._handshake_timeout,
-            refusal="authentication failed",
-        ).start()
+        try:
+            self._bind(self.host, self.port)
+        except OSError as exc:
+            raise FabricError(
+                f"cannot start a subnet manager on {self.host}:{self.port}: {exc.strerror or exc}"
+            ) from None
+        self._started = True
+        self._serve_in_background()
         log.info("subnet manager of fabric %s listening on %s (SM LID %d)", self.fabric_id, self.address, self.sm_lid)
         return self
 
     def stop(self) -> None:
-        """Close every connection and stop listening (HCAs see the SM go away; no LID changes are pushed)."""
-        with self._lock:
-            if self._stopped.is_set():
-                return
-            self._stopped.set()
-            connections, self._connections = self._connections, set()
-        if self._gate is not None:
-            self._gate.stop()
-        for conn in connections:
-            conn.close()
-        for conn in connections:  # the reply to `stop` must leave before the process that waits may exit
-            conn.flushed(timeout=5.0)
-        self._down.set()
-        log.info("subnet manager of fabric %s stopped", self.fabric_id)
+        """Close every connection and stop listening (HCAs see the SM go away; no LID changes are pushed).
 
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until the SM has stopped (stop(), or a `stop` request); False on timeout."""
-        return self._down.wait(timeout)
+        The reply to a `stop` request leaves before this returns, and before wait() does."""
+        super().stop()
+        log.info("subnet manager of fabric %s stopped", self.fabric_id)
 
     def fail_link(self, lid: int) -> None:
         """Take the link of `lid` down, as if its cable were pulled; every HCA is told."""
@@ -264,49 +245,28 @@ class SubnetManager:
             if conn.hcas and conn is not skip:
                 conn.post(message)
 
-    # ----------------------------------------------------------- connections
-    def _admit(self, sock: socket.socket, peer: str, hello: dict[str, Any]) -> None:
-        """On the gate's thread: `hello` verified; give the connection its writer and reader threads."""
-        conn = _Connection(sock, peer)
-        with self._lock:
-            if self._stopped.is_set():
-                conn.post({"op": "refused", "error": "the subnet manager is stopping"})
-                conn.close()
-                return
-            self._connections.add(conn)
-            conn.post({"op": "welcome", "fabric": self.fabric_id, "sm_lid": self.sm_lid})
-        threading.Thread(target=self._serve, args=(conn,), name=f"ckpt-sm-r-{peer}", daemon=True).start()
+    # ----------------------------------------------------------- connections (the server base's hooks)
+    def _connection(self, sock: socket.socket, peer: str, hello: _wire.Message) -> _Connection:
+        return _Connection(sock, peer)
 
-    def _serve(self, conn: _Connection) -> None:
-        try:
-            while True:
-                message = protocol.recv(conn.sock)
-                if self._dispatch(conn, message):
-                    self.stop()
-                    return
-        except (EOFError, OSError):
-            pass
-        except ProtocolError as exc:
-            log.warning("fabric %s: closing connection from %s: %s", self.fabric_id, conn.peer, exc)
-        except Exception:  # a bug must cost one connection, never the fabric
-            log.exception("fabric %s: closing connection from %s after an internal error", self.fabric_id, conn.peer)
-        conn.abort()
-        self._forget(conn)
+    def _welcome(self, conn: _Connection, greeting: _wire.Message | None) -> None:
+        conn.post({"op": "welcome", "fabric": self.fabric_id, "sm_lid": self.sm_lid})
 
-    def _forget(self, conn: _Connection) -> None:
+    def _lost(self, conn: _Connection, silent: str) -> None:
         """A connection closed: its HCAs leave the fabric and everyone sees their links go down."""
-        with self._lock:
-            self._connections.discard(conn)
-            if self._stopped.is_set():
-                return
-            for hca in conn.hcas:
-                self._counts["lost"] += 1
-                log.info("fabric %s: HCA %s of pid %d left; LIDs %s removed", self.fabric_id, hca.name, hca.pid,
-                         hca.lids)  # fmt: skip
-                for lid in hca.lids:
-                    route = self._routes.pop(lid)
-                    if route.up:
-                        self._broadcast({"op": "link", "lid": lid, "up": False})
+        if self.stopped:
+            return
+        for hca in conn.hcas:
+            self._counts["lost"] += 1
+            log.info("fabric %s: HCA %s of pid %d left; LIDs %s removed", self.fabric_id, hca.name, hca.pid,
+                     hca.lids)  # fmt: skip
+            for lid in hca.lids:
+                route = self._routes.pop(lid)
+                if route.up:
+                    self._broadcast({"op": "link", "lid": lid, "up": False})
+
+    def _handle(self, conn: _Connection, message: _wire.Message) -> bool:
+        return self._dispatch(conn, message)
 
     def _dispatch(self, conn: _Connection, message: dict[str, Any]) -> bool:
         """Handle one request; True when it asked the SM to stop."""
@@ -324,10 +284,10 @@ class SubnetManager:
 
     # ----------------------------------------------------------- requests (under the lock)
     def _op_register(self, conn: _Connection, message: dict[str, Any]) -> dict[str, Any]:
-        guid = protocol.require(message, "guid", int)
-        endpoint = protocol.require(message, "endpoint", str)
+        guid = _wire.require(message, "guid", int)
+        endpoint = _wire.require(message, "endpoint", str)
         try:
-            protocol.parse_address(endpoint)
+            _wire.parse_address(endpoint)
         except ProtocolError:
             raise FabricError(f"bad HCA endpoint {endpoint!r}: expected HOST:PORT") from None
         for route in self._routes.values():
@@ -335,10 +295,10 @@ class SubnetManager:
                 raise FabricError(f"GUID {guid:#x} is already registered ({route.hca.name} of pid {route.hca.pid})")
         hca = _Hca(
             guid=guid,
-            name=protocol.require(message, "name", str),
+            name=_wire.require(message, "name", str),
             endpoint=endpoint,
-            host=protocol.require(message, "host", str),
-            pid=protocol.require(message, "pid", int),
+            host=_wire.require(message, "host", str),
+            pid=_wire.require(message, "pid", int),
             conn=conn,
         )
         hca.lids = [self._lids.allocate() for _ in range(PORTS_PER_HCA)]
@@ -358,7 +318,7 @@ class SubnetManager:
         }
 
     def _op_resolve(self, conn: _Connection, message: dict[str, Any]) -> dict[str, Any]:
-        route = self._routes.get(protocol.require(message, "lid", int))
+        route = self._routes.get(_wire.require(message, "lid", int))
         self._counts["resolves"] += 1
         if route is None:
             return {"endpoint": None, "port": None, "up": False}
@@ -373,11 +333,11 @@ class SubnetManager:
         }
 
     def _op_fail_link(self, conn: _Connection, message: dict[str, Any]) -> dict[str, Any]:
-        self._set_link(protocol.require(message, "lid", int), False)
+        self._set_link(_wire.require(message, "lid", int), False)
         return {"ok": True}
 
     def _op_restore_link(self, conn: _Connection, message: dict[str, Any]) -> dict[str, Any]:
-        self._set_link(protocol.require(message, "lid", int), True)
+        self._set_link(_wire.require(message, "lid", int), True)
         return {"ok": True}
 
     def _op_status(self, conn: _Connection, message: dict[str, Any]) -> dict[str, Any]:
@@ -396,15 +356,3 @@ _OPS: dict[str, _Handler] = {
     "status": SubnetManager._op_status,
     "stop": SubnetManager._op_stop,
 }
-
-
-def _listen(host: str, port: int) -> socket.socket:
-    try:
-        family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(sockaddr)
-        sock.listen(128)
-    except OSError as exc:
-        raise FabricError(f"cannot start a subnet manager on {host}:{port}: {exc.strerror or exc}") from None
-    return sock

@@ -15,8 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, final
 
+from ckpt import _wire as protocol
 from ckpt._errors import ProtocolError
-from ckpt.coordinator import protocol
 from ckpt.verbs._subnet import (
     MAX_UNICAST_LID,
     PORTS_PER_HCA,

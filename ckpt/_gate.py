@@ -1,4 +1,4 @@
-"""What the coordinator's and the subnet manager's servers share: the handshake gate and the authenticated peer."""
+"""The handshake gate: one thread that accepts connections and authenticates them before they cost anything."""
 
 # Why a gate: whoever can reach a server's port can open connections, and until
 # a connection has answered the challenge it must cost the server almost
@@ -8,7 +8,7 @@
 #
 # The algorithm: one selector thread owns the listening socket and every
 # connection that has not authenticated yet.  It accepts, sends the challenge,
-# and reads the hello with a protocol.FrameReader, which never buffers more
+# and reads the hello with a _wire.FrameReader, which never buffers more
 # than HANDSHAKE_MAX_FRAME bytes and refuses a longer frame from its length
 # alone.  Every handshake gets the same timeout from its accept, so deadlines
 # come in accept order and a FIFO finds the expired ones in O(1) each: one
@@ -18,15 +18,14 @@
 #
 # The invariant: no thread and no buffer larger than HANDSHAKE_MAX_FRAME exists
 # for a connection before its hello has verified.  Then `on_hello` gets the
-# socket (blocking again) and starts what the server needs, typically a
-# PeerConnection and a reader thread.  A malformed, unauthenticated or late
+# socket (blocking again) and starts what the server needs (typically a
+# PeerConnection and a reader thread, see ckpt._server).  A malformed, unauthenticated or late
 # hello closes that connection and nothing else.
 
 from __future__ import annotations
 
 import errno
 import logging
-import queue
 import selectors
 import socket
 import threading
@@ -34,10 +33,10 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, final
+from typing import final
 
+from ckpt import _wire
 from ckpt._errors import ProtocolError
-from ckpt.coordinator import protocol
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +68,7 @@ class _Handshake:
         self.peer = peer
         self.nonce = nonce
         self.deadline = deadline
-        self.reader: protocol.FrameReader | None = protocol.FrameReader(protocol.HANDSHAKE_MAX_FRAME)
+        self.reader: _wire.FrameReader | None = _wire.FrameReader(_wire.HANDSHAKE_MAX_FRAME)
         self.done = False
 
 
@@ -87,10 +86,10 @@ class HandshakeGate:
         self,
         listener: socket.socket,
         token: str,
-        on_hello: Callable[[socket.socket, str, protocol.Message], None],
+        on_hello: Callable[[socket.socket, str, _wire.Message], None],
         *,
         name: str,
-        timeout: float = protocol.HANDSHAKE_TIMEOUT,
+        timeout: float = _wire.HANDSHAKE_TIMEOUT,
         refusal: str | None = None,
         max_pending: int = MAX_PENDING_HANDSHAKES,
     ) -> None:
@@ -98,7 +97,7 @@ class HandshakeGate:
         self._token = token
         self._on_hello = on_hello
         self._timeout = timeout
-        self._refusal = None if refusal is None else protocol.encode({"op": "refused", "error": refusal})
+        self._refusal = None if refusal is None else _wire.encode({"op": "refused", "error": refusal})
         self._max_pending = max_pending
         self._queue: deque[_Handshake] = deque()  # in accept order, so in deadline order
         self._pending = 0
@@ -192,8 +191,8 @@ class HandshakeGate:
             self._begin(sock, f"{address[0]}:{address[1]}")
 
     def _begin(self, sock: socket.socket, peer: str) -> None:
-        nonce = protocol.new_nonce()
-        challenge = protocol.encode({"op": "challenge", "nonce": nonce})
+        nonce = _wire.new_nonce()
+        challenge = _wire.encode({"op": "challenge", "nonce": nonce})
         try:
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -220,7 +219,7 @@ class HandshakeGate:
             return
         if hello is None:
             return
-        if hello["op"] != "hello" or not protocol.check_answer(self._token, handshake.nonce, hello.get("auth")):
+        if hello["op"] != "hello" or not _wire.check_answer(self._token, handshake.nonce, hello.get("auth")):
             self._refuse(handshake, "authentication failed" if hello["op"] == "hello" else f"op {hello['op']!r}")
             return
         self._end(handshake, close=False)
@@ -286,66 +285,3 @@ class HandshakeGate:
             except OSError:
                 pass
         self._selector.close()
-
-
-class PeerConnection:
-    """One authenticated peer of a server: frames go out through an outbox that a writer thread drains,
-    so the server never blocks on a peer that does not read.
-
-    With `heartbeat_interval`, the writer sends a heartbeat whenever it had nothing to send for that long.
-    close() lets what was posted go out first; abort() does not wait.
-    """
-
-    def __init__(self, sock: socket.socket, peer: str, *, thread_name: str, heartbeat_interval: float | None) -> None:
-        self.sock = sock
-        self.peer = peer
-        self.closed = False
-        self._heartbeat_interval = heartbeat_interval
-        self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
-        self._writer = threading.Thread(target=self._write_loop, name=thread_name, daemon=True)
-        self._writer.start()
-
-    def post(self, message: dict[str, Any]) -> None:
-        """Queue `message` (ProtocolError if it cannot be encoded); dropped once the connection is closed."""
-        if not self.closed:
-            self._outbox.put(protocol.encode(message))
-
-    def _write_loop(self) -> None:
-        heartbeat = protocol.encode(protocol.HEARTBEAT)
-        while True:
-            try:
-                frame = self._outbox.get(timeout=self._heartbeat_interval)
-            except queue.Empty:
-                frame = heartbeat
-            if frame is None:
-                break
-            try:
-                self.sock.sendall(frame)
-            except OSError:
-                break
-        self.closed = True
-        self._shutdown()
-
-    def close(self) -> None:
-        """Close once what is already posted (e.g. the reply to `stop`, a refusal) has been sent."""
-        if not self.closed:
-            self.closed = True
-            self._outbox.put(None)
-
-    def flushed(self, timeout: float) -> None:
-        """Wait (at most `timeout` s) until the writer has sent what was posted before `close`."""
-        if threading.current_thread() is not self._writer:
-            self._writer.join(timeout)
-
-    def abort(self) -> None:
-        """Close now, dropping whatever is still queued (a writer blocked on the peer is woken)."""
-        self.closed = True
-        self._outbox.put(None)
-        self._shutdown()
-
-    def _shutdown(self) -> None:
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.sock.close()
