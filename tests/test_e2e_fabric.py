@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from ckpt.verbs.fabric import FABRIC_FILE, FabricClient
+from ckpt.verbs.fabric import FabricClient
+from ckpt_simib import FABRIC_FILE
 from harness import Job, kill_pids, one_error_line, results, run, start_fabric, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
