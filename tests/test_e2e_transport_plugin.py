@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from ib_cases import RANKS, TRACE_ENV, Case, Hold, expected_seq, launch_args, take, traced
 
-from harness import PROGRAMS, Job, one_error_line, results, run
+from harness import PROGRAMS, Job, one_error_line, results, run, uninterrupted
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -34,10 +34,8 @@ def test_a_plugin_transport_checkpoints_and_restarts_onto_simib_and_back(
     start_job: Callable[..., Job], tmp_path: Path
 ) -> None:
     steps = SEQ.steps * 2
-    plain = run(*launch_args(tmp_path / "plain", SEQ.argv(steps), *PLUGIN, "--transport", "counted"), timeout=120)
-    assert plain.returncode == 0, plain.stderr
-    uninterrupted = results(plain.stdout)
-    assert uninterrupted == SEQ.expect(steps)
+    plain = uninterrupted(tmp_path / "plain", RANKS, *PLUGIN, "--transport", "counted", *SEQ.argv(steps))
+    assert plain == SEQ.expect(steps)
 
     ckpt_dir, trace, hold = tmp_path / "ckpt", tmp_path / "trace", Hold(tmp_path)
     trace.mkdir()
@@ -57,8 +55,7 @@ def test_a_plugin_transport_checkpoints_and_restarts_onto_simib_and_back(
         restart = ["restart", "--transport", transport, "--ckpt-dir", str(ckpt_dir)]
         job = start_job(*restart, ckpt_dir=ckpt_dir, extra_env=env)
         at += SEQ.checkpoint_at
-    assert job.wait() == 0, job.stderr
-    assert results(job.stdout) == uninterrupted
+    job.finishes_with(plain)
 
     for generation, transport in enumerate(transports):
         assert {traced(trace, rank, generation)["provider"] for rank in range(RANKS)} == {transport}, generation
