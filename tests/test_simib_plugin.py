@@ -191,7 +191,7 @@ def test_without_the_plugin_there_is_no_fabric_command(
     real = importlib.metadata.entry_points
 
     def without_simib(**select: Any) -> Any:
-        found = real(**select)
+        found: Any = real(**select)
         if select.get("group") == ENTRY_POINT_GROUP:
             return [ep for ep in found if ep.name != "simib"]
         return found
