@@ -353,10 +353,10 @@ def restart(
     context = click.get_current_context()
     given = {name for name in context.params if context.get_parameter_source(name) != ParameterSource.DEFAULT}
     values = _plugin_values(job)  # every plugin option, given or default
-    recorded = {k: v for k, v in manifest.get("options", {}).items() if k not in _PER_RUN}
+    reused = {k: v for k, v in manifest.get("options", {}).items() if k not in _PER_RUN}
     options = {
         **values,
-        **recorded,
+        **reused,
         **{k: v for k, v in values.items() if _PLUGIN_OPTION + k in given or k in _PER_RUN},
     }
     for name in _RECORDED_SETTINGS:

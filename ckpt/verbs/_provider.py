@@ -135,7 +135,7 @@ def register_transport(name: str) -> None:
 
 
 def transports() -> frozenset[str]:
-    """Names of the providers that are transports (registered or not yet: a name is enough)."""
+    """Names of the providers that are transports (a name is enough: its provider may come later)."""
     with _lock:
         return frozenset(_transports)
 
@@ -183,7 +183,8 @@ def _ops_for_image(provider: str) -> VerbsOps:
 
     An image taken on one fabric restarts on another (`ckpt restart --transport`):
     the process's active transport is $CKPT_VERBS_PROVIDER, which the rank sets.
-    Other providers stay themselves.
+    Transports are simib and those registered (`register_transport`: the rank
+    registers what its plugins declare); other providers stay themselves.
     """
     active = os.environ.get(PROVIDER_ENV)
     fabrics = transports()
