@@ -1,4 +1,4 @@
-"""What the `ckpt` commands share: the checkpoint directory's default, common options, unit parsing."""
+"""What the `ckpt` commands share: the checkpoint directory's default, common options, serving."""
 
 from __future__ import annotations
 
@@ -9,8 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import click
-
-from ckpt._errors import CkptError
 
 #: The checkpoint directory when neither --ckpt-dir nor $CKPT_DIR says: not ./ckpt, which would be
 #: the package directory (and shadow the package) when ckpt runs from a source checkout.
@@ -48,16 +46,6 @@ def plugin_options(f: Any) -> Any:
         "--disable-plugin", "disabled", multiple=True, metavar="NAME", help="Do not load this installed plugin."
     )(f)
     return f
-
-
-def link_model(latency: str | None, bandwidth: str | None) -> tuple[float, float]:
-    """(seconds, bytes/s) from --fabric-latency / --fabric-bandwidth; CkptError with one line if malformed."""
-    from ckpt.verbs.fabric import parse_bandwidth, parse_latency
-
-    try:
-        return parse_latency(latency or "0"), parse_bandwidth(bandwidth or "0")
-    except ValueError as exc:
-        raise CkptError(str(exc)) from None
 
 
 def serve_until_signal(wait: Callable[[], object], what: str) -> None:

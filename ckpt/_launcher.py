@@ -1,4 +1,4 @@
-"""Starting a job: the embedded coordinator, one process per rank, waiting, results and exit status."""
+"""Starting a job: plugins' services, the embedded coordinator, one process per rank, waiting, results."""
 
 from __future__ import annotations
 
@@ -17,13 +17,14 @@ from typing import Any
 
 from ckpt import _jobdir as jobdir
 from ckpt import _wire as protocol
-from ckpt._errors import CoordinatorError, ImageError, ProtocolError
+from ckpt._cli_plugins import JobServices, launcher_host
+from ckpt._errors import CkptError, CoordinatorError, ImageError, ProtocolError
 from ckpt._jobdir import read_job_file, write_job_file
 from ckpt.coordinator.server import Coordinator
+from ckpt.plugin import JobInfo
 from ckpt.runtime import images
 from ckpt.runtime import manifest as manifests
 from ckpt.runtime.rank import SPEC_ENV
-from ckpt.verbs import fabric
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ class JobOptions:
     argv: list[str]
     ranks: int
     ckpt_dir: Path
+    transport: str  # the name of an installed transport (the CLI resolves it)
     coordinator: str | None = None
     host: str = "127.0.0.1"
     port: int = 0
@@ -54,15 +56,11 @@ class JobOptions:
     with_plugins: list[str] = field(default_factory=list)
     disabled: list[str] = field(default_factory=list)
     native: bool = False
-    transport: str = "simib"
     options: dict[str, Any] = field(default_factory=dict)
     log_level: str = "WARNING"
     phase_timeout: float = 300.0
     token: str | None = None
     restart: dict[str, Any] | None = None  # the manifest to restart from
-    fabric: str | None = None  # an existing simulated fabric; None: the job starts its own (simib only)
-    fabric_latency: float = 0.0  # link model of the job's own fabric (seconds, bytes/s; 0 = ideal)
-    fabric_bandwidth: float = 0.0
     debug: int | None = None  # restart: this rank stops in pdb before its next step (stdin is its)
     claim: jobdir.DirectoryClaim | None = None  # the CLI's claim on ckpt_dir, taken before anything else
     recorded_phase_timeout: float | None = None  # what manifests record when --debug overrides phase_timeout
@@ -75,6 +73,22 @@ def external_rank() -> tuple[int, int | None] | None:
             size = os.environ.get(size_var)
             return int(os.environ[rank_var]), int(size) if size else None
     return None
+
+
+def job_services(opts: JobOptions, job: str, external_rank: int | None = None) -> JobServices:
+    """The services the loaded plugins start with this job and stop after it (not started yet)."""
+    info = JobInfo(
+        job=job,
+        ckpt_dir=opts.ckpt_dir,
+        transport=opts.transport,
+        host=opts.host,
+        options=dict(opts.options),
+        restarted=opts.restart is not None,
+        native=opts.native,
+        owns_coordinator=opts.coordinator is None,
+        external_rank=external_rank,
+    )
+    return JobServices(launcher_host(tuple(opts.with_plugins), tuple(opts.disabled)), info)
 
 
 def rank_spec(opts: JobOptions, rank: int, address: str, token: str, job: str) -> dict[str, Any]:
@@ -216,11 +230,11 @@ class _Job:
             self.claim = opts.claim or jobdir.claim(opts.ckpt_dir)
             self.claim.note(job=self.job_id)
             jobdir.remove_leftovers(opts.ckpt_dir, Path(opts.program).stem)
-        self._refuse_standalone_fabric()
-        # The fabric first: a job file is written only for a job that can run (else a failed start would
-        # leave a job file that says its launcher died, in place of the previous job's end).
-        self.fabric: fabric.SubnetManager | None = None
-        self.fabric_env = self._start_fabric()
+        # The plugins' services first (a transport's own servers ...): a job file is written only for a job that
+        # can run (else a failed start would leave a job file that says its launcher died, in place of the
+        # previous job's end).
+        self.services = job_services(opts, self.job_id)
+        self.services_env = self.services.start()
         if opts.coordinator is None:
             try:
                 self.coordinator = Coordinator(
@@ -236,7 +250,7 @@ class _Job:
                     heartbeat=self.heartbeat,
                 ).start()
             except BaseException:
-                self._stop_fabric()  # and its fabric.json: no job runs on it
+                self.services.stop()  # no job runs on them
                 raise
             self.address = self.coordinator.address
             threading.Thread(target=self._watch_coordinator, daemon=True).start()
@@ -244,39 +258,6 @@ class _Job:
             log.info("coordinator of job %s listening on %s", self.job_id, self.address)
         else:
             self.address = opts.coordinator  # its own coordinator.json stays as `ckpt coordinator` wrote it
-
-    def _start_fabric(self) -> dict[str, str]:
-        """The ranks' simulated fabric: --fabric, or a subnet manager of the job's own (a fresh one, with
-        new LIDs, for every launch and restart), recorded in the ckpt dir for `ckpt fabric`."""
-        opts = self.opts
-        if opts.transport != "simib":
-            return {}
-        if opts.fabric is not None:
-            address, token = fabric.locate(opts.fabric, opts.ckpt_dir)
-        else:
-            model = fabric.LinkModel(opts.fabric_latency, opts.fabric_bandwidth)
-            self.fabric = fabric.SubnetManager(host=opts.host, link_model=model).start()
-            fabric.write_fabric_file(opts.ckpt_dir, self.fabric, job=self.job_id)
-            address, token = self.fabric.address, self.fabric.token
-        return {fabric.ENV_ADDRESS: address, fabric.ENV_TOKEN: token}
-
-    def _refuse_standalone_fabric(self) -> None:
-        """The job would hide a fabric that `ckpt fabric start` recorded in its ckpt dir: say so instead."""
-        opts = self.opts
-        if opts.transport != "simib" or opts.fabric is not None:
-            return
-        standalone = fabric.running_fabric(opts.ckpt_dir)
-        if standalone is not None and standalone.get("job") is None:
-            raise fabric.FabricError(
-                f"a fabric started by `ckpt fabric start` is running for {opts.ckpt_dir} at "
-                f"{standalone['address']}: pass --fabric {standalone['address']} to run on it, "
-                f"or stop it with: ckpt fabric stop --dir {opts.ckpt_dir}"
-            )
-
-    def _stop_fabric(self) -> None:
-        if self.fabric is not None:
-            self.fabric.stop()
-            fabric.remove_fabric_file(self.opts.ckpt_dir, self.fabric.address)
 
     def _watch_coordinator(self) -> None:
         assert self.coordinator is not None
@@ -293,7 +274,7 @@ class _Job:
                 protocol.ENV_HEARTBEAT_INTERVAL: repr(self.heartbeat.interval),
                 protocol.ENV_HEARTBEAT_TIMEOUT: repr(self.heartbeat.timeout),
             }
-            env = dict(os.environ, **self.fabric_env, **heartbeat, **{SPEC_ENV: json.dumps(spec)})
+            env = dict(os.environ, **self.services_env, **heartbeat, **{SPEC_ENV: json.dumps(spec)})
             # Under --debug only the debugged rank reads the terminal; the others must not take its input.
             stdin = subprocess.DEVNULL if self.opts.debug is not None and self.opts.debug != rank else None
             process = subprocess.Popen([sys.executable, "-P", "-m", "ckpt.runtime.rank"], env=env, stdin=stdin)
@@ -345,7 +326,10 @@ class _Job:
             self.coordinator.stop()
             # a rank still writing when its checkpoint was aborted may have left its image behind
             self.coordinator.remove_aborted_images()
-        self._stop_fabric()
+        try:
+            self.services.stop()
+        except CkptError as exc:  # the job itself is over: say so, and still report its results
+            print(f"ckpt: warning: {exc}", file=sys.stderr)
 
     def _write_job_file(self, ended: dict[str, Any] | None = None) -> None:
         assert self.claim is not None

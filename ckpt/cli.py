@@ -1,4 +1,4 @@
-"""The `ckpt` command line: launch and restart here; the other commands in _cli_control and _cli_fabric."""
+"""The `ckpt` command line: launch and restart here; the other commands in _cli_control and plugins."""
 
 from __future__ import annotations
 
@@ -12,28 +12,47 @@ import click
 from click.core import ParameterSource
 
 from ckpt import _jobdir as jobdir
-from ckpt._cli_common import ckpt_dir_option, coordinator_option, link_model, plugin_options
+from ckpt._cli_common import ckpt_dir_option, coordinator_option, plugin_options
 from ckpt._cli_control import checkpoint, coordinator_cmd, inspect, kill, plugins, status
-from ckpt._cli_fabric import fabric_group
 from ckpt._errors import CkptError
 from ckpt.coordinator import client as coord_client
 
 if TYPE_CHECKING:
     from ckpt._launcher import JobOptions
 
-# launch / restart import the launcher (numpy, cloudpickle, lz4 ...) when they run, so that
-# status / checkpoint / kill start quickly.
+# launch / restart import the launcher (numpy, cloudpickle, lz4 ...) when they run, and plugins are
+# loaded only by the commands that need them (launch, restart, a plugin's own command, --help), so
+# that status / checkpoint / kill start quickly.
 
 #: A restart under --debug waits at RESUME this long (seconds) for the debugged rank: practically for ever.
 DEBUG_PHASE_TIMEOUT = 7 * 24 * 3600.0
-#: Transport -> the plugin that provides its verbs provider (None: built in).
-_TRANSPORTS: dict[str, str | None] = {"simib": None, "tcp": "ib2tcp"}
 #: Job settings a restart takes from the checkpoint's manifest unless its command line gives them.
 _RECORDED_SETTINGS = ("interval", "keep", "phase_timeout")
 
 
 class _Group(click.Group):
-    """Every CkptError becomes one line on stderr and exit status 1 — never a traceback."""
+    """Every CkptError becomes one line on stderr and exit status 1 — never a traceback.
+
+    Beside the core commands, the group has those installed plugins add (ckpt_cli_commands), loaded
+    only when a command that is not a core one is asked for, or the list of them (--help).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.plugin_commands: dict[str, click.Command] | None = None
+
+    def _plugin_commands(self) -> dict[str, click.Command]:
+        if self.plugin_commands is None:
+            from ckpt._cli_plugins import plugin_commands
+
+            self.plugin_commands = plugin_commands(self.commands)
+        return self.plugin_commands
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*self.commands, *self._plugin_commands()})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        return self.commands.get(cmd_name) or self._plugin_commands().get(cmd_name)
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -60,8 +79,9 @@ def _job_options(f: Any) -> Any:
     f = click.option("--port", type=click.IntRange(0, 65535), default=0, help="Coordinator port (0 = any free).")(f)
     f = click.option(
         "--transport",
-        metavar="|".join(sorted(_TRANSPORTS)),
-        help="Verbs provider of the ranks [launch: simib; restart: the checkpoint's].",
+        metavar="NAME",  # the installed ones' names, once plugins are loaded (_add_plugin_options)
+        help="The network the ranks run on, one an installed plugin provides [launch: the default one; "
+        "restart: the checkpoint's].",
     )(f)
     f = click.option(
         "--phase-timeout",
@@ -71,14 +91,6 @@ def _job_options(f: Any) -> Any:
         help="Abort a checkpoint whose phase takes longer (seconds) [restart: the checkpoint's].",
     )(f)
     f = click.option(
-        "--fabric",
-        envvar="CKPT_FABRIC",
-        metavar="HOST:PORT",
-        help="Run on an existing simulated fabric (token from $CKPT_FABRIC_TOKEN) instead of the job's own.",
-    )(f)
-    f = click.option("--fabric-latency", metavar="TIME", help="Link latency of the job's fabric, e.g. 2us.")(f)
-    f = click.option("--fabric-bandwidth", metavar="RATE", help="Link bandwidth of the job's fabric, e.g. 4GB/s.")(f)
-    f = click.option(
         "--log-level",
         default=lambda: os.environ.get("CKPT_LOG_LEVEL", "WARNING"),
         type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
@@ -86,39 +98,6 @@ def _job_options(f: Any) -> Any:
         help="What the launcher, coordinator and ranks log on stderr (DEBUG: every phase and message).",
     )(f)
     return f
-
-
-def _fabric_job_options(job: dict[str, Any], transport: str) -> None:
-    """Turn the fabric options of launch / restart into JobOptions fields (in place)."""
-    latency, bandwidth = job["fabric_latency"], job["fabric_bandwidth"]
-    if transport != "simib" and (latency or bandwidth):
-        raise CkptError(f"--fabric-latency / --fabric-bandwidth model simib's links; --transport {transport} has none")
-    if job["fabric"] and (latency or bandwidth):
-        raise CkptError(
-            "--fabric-latency / --fabric-bandwidth set the link model of a fabric the job starts itself; "
-            "an existing fabric (--fabric) keeps the one it was started with"
-        )
-    job["fabric_latency"], job["fabric_bandwidth"] = link_model(latency, bandwidth)
-
-
-def _check_transport(name: str, *, native: bool, disabled: list[str]) -> str:
-    """`name` if its provider will be there in the ranks; one clear line otherwise."""
-    if name not in _TRANSPORTS:
-        raise CkptError(f"unknown transport {name!r} (available: {', '.join(sorted(_TRANSPORTS))})")
-    plugin = _TRANSPORTS[name]
-    if plugin is None:
-        return name
-    if native:
-        raise CkptError(f"--transport {name} is provided by the {plugin} plugin, and --native loads no plugins")
-    if plugin in disabled:
-        raise CkptError(f"--transport {name} is provided by the {plugin} plugin, which --disable-plugin turns off")
-    import importlib.metadata
-
-    from ckpt.plugin import ENTRY_POINT_GROUP
-
-    if not any(ep.name == plugin for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)):
-        raise CkptError(f"--transport {name} needs the {plugin} plugin (ckpt_{plugin}), which is not installed")
-    return name
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -153,6 +132,8 @@ def main() -> None:
 
 _PLUGIN_OPTION = "plugin_option_"
 _OPTION_TYPES: dict[str, Any] = {"int": int, "float": float, "str": str}
+#: The plugin options whose value belongs to one run ("per_run"): a restart does not take it from the manifest.
+_PER_RUN: set[str] = set()
 
 
 def _values_of(argv: list[str], flag: str) -> list[str]:
@@ -171,9 +152,15 @@ def _values_of(argv: list[str], flag: str) -> list[str]:
 def _add_plugin_options(argv: list[str]) -> None:
     """Turn every plugin's ckpt_add_options() declarations into --NAME options of launch and restart
     (of launch only, for a "launch_only" option: the choice is in the images)."""
-    from ckpt.runtime.plugins import PluginHost
+    from ckpt._cli_plugins import launcher_host, offered_transports
 
-    host = PluginHost().load(_values_of(argv, "--with-plugin"), _values_of(argv, "--disable-plugin"))
+    with_plugins, disabled = _values_of(argv, "--with-plugin"), _values_of(argv, "--disable-plugin")
+    host = launcher_host(tuple(dict.fromkeys(with_plugins)), tuple(disabled))
+    names = "|".join(sorted(offered_transports(host)))
+    for command in (launch, restart):  # --help shows what --transport accepts here
+        for param in command.params:
+            if param.name == "transport" and names:
+                param.metavar = names
     taken = {opt for command in (launch, restart) for param in command.params for opt in param.opts}
     added = {param.name for param in launch.params if (param.name or "").startswith(_PLUGIN_OPTION)}
     for declared in host.pm.hook.ckpt_add_options():
@@ -189,6 +176,12 @@ def _add_plugin_options(argv: list[str]) -> None:
             extra: dict[str, Any] = {"is_flag": True} if kind == "flag" else {"type": _OPTION_TYPES[kind]}
             if spec.get("choices"):
                 extra["type"] = click.Choice([str(c) for c in spec["choices"]])
+            if spec.get("metavar"):
+                extra["metavar"] = spec["metavar"]
+            if spec.get("envvar"):
+                extra.update(envvar=spec["envvar"], show_envvar=True)
+            if spec.get("per_run"):
+                _PER_RUN.add(name.replace("-", "_"))
             option = click.Option(
                 [flag, _PLUGIN_OPTION + name.replace("-", "_")],
                 default=spec.get("default"),
@@ -262,6 +255,7 @@ def launch(
 
     ckpt's options come before PROGRAM; what follows it are the program's own arguments (rt.argv).
     """
+    from ckpt._cli_plugins import resolve_transport
     from ckpt._launcher import JobOptions, external_rank, run_job
     from ckpt.runtime.rank import load_program
 
@@ -274,15 +268,15 @@ def launch(
     load_program(program)  # one clear error here rather than one per rank
     job["interval"] = _interval(job["interval"])
     options = _plugin_values(job)
-    transport = _check_transport(job.pop("transport") or "simib", native=native, disabled=list(disabled))
-    _fabric_job_options(job, transport)
+    with_plugins = tuple(dict.fromkeys(with_plugins))
+    transport = resolve_transport(with_plugins, disabled, job.pop("transport"), native=native)
     opts = JobOptions(
         program=str(Path(program).resolve()),
         argv=list(args),
         ranks=ranks,
         ckpt_dir=ckpt_dir,
         coordinator=coordinator,
-        with_plugins=list(dict.fromkeys(with_plugins)),
+        with_plugins=list(with_plugins),
         disabled=list(disabled),
         options=options,
         native=native,
@@ -296,22 +290,27 @@ def launch(
 
 
 def _run_one_rank(opts: JobOptions, rank: int, size: int | None) -> None:
-    """Under mpiexec / srun: this process is one rank of a job served by --coordinator."""
-    from ckpt._launcher import rank_spec
+    """Under mpiexec / srun: this process is one rank of a job served by --coordinator.
+
+    The plugins' job services run in this process too (JobInfo.external_rank says so: they start
+    nothing the job shares, only locate what their options name) and their environment is the rank's.
+    """
+    from ckpt._launcher import job_services, rank_spec
     from ckpt.runtime import rank as rank_main
 
     assert opts.coordinator is not None
     opts.ranks = size or opts.ranks
     token = os.environ.get("CKPT_TOKEN")
     address, token = coord_client.locate(opts.coordinator, opts.ckpt_dir, token)
-    if opts.fabric:  # otherwise each process has a private fabric: fine for one rank, not for a job
-        from ckpt.verbs import fabric
-
-        os.environ[fabric.ENV_ADDRESS], os.environ[fabric.ENV_TOKEN] = fabric.locate(opts.fabric, opts.ckpt_dir)
-    spec = rank_spec(opts, rank, address, token, job="")
-    spec["job"] = None
-    spec["print_result"] = True
-    rank_main.main(spec)
+    services = job_services(opts, job="", external_rank=rank)
+    os.environ.update(services.start())
+    try:
+        spec = rank_spec(opts, rank, address, token, job="")
+        spec["job"] = None
+        spec["print_result"] = True
+        rank_main.main(spec)
+    finally:
+        services.stop()
 
 
 @cli.command()
@@ -340,6 +339,7 @@ def restart(
     The job runs again with the plugins, plugin options and settings its manifest recorded; options given
     here override them.
     """
+    from ckpt._cli_plugins import resolve_transport
     from ckpt._launcher import JobOptions, external_rank, prepare_restart, restart_directory, run_job
 
     _configure_logging(job["log_level"])
@@ -353,20 +353,20 @@ def restart(
     context = click.get_current_context()
     given = {name for name in context.params if context.get_parameter_source(name) != ParameterSource.DEFAULT}
     values = _plugin_values(job)  # every plugin option, given or default
+    reused = {k: v for k, v in manifest.get("options", {}).items() if k not in _PER_RUN}
     options = {
         **values,
-        **manifest.get("options", {}),
-        **{k: v for k, v in values.items() if _PLUGIN_OPTION + k in given},
+        **reused,
+        **{k: v for k, v in values.items() if _PLUGIN_OPTION + k in given or k in _PER_RUN},
     }
     for name in _RECORDED_SETTINGS:
         recorded = manifest.get("settings", {}).get(name)
         if name not in given and recorded is not None:
             job[name] = recorded
     job["interval"] = _interval(job["interval"])
-    transport = _check_transport(
-        job.pop("transport") or manifest.get("transport") or "simib", native=False, disabled=list(disabled)
+    transport = resolve_transport(
+        with_plugins, disabled, job.pop("transport") or manifest.get("transport") or None, native=False
     )
-    _fabric_job_options(job, transport)
     if debug is not None:
         if debug >= int(manifest["size"]):
             raise CkptError(f"--debug {debug}: the checkpoint has ranks 0..{int(manifest['size']) - 1}")
@@ -399,9 +399,9 @@ def _check_restart_plugins(manifest: dict[str, Any], with_plugins: list[str], di
     """A plugin whose state is in the images must be loaded again, or explicitly disabled."""
     import hashlib
 
-    from ckpt.runtime.plugins import PluginHost
+    from ckpt._cli_plugins import launcher_host
 
-    loaded = {p.name for p in PluginHost().load(with_plugins, disabled).plugins}
+    loaded = {p.name for p in launcher_host(tuple(with_plugins), tuple(disabled)).plugins}
     for plugin in manifest.get("plugins", []):
         name = plugin.get("name")
         if name not in loaded and name not in disabled:
@@ -415,5 +415,5 @@ def _check_restart_plugins(manifest: dict[str, Any], with_plugins: list[str], di
         click.echo(f"ckpt: warning: {program['path']} changed since checkpoint {manifest['number']}", err=True)
 
 
-for _command in (checkpoint, status, kill, coordinator_cmd, fabric_group, plugins, inspect):
+for _command in (checkpoint, status, kill, coordinator_cmd, plugins, inspect):
     cli.add_command(_command)

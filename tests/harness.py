@@ -23,7 +23,7 @@ from typing import Any
 from ckpt import CoordinatorError
 from ckpt._jobdir import find_job
 from ckpt.coordinator.client import control
-from ckpt.verbs.fabric import FABRIC_FILE
+from ckpt_simib import FABRIC_FILE
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"

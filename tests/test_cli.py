@@ -12,11 +12,19 @@ from ckpt.cli import cli, main
 
 
 def _commands(group: click.Group, prefix: str = "ckpt") -> Iterator[tuple[str, click.Command]]:
-    for name, command in sorted(group.commands.items()):
+    """Every command and subcommand, those installed plugins add (`ckpt fabric ...`) included."""
+    ctx = click.Context(group)
+    for name in group.list_commands(ctx):
+        command = group.get_command(ctx, name)
+        assert command is not None
         path = f"{prefix} {name}"
         yield path, command
         if isinstance(command, click.Group):
             yield from _commands(command, path)
+
+
+def test_the_command_walk_sees_plugin_commands() -> None:
+    assert "ckpt fabric status" in dict(_commands(cli))  # else the test below would skip them
 
 
 def test_every_option_of_every_command_says_what_it_does() -> None:

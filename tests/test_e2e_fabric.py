@@ -13,8 +13,9 @@ from typing import Any
 
 import pytest
 
-from ckpt.verbs.fabric import FABRIC_FILE, FabricClient
-from harness import Job, kill_pids, one_error_line, results, run, start_fabric, wait_for
+from ckpt.verbs.fabric import FabricClient
+from ckpt_simib import FABRIC_FILE
+from harness import PROGRAMS, Job, kill_pids, one_error_line, results, run, start_fabric, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
@@ -196,3 +197,49 @@ def test_launch_on_an_existing_fabric(probe: str, fabric_start: FabricStart, tmp
     conflicting = ("--fabric", record["address"], "--fabric-latency", "2us")
     one_error_line(run("launch", "--ckpt-dir", job_dir, *conflicting, probe, extra_env=token), "--fabric-latency")
     one_error_line(run("launch", "--ckpt-dir", str(fabric_dir), probe), "pass --fabric")
+
+
+# The link model is a plugin option of ckpt_simib, so the manifest records it and a restart keeps it;
+# --fabric names a fabric of one run, so a restart does not go back to it.
+COUNTER = [str(PROGRAMS / "counter.py"), "100000", "0.01"]
+
+
+def test_a_restart_keeps_the_link_model(start_job: Callable[..., Job], tmp_path: Path) -> None:
+    directory = tmp_path / "ckpt"
+    where = ["--ckpt-dir", str(directory)]
+    job = start_job("launch", *where, "--fabric-latency", "5us", "--fabric-bandwidth", "1GB/s", *COUNTER)
+    job.wait_step(3)
+    first = _status(directory)
+    assert (first["latency"], first["bandwidth"]) == (5e-6, 1e9)
+    done = run("checkpoint", "--kill", *where, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert job.wait() == 0, job.stderr
+    job = start_job("restart", *where)
+    job.wait_step(4)
+    again = _status(directory)
+    assert again["fabric"] != first["fabric"]  # a fresh fabric, with the recorded link model
+    assert (again["latency"], again["bandwidth"]) == (5e-6, 1e9)
+    assert run("kill", *where).returncode == 0
+    assert job.wait() == 0, job.stderr
+    assert not (directory / FABRIC_FILE).exists()
+
+
+def test_a_restart_does_not_reuse_the_fabric_it_was_given(
+    fabric_start: FabricStart, start_job: Callable[..., Job], tmp_path: Path
+) -> None:
+    record = fabric_start(directory=tmp_path / "fabric")
+    directory = tmp_path / "ckpt"
+    where = ["--ckpt-dir", str(directory)]
+    token = {"CKPT_FABRIC_TOKEN": record["token"]}
+    job = start_job("launch", *where, "--fabric", record["address"], *COUNTER, extra_env=token)
+    job.wait_step(3)
+    assert not (directory / FABRIC_FILE).exists()  # it runs on the standalone fabric
+    done = run("checkpoint", "--kill", *where, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert job.wait() == 0, job.stderr
+    job = start_job("restart", *where)
+    job.wait_step(4)
+    own = json.loads((directory / FABRIC_FILE).read_text())
+    assert own["job"] is not None and own["address"] != record["address"]
+    assert run("kill", *where).returncode == 0
+    assert job.wait() == 0, job.stderr

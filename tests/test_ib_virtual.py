@@ -259,6 +259,7 @@ def test_a_shadow_device_is_opened_on_the_active_transport(wrapped: str, shadow:
 
     from ckpt_ib._virtual import Virtualizer
 
+    v.register_transport("tcp")  # as a rank does for the transports its plugins declare (ib2tcp's)
     vz = Virtualizer(FakeRuntime())
     vz.provider = wrapped
     assert vz.real_device_name(shadow) == opened

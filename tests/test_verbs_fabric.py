@@ -10,7 +10,6 @@ import socket
 import struct
 import threading
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -359,36 +358,3 @@ def test_connect_default_follows_the_environment(start_sm: StartSM, monkeypatch:
     monkeypatch.delenv(fabric.ENV_TOKEN)
     with pytest.raises(FabricError, match="CKPT_FABRIC_TOKEN is not"):
         fabric.connect_default()
-
-
-def test_fabric_file_and_locate(start_sm: StartSM, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(fabric.ENV_TOKEN, raising=False)
-    sm = start_sm(link_model=LinkModel(1e-6, 1e9))
-    path = fabric.write_fabric_file(tmp_path, sm)
-    assert path.stat().st_mode & 0o777 == 0o600
-    record = fabric.read_fabric_file(tmp_path)
-    assert record is not None
-    assert {k: record[k] for k in ("address", "token", "pid", "fabric", "latency", "bandwidth")} == {
-        "address": sm.address,
-        "token": sm.token,
-        "pid": os.getpid(),
-        "fabric": sm.fabric_id,
-        "latency": 1e-6,
-        "bandwidth": 1e9,
-    }
-    assert fabric.locate(None, tmp_path) == (sm.address, sm.token)
-    assert fabric.locate(sm.address, tmp_path) == (sm.address, sm.token)
-    assert fabric.running_fabric(tmp_path) == record
-    with pytest.raises(FabricError, match="set CKPT_FABRIC_TOKEN"):
-        fabric.locate("127.0.0.1:1", tmp_path)
-    monkeypatch.setenv(fabric.ENV_TOKEN, "t")
-    assert fabric.locate("127.0.0.1:1", None) == ("127.0.0.1:1", "t")
-    with pytest.raises(FabricError, match=r"no fabric\.json in"):
-        fabric.locate(None, tmp_path / "empty")
-    fabric.remove_fabric_file(tmp_path, "127.0.0.1:1")  # names another fabric: kept
-    assert fabric.read_fabric_file(tmp_path) is not None
-    fabric.remove_fabric_file(tmp_path, sm.address)
-    assert fabric.read_fabric_file(tmp_path) is None
-    (tmp_path / fabric.FABRIC_FILE).write_text("[1, 2]")
-    with pytest.raises(FabricError, match="not a ckpt fabric file"):
-        fabric.read_fabric_file(tmp_path)

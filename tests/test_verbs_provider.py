@@ -208,3 +208,22 @@ def test_a_throwaway_provider_comes_back_as_itself_whichever_transport_is_active
         monkeypatch.setenv(_provider.PROVIDER_ENV, active)
         back = pickle.loads(pickle.dumps(v.get_ops(name)))
         assert back is v.get_ops(name) and back.provider == name
+
+
+def test_a_registered_transport_comes_back_as_the_active_one_and_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A transport a plugin declares (the rank registers it) is interchangeable with simib."""
+    import pickle
+
+    monkeypatch.setattr(_provider, "_transports", set(_provider._transports))  # forgotten after the test
+    name = "imagefabric"
+    if name not in v.providers():
+        v.register_provider(name, lambda: v.VerbsOps(name, **_entries_of(v.get_ops("simib"))))
+    monkeypatch.setenv(_provider.PROVIDER_ENV, "simib")
+    assert pickle.loads(pickle.dumps(v.get_ops(name))) is v.get_ops(name)  # not a transport yet: itself
+    v.register_transport(name)
+    assert name in v.transports() and "simib" in v.transports()
+    assert pickle.loads(pickle.dumps(v.get_ops(name))) is v.get_ops("simib")
+    monkeypatch.setenv(_provider.PROVIDER_ENV, name)
+    assert pickle.loads(pickle.dumps(v.get_ops("simib"))) is v.get_ops(name)
+    with pytest.raises(ValueError, match="lower-case letters"):
+        v.register_transport("Fabric-2")

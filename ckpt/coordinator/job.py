@@ -122,7 +122,7 @@ class Job:
         #: what a restart reuses unless told otherwise: --with-plugin modules, plugin option values
         self.with_plugins: list[str] = []
         self.options: dict[str, Any] = {}
-        self.transport = "simib"
+        self.transport = ""  # the ranks name it in their hello
         self.native = False
         self.restarting = False
         self.ranks: dict[int, RankInfo] = {}
@@ -195,7 +195,7 @@ class Job:
         self.argv = list(hello.get("argv", []))
         self.with_plugins = [str(m) for m in hello.get("with_plugins", [])]
         self.options = dict(hello.get("options", {}))
-        self.transport = str(hello.get("transport", "simib"))
+        self.transport = str(hello.get("transport", ""))
         self.native = bool(hello.get("native", False))
         restart = hello.get("restart")
         if restart:

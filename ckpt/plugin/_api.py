@@ -140,6 +140,13 @@ class PluginOption(TypedDict):
     choices: NotRequired[list[str]]
     #: The choice is in the images: only ``ckpt launch`` offers the option, ``ckpt restart`` keeps it.
     launch_only: NotRequired[bool]
+    #: The value's placeholder in ``--help`` (``HOST:PORT``); default: its type.
+    metavar: NotRequired[str]
+    #: Also read the value from this environment variable when the option is not given (``CKPT_FABRIC``).
+    envvar: NotRequired[str]
+    #: The value belongs to one run (the address of a running service): a restart does not take it
+    #: from the manifest, only from its own command line (or ``envvar``).
+    per_run: NotRequired[bool]
 
 
 @final
@@ -165,7 +172,12 @@ class Transport:
 @final
 @dataclass(frozen=True)
 class JobInfo:
-    """What the launcher-side hooks (``ckpt_job_start`` / ``ckpt_job_stop``) learn about a job."""
+    """What the launcher-side hooks (``ckpt_job_start`` / ``ckpt_job_stop``) learn about a job.
+
+    Under an external launcher (mpiexec, srun: ``external_rank`` is not None) the hooks run in every
+    rank's own process, which joins a ``ckpt coordinator``: start nothing shared by the job there
+    (each process would start its own), only locate what the options name.
+    """
 
     #: The job id (12 hex digits), kept across restarts.
     job: str
@@ -183,3 +195,5 @@ class JobInfo:
     native: bool = False
     #: False when the job joins a coordinator it did not start (``--coordinator``).
     owns_coordinator: bool = True
+    #: The rank this process runs under an external launcher (see above); None for ``ckpt launch``'s own ranks.
+    external_rank: int | None = None

@@ -73,7 +73,9 @@ def ckpt_add_options() -> list[PluginOption]:
     hooks as ``job.options``).  The values a job was launched with are recorded in its manifests,
     and a restart reuses them unless its command line gives the option again.
     ``"launch_only": True`` marks an option a restart cannot change (the choice is in the
-    images): only ``ckpt launch`` offers it.  Order: down.
+    images): only ``ckpt launch`` offers it; ``"per_run": True`` one a restart does not take from
+    the manifest (the address of a running service); ``"envvar"`` and ``"metavar"`` keep click's
+    meaning.  Order: down.
     """
     raise NotImplementedError
 
@@ -112,9 +114,11 @@ def ckpt_job_start(job: JobInfo) -> dict[str, str] | None:
     *launcher*, once per ``ckpt launch`` / ``ckpt restart``, after the checkpoint directory is
     claimed and before the coordinator and the ranks start (the simib plugin starts the job's
     subnet manager here and returns its address and token).  Also called under ``--native``.
-    Return None when the job needs nothing from this plugin (e.g. another transport).  An
-    exception stops the launch with one line; ``ckpt_job_stop`` is then called for the plugins
-    whose ``ckpt_job_start`` had returned.  Order: down.
+    Return None when the job needs nothing from this plugin (e.g. another transport).  Raise
+    ``ckpt.CkptError`` for a one-line refusal (it is shown as written); any other exception is
+    reported with the plugin's name.  Either stops the launch; ``ckpt_job_stop`` is then called for
+    the plugins whose ``ckpt_job_start`` had returned.  Under an external launcher it runs in each
+    rank's process (``job.external_rank``).  Order: down.
     """
 
 

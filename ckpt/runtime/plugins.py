@@ -154,11 +154,10 @@ class PluginHost:
         """Does any loaded plugin implement `hook`?"""
         return bool(getattr(self.pm.hook, hook).get_hookimpls())
 
-    def call(self, hook: str, **kwargs: Any) -> list[Any]:
-        """Run `hook` on every plugin in its direction's order; a failure names the plugin."""
-        caller = getattr(self.pm.hook, hook)
+    def ordered_impls(self, hook: str) -> list[pluggy.HookImpl]:
+        """The implementations of `hook` in the order `call` runs them (its direction's)."""
         # each priority class in registration order, whatever order pluggy keeps them in
-        impls = caller.get_hookimpls()
+        impls = getattr(self.pm.hook, hook).get_hookimpls()
         first = [i for i in impls if i.tryfirst]
         last = [i for i in impls if i.trylast][::-1]  # pluggy inserts trylast ones at the front
         normal = [i for i in impls if not (i.tryfirst or i.trylast)]
@@ -166,8 +165,12 @@ class PluginHost:
             ordered = first + normal + last
         else:
             ordered = first[::-1] + normal[::-1] + last[::-1]
+        return ordered
+
+    def call(self, hook: str, **kwargs: Any) -> list[Any]:
+        """Run `hook` on every plugin in its direction's order; a failure names the plugin."""
         results = []
-        for impl in ordered:
+        for impl in self.ordered_impls(hook):
             args = {name: kwargs[name] for name in impl.argnames}
             try:
                 result = impl.function(**args)

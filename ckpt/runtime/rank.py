@@ -107,9 +107,11 @@ class RankEngine:
         self._last_step_report = 0.0
         #: what the phase in progress is part of: "ckptN" during checkpoint N, "genG" during a restart
         self.barrier_scope = "job"
-        # The active transport: Context(name=None) opens it, and an image's verbs tables (simib or
-        # tcp) come back as its table (`ckpt restart --transport`), set before anything is loaded.
-        os.environ["CKPT_VERBS_PROVIDER"] = str(spec.get("transport") or "simib")
+        # The active transport (the launcher always names one): Context(name=None) opens it, and an
+        # image's verbs tables of any transport come back as its table (`ckpt restart --transport`),
+        # so it is set before anything is loaded.
+        self.transport = str(spec["transport"])
+        os.environ["CKPT_VERBS_PROVIDER"] = self.transport
         self.program_class, self.program_info = load_program(spec["program"])
         self.program: Program | None = None
         self.plugins = (
@@ -129,7 +131,7 @@ class RankEngine:
             rank=self.rank,
             size=self.size,
             argv=list(spec.get("argv", [])),
-            device=str(spec.get("device") or spec.get("transport") or "simib"),
+            device=str(spec.get("device") or self.transport),
             options=dict(spec.get("options", {})),
             plugins=self.plugins,
         )
@@ -165,7 +167,7 @@ class RankEngine:
             "argv": list(self.spec.get("argv", [])),
             "with_plugins": list(self.spec.get("with_plugins", [])),
             "options": dict(self.spec.get("options", {})),
-            "transport": self.spec.get("transport", "simib"),
+            "transport": self.transport,
             "native": self.native,
             "plugins": [p.record() for p in self.plugins.plugins] if self.plugins else [],
         }
@@ -328,6 +330,9 @@ class RankEngine:
             return
         from ckpt import verbs
 
+        for declared in self.plugins.call("ckpt_transports"):  # what images of other transports map onto
+            for transport in declared:
+                verbs.register_transport(transport.name)
         for contributed in self.plugins.call("ckpt_verbs_providers"):
             for name, factory in dict(contributed or {}).items():
                 verbs.register_provider(name, factory)

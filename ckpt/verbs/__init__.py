@@ -23,13 +23,14 @@ from ckpt.verbs._errors import PyverbsError, PyverbsRDMAError, PyverbsUserError
 from ckpt.verbs._objects import AH, CQ, MR, PD, QP, SRQ, CompChannel, Context, VerbsObject, connect_rc
 from ckpt.verbs._provider import (
     OPERATIONS,
-    TRANSPORTS,
     VerbsOps,
     add_ops_wrapper,
     get_ops,
     parse_device_name,
     providers,
     register_provider,
+    register_transport,
+    transports,
 )
 from ckpt.verbs._simib import make_ops as engine_ops
 
@@ -39,7 +40,6 @@ __all__ = [
     "GID",
     "MR",
     "OPERATIONS",
-    "TRANSPORTS",
     "PD",
     "QP",
     "SGE",
@@ -71,6 +71,8 @@ __all__ = [
     "parse_device_name",
     "providers",
     "register_provider",
+    "register_transport",
+    "transports",
     *(cls.__name__ for cls in _ENUMS),
     *(name for cls in _ENUMS for name in cls.__members__),
 ]

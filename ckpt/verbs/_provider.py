@@ -31,8 +31,6 @@ log = logging.getLogger(__name__)
 #: Environment variable naming the default provider (``Context()`` with no name).
 PROVIDER_ENV = "CKPT_VERBS_PROVIDER"
 DEFAULT_PROVIDER = "simib"
-#: Providers that are fabrics (`ckpt launch/restart --transport`): interchangeable under ckpt_ib.
-TRANSPORTS = ("simib", "tcp")
 
 #: Every entry of an operations table, in the order rdma-core's verbs_context_ops lists them (roughly).
 OPERATIONS = (
@@ -113,6 +111,9 @@ _lock = threading.RLock()
 _factories: dict[str, ProviderFactory] = {}
 _tables: dict[str, VerbsOps] = {}
 _wrappers: list[OpsWrapper] = []
+#: Providers that are fabrics (`ckpt launch/restart --transport`), interchangeable under ckpt_ib:
+#: the built-in simib, and what plugins declare (`ckpt_transports`, registered by the rank).
+_transports: set[str] = {DEFAULT_PROVIDER}
 
 
 def register_provider(name: str, factory: ProviderFactory) -> None:
@@ -123,6 +124,20 @@ def register_provider(name: str, factory: ProviderFactory) -> None:
         if name in _tables:
             raise PyverbsRDMAError(f"provider {name!r} is already in use; register providers before opening devices")
         _factories[name] = factory
+
+
+def register_transport(name: str) -> None:
+    """Mark provider `name` as a fabric: an image's table of one transport comes back as the active one's."""
+    if not re.fullmatch(r"[a-z][a-z_]*", name):
+        raise ValueError(f"transport name {name!r}: lower-case letters and '_' only (it names a provider)")
+    with _lock:
+        _transports.add(name)
+
+
+def transports() -> frozenset[str]:
+    """Names of the providers that are transports (a name is enough: its provider may come later)."""
+    with _lock:
+        return frozenset(_transports)
 
 
 def providers() -> list[str]:
@@ -168,10 +183,12 @@ def _ops_for_image(provider: str) -> VerbsOps:
 
     An image taken on one fabric restarts on another (`ckpt restart --transport`):
     the process's active transport is $CKPT_VERBS_PROVIDER, which the rank sets.
-    Other providers stay themselves.
+    Transports are simib and those registered (`register_transport`: the rank
+    registers what its plugins declare); other providers stay themselves.
     """
     active = os.environ.get(PROVIDER_ENV)
-    if provider in TRANSPORTS and active in TRANSPORTS:
+    fabrics = transports()
+    if provider in fabrics and active in fabrics:
         provider = str(active)
     return get_ops(provider)
 

@@ -1,10 +1,9 @@
-"""The simulated fabric, public side: the SM client of HCAs and the CLI, locating a fabric, link-model units."""
+"""The simulated fabric, public side: the SM client of HCAs and the CLI, finding the default fabric, link units."""
 
 # The subnet manager itself, and why it is built the way it is, is in _subnet.py.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -12,7 +11,6 @@ import re
 import socket
 import threading
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, final
 
 from ckpt import _wire as protocol
@@ -29,7 +27,6 @@ from ckpt.verbs._subnet import (
 __all__ = [
     "ENV_ADDRESS",
     "ENV_TOKEN",
-    "FABRIC_FILE",
     "MAX_UNICAST_LID",
     "PORTS_PER_HCA",
     "FabricClient",
@@ -38,20 +35,14 @@ __all__ = [
     "LinkModel",
     "SubnetManager",
     "connect_default",
-    "locate",
     "parse_bandwidth",
     "parse_latency",
-    "read_fabric_file",
-    "remove_fabric_file",
-    "running_fabric",
-    "write_fabric_file",
 ]
 
 log = logging.getLogger(__name__)
 
 ENV_ADDRESS = "CKPT_FABRIC"
 ENV_TOKEN = "CKPT_FABRIC_TOKEN"
-FABRIC_FILE = "fabric.json"
 
 _NUMBER = r"[0-9]+(?:\.[0-9]*)?(?:[eE][-+]?[0-9]+)?|\.[0-9]+(?:[eE][-+]?[0-9]+)?"
 _QUANTITY = re.compile(rf"^\s*(?P<number>{_NUMBER})\s*(?P<unit>[A-Za-zµ/]*)\s*$")
@@ -233,83 +224,3 @@ def _private_fabric() -> SubnetManager:
             _private = (os.getpid(), sm)
             log.debug("no %s set: started a private fabric %s at %s", ENV_ADDRESS, sm.fabric_id, sm.address)
         return _private[1]
-
-
-def write_fabric_file(directory: Path | str, sm: SubnetManager, *, job: str | None = None) -> Path:
-    """Record where `sm` listens in DIRECTORY/fabric.json (mode 0600: it holds the token).
-
-    `job` is the id of the job whose launcher runs `sm`; None for a fabric of its own (`ckpt fabric start`).
-    """
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / FABRIC_FILE
-    tmp = path.with_suffix(".json.tmp")
-    record = {
-        "address": sm.address,
-        "token": sm.token,
-        "pid": os.getpid(),
-        "fabric": sm.fabric_id,
-        "latency": sm.link_model.latency,
-        "bandwidth": sm.link_model.bandwidth,
-        "job": job,
-    }
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(record, f)
-        f.write("\n")
-    os.replace(tmp, path)
-    return path
-
-
-def read_fabric_file(directory: Path | str) -> dict[str, Any] | None:
-    """DIRECTORY/fabric.json, or None if there is none."""
-    path = Path(directory) / FABRIC_FILE
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as exc:
-        raise FabricError(f"{path} is unreadable: {exc}") from None
-    if not isinstance(data, dict) or not {"address", "token"} <= data.keys():
-        raise FabricError(f"{path} is not a ckpt fabric file")
-    return data
-
-
-def remove_fabric_file(directory: Path | str, address: str) -> None:
-    """Remove DIRECTORY/fabric.json if it still names the fabric at `address`."""
-    try:
-        record = read_fabric_file(directory)
-    except FabricError:
-        return
-    if record is not None and record["address"] == address:
-        (Path(directory) / FABRIC_FILE).unlink(missing_ok=True)
-
-
-def running_fabric(directory: Path | str) -> dict[str, Any] | None:
-    """DIRECTORY/fabric.json if the fabric it names still answers, else None (no file, or a stale one)."""
-    try:
-        record = read_fabric_file(directory)
-        if record is None:
-            return None
-        FabricClient(str(record["address"]), str(record["token"]), timeout=5.0).close()
-    except FabricError:
-        return None
-    return record
-
-
-def locate(address: str | None, directory: Path | None) -> tuple[str, str]:
-    """(address, token) of a fabric: `address` with $CKPT_FABRIC_TOKEN, else DIRECTORY/fabric.json."""
-    record = read_fabric_file(directory) if directory is not None else None
-    if address:
-        token = os.environ.get(ENV_TOKEN)
-        if not token and record is not None and record["address"] == address:
-            token = record["token"]
-        if not token:
-            raise FabricError(f"no token for the fabric at {address}: set {ENV_TOKEN}")
-        return address, token
-    if record is None:
-        where = f"no {FABRIC_FILE} in {directory}" if directory is not None else "no fabric directory"
-        raise FabricError(
-            f"no fabric given and {where}: pass --fabric HOST:PORT, or --dir of a fabric (ckpt fabric start)"
-        )
-    return str(record["address"]), str(record["token"])

@@ -141,7 +141,8 @@ class Virtualizer:
         Only a transport's device moves, and only onto a transport (as `_ops_for_image` does).
         """
         provider, index, full = v.parse_device_name(name)
-        moves = provider != self.provider and provider in v.TRANSPORTS and self.provider in v.TRANSPORTS
+        fabrics = v.transports()
+        moves = provider != self.provider and provider in fabrics and self.provider in fabrics
         return f"{self.provider}{index}" if moves else full
 
     def attach_device(self, dev: ShadowDevice) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 
 import ckpt
 from ckpt import verbs
+from ckpt.plugin import Transport
 from ckpt_ib2tcp._directory import DIRECTORY_ENV, factory
 
 __all__ = ["DIRECTORY_ENV", "HOST_ENV", "PROVIDER", "make_ops", "register"]
@@ -42,6 +43,12 @@ def ckpt_init(rt: ckpt.Runtime) -> None:
 
 
 @ckpt.hookimpl
+def ckpt_transports() -> list[Transport]:
+    # native=False: the provider is this plugin's, and --native ranks load no plugins
+    return [Transport(PROVIDER, "plain TCP between the ranks' hosts: no subnet manager", native=False)]
+
+
+@ckpt.hookimpl
 def ckpt_verbs_providers() -> dict[str, Any]:
     return {PROVIDER: make_ops}
 
@@ -54,6 +61,7 @@ def make_ops() -> verbs.VerbsOps:
 def register() -> None:
     """Make `Context(name="tcp0")` work in a process without a ckpt runtime (peers: $CKPT_TCP_DIRECTORY)."""
     verbs.register_provider(PROVIDER, make_ops)
+    verbs.register_transport(PROVIDER)
 
 
 def listen_host() -> str:

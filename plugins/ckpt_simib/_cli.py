@@ -1,5 +1,7 @@
 """`ckpt fabric ...`: start, inspect and fault the simulated InfiniBand fabric's subnet manager."""
 
+# Contributed to `ckpt` by the plugin's ckpt_cli_commands; imported only when `ckpt` lists or runs it.
+
 from __future__ import annotations
 
 import json
@@ -10,9 +12,11 @@ from typing import Any
 
 import click
 
-from ckpt._cli_common import default_ckpt_dir, link_model, serve_until_signal
-from ckpt._errors import CkptError
-from ckpt._jobdir import process_exists
+from ckpt import CkptError
+from ckpt.plugin.cli import DEFAULT_CKPT_DIR, default_ckpt_dir, process_exists, serve_until_signal
+from ckpt.verbs import fabric
+from ckpt_simib import FABRIC_FILE, _service
+from ckpt_simib._service import link_model
 
 _FABRIC_START_TIMEOUT = 30.0
 
@@ -24,7 +28,7 @@ def _fabric_dir_option(f: Any) -> Any:
         "directory",
         type=click.Path(file_okay=False, path_type=Path),
         default=default_ckpt_dir,
-        show_default="$CKPT_DIR or ./ckpt-images",
+        show_default=f"$CKPT_DIR or ./{DEFAULT_CKPT_DIR}",
         help="Directory of the fabric's fabric.json.",
     )(f)
 
@@ -38,11 +42,9 @@ def _fabric_locating_options(f: Any) -> Any:
 
 def _fabric_client(address: str | None, directory: Path) -> Any:
     """A connection to the fabric named by --fabric, else by DIR/fabric.json, else by $CKPT_FABRIC."""
-    from ckpt.verbs import fabric
-
-    if address is None and fabric.read_fabric_file(directory) is None:
+    if address is None and _service.read_fabric_file(directory) is None:
         address = os.environ.get(fabric.ENV_ADDRESS) or None
-    return fabric.FabricClient(*fabric.locate(address, directory))
+    return fabric.FabricClient(*_service.locate(address, directory))
 
 
 @click.group("fabric")
@@ -61,14 +63,12 @@ def fabric_start(host: str, port: int, directory: Path, latency: str, bandwidth:
     """Start a subnet manager in the background; print its CKPT_FABRIC / CKPT_FABRIC_TOKEN."""
     import subprocess
 
-    from ckpt.verbs import fabric
-
     model = fabric.LinkModel(*link_model(latency, bandwidth))
     directory = directory.resolve()
-    running = fabric.running_fabric(directory)
+    running = _service.running_fabric(directory)
     if running is not None:
         raise CkptError(
-            f"a fabric is already running at {running['address']} ({directory / fabric.FABRIC_FILE}); "
+            f"a fabric is already running at {running['address']} ({directory / FABRIC_FILE}); "
             f"stop it first: ckpt fabric stop --dir {directory}"
         )
     if foreground:
@@ -97,11 +97,9 @@ def _wait_for_fabric(child: Any, directory: Path, log_path: Path) -> dict[str, A
     """Poll until the background subnet manager has written its fabric.json (or has died saying why)."""
     import time
 
-    from ckpt.verbs import fabric
-
     deadline = time.monotonic() + _FABRIC_START_TIMEOUT
     while True:
-        record = fabric.read_fabric_file(directory)
+        record = _service.read_fabric_file(directory)
         if record is not None and record.get("pid") == child.pid:
             return record
         if child.poll() is not None:
@@ -118,17 +116,15 @@ def _wait_for_fabric(child: Any, directory: Path, log_path: Path) -> dict[str, A
 
 
 def _serve_fabric(sm: Any, directory: Path) -> None:
-    from ckpt.verbs import fabric
-
     sm.start()
-    fabric.write_fabric_file(directory, sm)
+    _service.write_fabric_file(directory, sm)
     click.echo(f"{fabric.ENV_ADDRESS}={sm.address}")
     click.echo(f"{fabric.ENV_TOKEN}={sm.token}")
     try:
         serve_until_signal(sm.wait, "ckpt fabric")
     finally:
         sm.stop()
-        fabric.remove_fabric_file(directory, sm.address)
+        _service.remove_fabric_file(directory, sm.address)
 
 
 @fabric_group.command("status")
@@ -210,17 +206,15 @@ def fabric_restore_link(lid: str, address: str | None, directory: Path) -> None:
 @_fabric_locating_options
 def fabric_stop(address: str | None, directory: Path) -> None:
     """Stop the fabric's subnet manager and remove its fabric.json."""
-    from ckpt.verbs import fabric
-
     try:
         client = _fabric_client(address, directory)
     except fabric.FabricError as exc:
-        record = None if address else fabric.read_fabric_file(directory)
+        record = None if address else _service.read_fabric_file(directory)
         if record is None or process_exists(record.get("pid")):
             raise
-        (directory / fabric.FABRIC_FILE).unlink(missing_ok=True)
-        raise CkptError(f"{exc} (its process is gone: removed the stale {directory / fabric.FABRIC_FILE})") from None
+        (directory / FABRIC_FILE).unlink(missing_ok=True)
+        raise CkptError(f"{exc} (its process is gone: removed the stale {directory / FABRIC_FILE})") from None
     with client:
         client.stop()
-    fabric.remove_fabric_file(directory, client.address)
+    _service.remove_fabric_file(directory, client.address)
     click.echo(f"fabric {client.fabric} at {client.address} stopped")
