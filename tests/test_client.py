@@ -58,7 +58,7 @@ def rank_hello(rank: int, size: int, **extra: Any) -> dict[str, Any]:
         "size": size,
         "pid": 1000 + rank,
         "host": "h",
-        "program": {"name": "p"},
+        "program": {"name": "p", "path": "/p.py", "class": "P", "sha256": ""},  # a manifest needs all four
         **extra,
     }
 
@@ -1022,12 +1022,13 @@ def test_collectives_out_of_step_fail_instead_of_hanging(
 
 
 def test_a_manifest_records_the_settings_asked_for_not_a_debug_wait(tmp_path: Path) -> None:
+    from ckpt._schemas import JobRecord
     from ckpt.coordinator.job import JobSettings
 
     plain = JobSettings(token="t", ckpt_dir=tmp_path, interval=2.0, keep=3, phase_timeout=50.0)
-    assert plain.recorded() == {"interval": 2.0, "keep": 3, "phase_timeout": 50.0}
+    assert plain.recorded() == JobRecord(interval=2.0, keep=3, phase_timeout=50.0)
     debug = JobSettings(token="t", ckpt_dir=tmp_path, phase_timeout=7 * 24 * 3600.0, recorded_phase_timeout=50.0)
-    assert debug.recorded()["phase_timeout"] == 50.0
+    assert debug.recorded().phase_timeout == 50.0
 
 
 def test_status_names_the_job_before_any_rank_joins(tmp_path: Path) -> None:
