@@ -26,7 +26,7 @@ APPEARING_WAIT = 5.0
 
 
 def _latest_hint(ckpt_dir: Path) -> str:
-    from ckpt.runtime import manifest as manifests
+    from ckpt import _manifest as manifests
 
     try:
         latest = manifests.latest_manifest(ckpt_dir)
@@ -281,9 +281,9 @@ def inspect(path: Path, as_json: bool) -> None:
 
 
 def _inspect_manifest(path: Path, as_json: bool) -> None:
+    from ckpt import _manifest as manifests
     from ckpt._launcher import check_image
     from ckpt._schemas import to_dict
-    from ckpt.runtime import manifest as manifests
     from ckpt.runtime.images import inspect_image
 
     directory = path.resolve().parent

@@ -16,13 +16,13 @@ from types import FrameType
 from typing import Any
 
 from ckpt import _jobdir as jobdir
+from ckpt import _manifest as manifests
 from ckpt._errors import CoordinatorError, ImageError, ProtocolError
 from ckpt._jobdir import read_job_file, write_job_file
 from ckpt._schemas import Manifest, RankEntry, to_dict
 from ckpt.coordinator import protocol
 from ckpt.coordinator.server import Coordinator
 from ckpt.runtime import images
-from ckpt.runtime import manifest as manifests
 from ckpt.runtime.rank import SPEC_ENV
 from ckpt.verbs import fabric
 

@@ -95,7 +95,7 @@ class RankEntry(msgspec.Struct, frozen=True, kw_only=True):
 class Manifest(msgspec.Struct, frozen=True, kw_only=True):
     """A checkpoint: which images make it up and what a restart needs to run the job again.
 
-    A checkpoint exists once its manifest does (see ``ckpt.runtime.manifest``).
+    A checkpoint exists once its manifest does (see ``ckpt._manifest``).
     """
 
     job: str

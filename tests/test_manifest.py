@@ -9,8 +9,7 @@ import msgspec
 import pytest
 
 from ckpt._errors import ImageError
-from ckpt._schemas import Manifest, ProgramInfo, RankEntry
-from ckpt.runtime.manifest import (
+from ckpt._manifest import (
     LATEST,
     MANIFEST_VERSION,
     image_name,
@@ -22,6 +21,7 @@ from ckpt.runtime.manifest import (
     remove_unreferenced,
     write_manifest,
 )
+from ckpt._schemas import Manifest, ProgramInfo, RankEntry
 
 TOKEN = b"test-token"
 

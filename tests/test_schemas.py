@@ -18,6 +18,7 @@ import pytest
 
 from ckpt._errors import ImageError
 from ckpt._launcher import check_image
+from ckpt._manifest import read_manifest, write_manifest
 from ckpt._schemas import (
     IMAGE_FORMAT,
     MANIFEST_FORMAT,
@@ -33,7 +34,6 @@ from ckpt.coordinator.job import STATES
 from ckpt.plugin import Phase
 from ckpt.runtime._imageformat import MAGIC, PREFIX, TRAILER, TRAILER_MAGIC, ContentHash
 from ckpt.runtime.images import inspect_image, read_header, read_image, write_image
-from ckpt.runtime.manifest import read_manifest, write_manifest
 from harness import one_error_line, run
 
 TOKEN = b"test-token"

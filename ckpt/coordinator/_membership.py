@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ckpt import _manifest as manifests
 from ckpt._errors import CkptError
 from ckpt._schemas import JobRecord
 from ckpt.coordinator._scheduler import Scheduler, Timer
 from ckpt.coordinator.kvstore import KeyValueStore, Reply
 from ckpt.plugin import Phase
-from ckpt.runtime import manifest as manifests
 
 # One logger for the whole job (its membership here, its checkpoints in job.py): what users filter on.
 log = logging.getLogger("ckpt.coordinator.job")

@@ -30,13 +30,13 @@ from typing import Any
 
 import msgspec
 
+from ckpt import _manifest as manifests
 from ckpt._errors import CkptError, ImageError
 from ckpt._schemas import Manifest, ProgramInfo, RankEntry
 from ckpt.coordinator._membership import STATES, Checkpoint, JobMembership, JobSettings, Push, RankInfo, log
 from ckpt.coordinator._scheduler import Timer
 from ckpt.coordinator.kvstore import Reply
 from ckpt.plugin import Phase
-from ckpt.runtime import manifest as manifests
 
 __all__ = ["STATES", "Job", "JobSettings", "Push", "RankInfo"]
 

@@ -30,12 +30,13 @@ from typing import Any, NoReturn, cast
 import cloudpickle
 import numpy as np
 
+from ckpt import _manifest as manifest
 from ckpt._errors import CheckpointAborted, CkptError, CoordinatorError, ImageError, PluginError
 from ckpt._program import Program, Runtime, _set_current_runtime
 from ckpt._schemas import ImageHeader
 from ckpt.coordinator.client import CoordinatorClient
 from ckpt.plugin import ImageContents, Phase, _vid
-from ckpt.runtime import images, manifest
+from ckpt.runtime import images
 from ckpt.runtime.plugins import PluginHost
 
 log = logging.getLogger(__name__)
