@@ -1,4 +1,4 @@
-"""Checkpoint manifests: their schema, atomic writes, the ``latest`` pointer and pruning."""
+"""Checkpoint manifests on disk: atomic writes, the ``latest`` pointer, file names and pruning (schema: _schemas)."""
 
 # A checkpoint exists once, and only once, its manifest exists: the images of
 # all ranks are written first, then the coordinator writes the manifest

@@ -125,9 +125,10 @@ def read_image(
     """
     started = time.perf_counter()
     name = os.fspath(path)
-    header = read_header(name)  # a header that does not fit is refused before gigabytes are read
+    read_header(name)  # a header that does not fit is refused before gigabytes are read
     scan = _scan(name, materialise=True, progress=progress)
     _check_authentic(scan, name, token)
+    header = _typed(scan.header, name)  # the header the checksum covers
     if expected_sha256 is not None and scan.digest.hex() != expected_sha256:
         raise image_error(name, "not the image the manifest names (its checksum differs from the manifest's)")
     if scan.inflate_problem is not None:
