@@ -1,4 +1,4 @@
-"""One job as the coordinator sees it: membership, barriers, collectives and the checkpoint phases."""
+"""The checkpoint and restart state machine of one job, as the coordinator runs it."""
 
 # The checkpoint protocol is DMTCP's: a sequence of named global barriers that
 # every rank's checkpoint thread walks,
@@ -6,6 +6,9 @@
 #   ckptN:REACH -> ckptN:PRESUSPEND -> ckptN:DRAIN -> ckptN:CHECKPOINT -> ckptN:RESUME
 #
 # and on restart  genG:RESTART -> genG:REFRESH -> genG:RESUME.
+#
+# That order is written once, in `ckpt.plugin.Phase`: barrier names are built
+# and parsed by it, a rank's state is `Phase.state`, the next barrier `Phase.next`.
 #
 # REACH is ours: each rank reports the step boundary it can still reach
 # without help (its current step + 1, or the boundary it is holding at), and the
