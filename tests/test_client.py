@@ -387,6 +387,17 @@ def test_a_rank_that_does_not_fit_the_job_is_refused(
     assert [r["rank"] for r in status(coordinator)["ranks"]] == [0, 1]
 
 
+def test_a_first_rank_whose_program_entry_does_not_fit_is_refused(
+    coordinator: Coordinator, connect: Callable[..., CoordinatorClient]
+) -> None:
+    expected = "rank 0 sent a program entry that does not fit: Object missing required field `path`"
+    with pytest.raises(CoordinatorError, match=f"the coordinator refused this rank: {expected}"):
+        connect(rank_hello(0, 2, program={"name": "p"}))  # every manifest records the whole entry
+    assert coordinator.outcome is None and status(coordinator)["ranks"] == []
+    connect(rank_hello(0, 2))
+    assert [r["rank"] for r in status(coordinator)["ranks"]] == [0]
+
+
 # ----------------------------------------------------------------- malformed traffic on raw sockets
 def _garbage(seed: int) -> list[bytes]:
     """Byte strings that are not a valid message, each to be sent on its own connection."""

@@ -197,7 +197,8 @@ def test_an_image_report_that_does_not_fit_the_manifest_aborts_the_checkpoint(
     bad = {**image_value(1, 1), "bytes": "ten"}
     answers = all_at(ranks, "ckpt1:CHECKPOINT", lambda r: bad if r.rank == 1 else image_value(0, 1))
     for answer in answers:
-        assert "does not fit the manifest" in answer["abort"] and "$.bytes" in answer["abort"], answer
+        assert "rank 1's image report does not fit the manifest" in answer["abort"], answer
+        assert "$.bytes" in answer["abort"], answer
         assert "\n" not in answer["abort"]
     assert coordinator.status()["last_checkpoint"] is None and coordinator.outcome is None  # the job goes on
     assert not list(coordinator.job.settings.ckpt_dir.glob("*.json"))

@@ -17,9 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from ckpt import _manifest as manifests
 from ckpt._errors import CkptError
-from ckpt._schemas import JobRecord
+from ckpt._schemas import JobRecord, ProgramInfo
 from ckpt.coordinator._scheduler import Scheduler, Timer
 from ckpt.coordinator.kvstore import KeyValueStore, Reply
 from ckpt.plugin import Phase
@@ -111,7 +113,8 @@ class JobMembership(abc.ABC):
         self.job_id = settings.job_id
         self.size = 0
         self.generation = 0
-        self.program: dict[str, Any] = {}
+        #: the program the first rank to join runs (None until one has)
+        self.program: ProgramInfo | None = None
         self.argv: list[str] = []
         #: what a restart reuses unless told otherwise: --with-plugin modules, plugin option values
         self.with_plugins: list[str] = []
@@ -151,10 +154,10 @@ class JobMembership(abc.ABC):
             raise CkptError(f"rank {rank} is out of range for a job of {size} ranks")
         if rank in self.ranks:
             raise CkptError(f"rank {rank} has already joined job {self.job_id}")
-        if hello.get("program", {}).get("name") != self.program.get("name"):
+        assert self.program is not None
+        if hello.get("program", {}).get("name") != self.program.name:
             raise CkptError(
-                f"rank {rank} runs program {hello.get('program', {}).get('name')!r}, "
-                f"the job runs {self.program.get('name')!r}"
+                f"rank {rank} runs program {hello.get('program', {}).get('name')!r}, the job runs {self.program.name!r}"
             )
         if bool(hello.get("restart")) != self.restarting:
             raise CkptError(f"rank {rank} {'restarts' if hello.get('restart') else 'launches'} but the job does not")
@@ -184,8 +187,12 @@ class JobMembership(abc.ABC):
 
     def _adopt(self, hello: dict[str, Any]) -> None:
         """The first rank to join defines the job (so an external coordinator needs no flags)."""
+        try:  # checked once, here: every manifest of the job records it
+            program = msgspec.convert(hello.get("program"), ProgramInfo)
+        except msgspec.ValidationError as exc:
+            raise CkptError(f"rank {hello['rank']} sent a program entry that does not fit: {exc}") from None
         self.size = int(hello["size"])
-        self.program = dict(hello.get("program", {}))
+        self.program = program
         self.argv = list(hello.get("argv", []))
         self.with_plugins = [str(m) for m in hello.get("with_plugins", [])]
         self.options = dict(hello.get("options", {}))
@@ -202,9 +209,8 @@ class JobMembership(abc.ABC):
             self.last_checkpoint = restart.get("last_checkpoint")
         else:
             self.job_id = str(hello.get("job") or self.job_id or uuid.uuid4().hex[:12])
-        log.info("job %s: %d ranks of %s", self.job_id, self.size, self.program.get("name"))
-        name = str(self.program.get("name", "program"))
-        self._next_number = max(self._next_number, manifests.next_number(self.settings.ckpt_dir, name))
+        log.info("job %s: %d ranks of %s", self.job_id, self.size, program.name)
+        self._next_number = max(self._next_number, manifests.next_number(self.settings.ckpt_dir, program.name))
         self.kv.new_generation(self.generation)
 
     def _live(self) -> list[int]:

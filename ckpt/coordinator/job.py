@@ -35,7 +35,7 @@ import msgspec
 
 from ckpt import _manifest as manifests
 from ckpt._errors import CkptError, ImageError
-from ckpt._schemas import Manifest, ProgramInfo, RankEntry
+from ckpt._schemas import Manifest, RankEntry
 from ckpt.coordinator._membership import STATES, Checkpoint, JobMembership, JobSettings, Push, RankInfo, log
 from ckpt.coordinator._scheduler import Timer
 from ckpt.coordinator.kvstore import Reply
@@ -234,7 +234,8 @@ class Job(JobMembership):
 
     def _remove_images(self, number: int) -> None:
         try:
-            manifests.remove_unreferenced(self.settings.ckpt_dir, self.program.get("name", ""), number)
+            if self.program is not None:
+                manifests.remove_unreferenced(self.settings.ckpt_dir, self.program.name, number)
         except (OSError, ImageError) as exc:
             log.warning("cannot clean up checkpoint %d: %s", number, exc)
 
@@ -270,20 +271,17 @@ class Job(JobMembership):
     def _write_manifest(self, ckpt: Checkpoint, images: list[Any]) -> str:
         """Commit checkpoint ``ckpt``: write its manifest from what the ranks report; return its path."""
         seconds = time.time() - ckpt.started
-        try:
-            # What ranks and their hello sent is checked here, once, against the schema.
-            ranks = [
-                msgspec.convert(
-                    {"rank": rank, "host": self.ranks[rank].host, "pid": self.ranks[rank].pid, **image}, RankEntry
-                )
-                for rank, image in enumerate(images)
-            ]
-            program = msgspec.convert(self.program, ProgramInfo)
-        except (msgspec.ValidationError, TypeError) as exc:
-            raise CkptError(f"a rank's report does not fit the manifest: {exc}") from None
+        ranks = []
+        for rank, image in enumerate(images):  # what a rank reports of its image is checked once, here
+            info = self.ranks[rank]
+            try:
+                ranks.append(msgspec.convert({"rank": rank, "host": info.host, "pid": info.pid, **image}, RankEntry))
+            except (msgspec.ValidationError, TypeError) as exc:
+                raise CkptError(f"rank {rank}'s image report does not fit the manifest: {exc}") from None
+        assert self.program is not None  # a rank has joined
         manifest = Manifest(
             job=self.job_id,
-            program=program,
+            program=self.program,
             argv=self.argv,
             size=self.size,
             number=ckpt.number,
@@ -304,7 +302,7 @@ class Job(JobMembership):
         total = manifest.image_bytes()
         self.last_checkpoint = {"number": ckpt.number, "manifest": str(path), "bytes": total, "seconds": seconds}
         if self.settings.keep:
-            manifests.prune(self.settings.ckpt_dir, program.name, self.settings.keep)
+            manifests.prune(self.settings.ckpt_dir, self.program.name, self.settings.keep)
         return str(path)
 
     def _arm_restart_timer(self, phase: Phase) -> None:
