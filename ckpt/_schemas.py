@@ -106,11 +106,12 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True):
     #: The job's generation when it was taken (0 for the launch, one more per restart).
     generation: int
     ranks: list[RankEntry]
+    #: The transport the job ran on (a ``ckpt.plugin.Transport`` name).
+    transport: str
     argv: list[str] = []
     #: When its CHECKPOINT barrier completed (seconds since the epoch), and how long the checkpoint took.
     created: float = 0.0
     seconds: float = 0.0
-    transport: str = "simib"
     #: What each plugin reported about itself (`name`, `version`, `module`, ...).
     plugins: list[dict[str, Any]] = []
     #: The ``--with-plugin`` modules and every plugin option's value, reused on restart.

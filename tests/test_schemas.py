@@ -56,6 +56,7 @@ def manifest() -> Manifest:
         generation=1,
         ranks=[RankEntry(rank=0, file="ckpt_heat_0_2.ckpt", host="n1", pid=7, bytes=10, sha256="cd" * 32, step=4)],
         options={"log_home": None},
+        transport="tcp",
     )
 
 
