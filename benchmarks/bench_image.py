@@ -39,6 +39,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from ckpt._schemas import ImageHeader
 from ckpt.runtime.images import read_image, write_image
 
 PIECE = 8 << 20
@@ -99,7 +100,8 @@ def raw_read(path: Path, size: int) -> np.ndarray:
 
 def image_write(path: Path, grid: np.ndarray) -> None:
     obj = {"program": BenchProgram(grid), "plugins": {}}
-    write_image(path, obj, header={"program": "bench", "rank": 0, "number": 1}, token=TOKEN)
+    header = ImageHeader(program="bench", job="bench", rank=0, size=1, number=1, generation=0)
+    write_image(path, obj, header=header, token=TOKEN)
 
 
 def image_read(path: Path) -> object:

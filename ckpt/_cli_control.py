@@ -26,7 +26,7 @@ APPEARING_WAIT = 5.0
 
 
 def _latest_hint(ckpt_dir: Path) -> str:
-    from ckpt.runtime import manifest as manifests
+    from ckpt import _manifest as manifests
 
     try:
         latest = manifests.latest_manifest(ckpt_dir)
@@ -281,8 +281,9 @@ def inspect(path: Path, as_json: bool) -> None:
 
 
 def _inspect_manifest(path: Path, as_json: bool) -> None:
+    from ckpt import _manifest as manifests
     from ckpt._launcher import check_image
-    from ckpt.runtime import manifest as manifests
+    from ckpt._schemas import to_dict
     from ckpt.runtime.images import inspect_image
 
     directory = path.resolve().parent
@@ -296,35 +297,34 @@ def _inspect_manifest(path: Path, as_json: bool) -> None:
         except ImageError:
             authentic = False
     images = []
-    for entry in manifest.get("ranks", []):
+    for entry in manifest.ranks:
         problem = None
         try:
-            check_image(directory / entry["file"], entry, manifest, path.name)
-            content = inspect_image(directory / entry["file"])  # the whole content against its checksum
+            check_image(directory / entry.file, entry, manifest, path.name)
+            content = inspect_image(directory / entry.file)  # the whole content against its checksum
             if not content["ok"]:
                 problem = str(content["problem"])
         except ImageError as exc:
             problem = str(exc)
-        images.append({**entry, "ok": problem is None, "problem": problem})
-    report = {"path": str(path), "authentic": authentic, **manifest, "ranks": images}
+        images.append({**to_dict(entry), "ok": problem is None, "problem": problem})
+    report = {"path": str(path), "authentic": authentic, **to_dict(manifest), "ranks": images}
     if as_json:
         click.echo(json.dumps(report, indent=2, default=str))
     else:
         click.echo(
-            f"manifest of checkpoint {manifest['number']} of {manifest['program'].get('name')} "
-            f"(job {manifest.get('job')}, generation {manifest.get('generation')}, {manifest.get('size')} ranks)"
+            f"manifest of checkpoint {manifest.number} of {manifest.program.name} "
+            f"(job {manifest.job}, generation {manifest.generation}, {manifest.size} ranks, "
+            f"format {manifest.manifest_version}.{manifest.manifest_minor})"
         )
-        if "created" in manifest:
-            click.echo(f"created: {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(manifest['created']))}")
-        if "seconds" in manifest:
-            click.echo(f"took: {manifest['seconds']:.3f} s")
-        click.echo(f"transport: {manifest.get('transport')}")
-        if manifest.get("with_plugins"):
-            click.echo(f"--with-plugin: {' '.join(manifest['with_plugins'])}")
-        given = {k: v for k, v in manifest.get("options", {}).items() if v is not None}
+        click.echo(f"created: {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(manifest.created))}")
+        click.echo(f"took: {manifest.seconds:.3f} s")
+        click.echo(f"transport: {manifest.transport}")
+        if manifest.with_plugins:
+            click.echo(f"--with-plugin: {' '.join(manifest.with_plugins)}")
+        given = {k: v for k, v in manifest.options.items() if v is not None}
         if given:
             click.echo("plugin options: " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in sorted(given.items())))
-        click.echo(f"plugins: {', '.join(p.get('name', '?') for p in manifest.get('plugins', [])) or 'none'}")
+        click.echo(f"plugins: {', '.join(p.get('name', '?') for p in manifest.plugins) or 'none'}")
         click.echo(f"authentic: {'unknown (no token)' if authentic is None else 'yes' if authentic else 'NO'}")
         for image in images:
             state = "ok" if image["ok"] else f"BAD: {image['problem']}"

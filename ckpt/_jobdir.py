@@ -283,7 +283,7 @@ def remove_leftovers(ckpt_dir: Path, program: str) -> list[Path]:
 
     Called by a new launch or restart once it holds the directory, so nothing else can be writing there.
     """
-    from ckpt.runtime import manifest as manifests
+    from ckpt import _manifest as manifests
 
     removed: list[Path] = []
     with contextlib.suppress(FileNotFoundError):

@@ -16,14 +16,15 @@ from types import FrameType
 from typing import Any
 
 from ckpt import _jobdir as jobdir
+from ckpt import _manifest as manifests
 from ckpt import _wire as protocol
 from ckpt._cli_plugins import JobServices, launcher_host
 from ckpt._errors import CkptError, CoordinatorError, ImageError, ProtocolError
 from ckpt._jobdir import read_job_file, write_job_file
+from ckpt._schemas import Manifest, RankEntry, to_dict
 from ckpt.coordinator.server import Coordinator
 from ckpt.plugin import JobInfo
 from ckpt.runtime import images
-from ckpt.runtime import manifest as manifests
 from ckpt.runtime.rank import SPEC_ENV
 
 log = logging.getLogger(__name__)
@@ -160,41 +161,41 @@ def prepare_restart(manifest_path: Path | None, directory: Path, token: str | No
     if token is None:
         raise ImageError(f"no token to authenticate {path}: set CKPT_TOKEN (or keep coordinator.json beside it)")
     manifest = manifests.read_manifest(path, token=protocol.token_bytes(token))
-    program = manifest["program"]
-    if not Path(program["path"]).is_file():
-        raise ImageError(f"the checkpointed program {program['path']} no longer exists")
-    if len(manifest["ranks"]) != manifest["size"]:
-        raise ImageError(f"manifest {path} lists {len(manifest['ranks'])} images for {manifest['size']} ranks")
-    for entry in manifest["ranks"]:
-        check_image(directory / entry["file"], entry, manifest, path.name)
-    return manifest, token
+    program = manifest.program
+    if not Path(program.path).is_file():
+        raise ImageError(f"the checkpointed program {program.path} no longer exists")
+    if len(manifest.ranks) != manifest.size:
+        raise ImageError(f"manifest {path} lists {len(manifest.ranks)} images for {manifest.size} ranks")
+    for entry in manifest.ranks:
+        check_image(directory / entry.file, entry, manifest, path.name)
+    return to_dict(manifest), token
 
 
-def check_image(image: Path, entry: dict[str, Any], manifest: dict[str, Any], manifest_name: str) -> None:
+def check_image(image: Path, entry: RankEntry, manifest: Manifest, manifest_name: str) -> None:
     """Is `image` the one `entry` of the manifest names? Identity first, so a wrong image is called wrong."""
     if not image.is_file():
-        raise ImageError(f"image {image} of checkpoint {manifest['number']} is missing")
+        raise ImageError(f"image {image} of checkpoint {manifest.number} is missing")
     header = images.read_header(image)
-    program = manifest["program"]
-    if (header.get("program"), header.get("job")) != (program["name"], manifest["job"]):
+    program = manifest.program
+    if (header.program, header.job) != (program.name, manifest.job):
         raise ImageError(
-            f"image {image} belongs to program {header.get('program')!r} (job {header.get('job')}), "
-            f"not to {program['name']!r} (job {manifest['job']}) of manifest {manifest_name}"
+            f"image {image} belongs to program {header.program!r} (job {header.job}), "
+            f"not to {program.name!r} (job {manifest.job}) of manifest {manifest_name}"
         )
-    if (header.get("rank"), header.get("number")) != (entry["rank"], manifest["number"]):
+    if (header.rank, header.number) != (entry.rank, manifest.number):
         raise ImageError(
-            f"image {image} is rank {header.get('rank')} of checkpoint {header.get('number')}, "
-            f"the manifest expects rank {entry['rank']} of checkpoint {manifest['number']}"
+            f"image {image} is rank {header.rank} of checkpoint {header.number}, "
+            f"the manifest expects rank {entry.rank} of checkpoint {manifest.number}"
         )
-    if "step" in entry and header.get("step") != entry["step"]:
+    if entry.step is not None and header.step != entry.step:
         raise ImageError(
-            f"image {image} was taken at step {header.get('step')}, the manifest's at step {entry['step']}: "
+            f"image {image} was taken at step {header.step}, the manifest's at step {entry.step}: "
             "it is another checkpoint's image with the same name (from a copy of this directory?)"
         )
     size = image.stat().st_size
-    if size != entry["bytes"]:
-        raise ImageError(f"image {image} is truncated or damaged: {size} bytes, the manifest says {entry['bytes']}")
-    if "sha256" in entry and images.stored_checksum(image) != entry["sha256"]:
+    if size != entry.bytes:
+        raise ImageError(f"image {image} is truncated or damaged: {size} bytes, the manifest says {entry.bytes}")
+    if entry.sha256 and images.stored_checksum(image) != entry.sha256:
         raise ImageError(
             f"image {image} is not the one manifest {manifest_name} names (its checksum differs): "
             "another checkpoint's image with the same name (from a copy of this directory?)"

@@ -58,7 +58,7 @@ def rank_hello(rank: int, size: int, **extra: Any) -> dict[str, Any]:
         "size": size,
         "pid": 1000 + rank,
         "host": "h",
-        "program": {"name": "p"},
+        "program": {"name": "p", "path": "/p.py", "class": "P", "sha256": ""},  # a manifest needs all four
         **extra,
     }
 
@@ -385,6 +385,17 @@ def test_a_rank_that_does_not_fit_the_job_is_refused(
     assert [r["rank"] for r in status(coordinator)["ranks"]] == [0]
     connect(rank_hello(1, 2))
     assert [r["rank"] for r in status(coordinator)["ranks"]] == [0, 1]
+
+
+def test_a_first_rank_whose_program_entry_does_not_fit_is_refused(
+    coordinator: Coordinator, connect: Callable[..., CoordinatorClient]
+) -> None:
+    expected = "rank 0 sent a program entry that does not fit: Object missing required field `path`"
+    with pytest.raises(CoordinatorError, match=f"the coordinator refused this rank: {expected}"):
+        connect(rank_hello(0, 2, program={"name": "p"}))  # every manifest records the whole entry
+    assert coordinator.outcome is None and status(coordinator)["ranks"] == []
+    connect(rank_hello(0, 2))
+    assert [r["rank"] for r in status(coordinator)["ranks"]] == [0]
 
 
 # ----------------------------------------------------------------- malformed traffic on raw sockets
@@ -1062,12 +1073,13 @@ def test_collectives_out_of_step_fail_instead_of_hanging(
 
 
 def test_a_manifest_records_the_settings_asked_for_not_a_debug_wait(tmp_path: Path) -> None:
+    from ckpt._schemas import JobRecord
     from ckpt.coordinator.job import JobSettings
 
     plain = JobSettings(token="t", ckpt_dir=tmp_path, interval=2.0, keep=3, phase_timeout=50.0)
-    assert plain.recorded() == {"interval": 2.0, "keep": 3, "phase_timeout": 50.0}
+    assert plain.recorded() == JobRecord(interval=2.0, keep=3, phase_timeout=50.0)
     debug = JobSettings(token="t", ckpt_dir=tmp_path, phase_timeout=7 * 24 * 3600.0, recorded_phase_timeout=50.0)
-    assert debug.recorded()["phase_timeout"] == 50.0
+    assert debug.recorded().phase_timeout == 50.0
 
 
 def test_status_names_the_job_before_any_rank_joins(tmp_path: Path) -> None:

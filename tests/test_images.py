@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from ckpt._errors import ImageError
+from ckpt._schemas import IMAGE_MINOR, ImageHeader
 from ckpt.runtime import images
 from ckpt.runtime.images import (
     FORMAT_VERSION,
@@ -32,7 +33,8 @@ from ckpt.runtime.images import (
 )
 
 TOKEN = b"test-token"
-HEADER = {"program": "heat", "rank": 0, "size": 2, "number": 3, "generation": 1, "job": "j1"}
+FIELDS: dict[str, Any] = {"program": "heat", "rank": 0, "size": 2, "number": 3, "generation": 1, "job": "j1"}
+HEADER = ImageHeader(**FIELDS)
 TRAILER_SIZE = 80
 
 
@@ -96,10 +98,10 @@ def test_roundtrip_returns_header_and_state(tmp_path: Path) -> None:
     assert isinstance(info, ImageInfo)
     assert info.path == str(path) and info.bytes == path.stat().st_size
     assert info.raw_bytes >= 800_000 and len(info.sha256) == 64 and info.seconds >= 0
-    assert {key: header[key] for key in HEADER} == HEADER
-    assert header["format_version"] == FORMAT_VERSION
-    assert isinstance(header["created"], float)
-    assert header["objects"][0] == {"path": "program.values", "type": "numpy.ndarray", "bytes": 800_000}
+    assert {key: getattr(header, key) for key in FIELDS} == FIELDS
+    assert (header.format_version, header.format_minor) == (FORMAT_VERSION, IMAGE_MINOR)
+    assert header.created > 0
+    assert header.objects[0] == {"path": "program.values", "type": "numpy.ndarray", "bytes": 800_000}
     assert np.array_equal(obj["program"].values, np.arange(100_000, dtype=np.float64))
     assert obj["program"].step == 7 and obj["k"] == [1, "two", 3.0]
     assert not (tmp_path / "img.ckpt.tmp").exists()
@@ -209,11 +211,11 @@ def test_write_replaces_an_existing_image(image: Path) -> None:
 
 def test_read_header_reads_the_header_only(image: Path) -> None:
     header = read_header(image)
-    assert header["rank"] == 0 and header["format_version"] == FORMAT_VERSION
+    assert header.rank == 0 and header.format_version == FORMAT_VERSION
     data = image.read_bytes()
     header_len = struct.unpack_from("<I", data, 10)[0]
     image.write_bytes(data[: 18 + header_len])  # no records, no trailer: still a header
-    assert read_header(image)["job"] == "j1"
+    assert read_header(image).job == "j1"
 
 
 def test_verify_matches_write(tmp_path: Path) -> None:
@@ -285,8 +287,8 @@ def test_newer_format_version(image: Path) -> None:
     data = bytearray(image.read_bytes())
     struct.pack_into("<H", data, len(MAGIC), FORMAT_VERSION + 1)
     image.write_bytes(data)
-    assert_refused(image, r"unsupported format version 2 \(this ckpt reads 1\)")
-    with pytest.raises(ImageError, match="unsupported format version 2"):
+    assert_refused(image, r"^checkpoint image \S+ has format 2; this ckpt reads format 1$")
+    with pytest.raises(ImageError, match="has format 2; this ckpt reads format 1"):
         read_header(image)
 
 
@@ -390,7 +392,7 @@ def test_write_image_lets_go_of_the_state_at_once(tmp_path: Path) -> None:
 
 def test_header_must_be_json(tmp_path: Path) -> None:
     with pytest.raises(ImageError, match="header is not JSON"):
-        write_image(tmp_path / "img.ckpt", {}, header={"bad": object()}, token=TOKEN)
+        write_image(tmp_path / "img.ckpt", {}, header=ImageHeader(**{**FIELDS, "result": object()}), token=TOKEN)
 
 
 def test_write_into_a_missing_directory(tmp_path: Path) -> None:

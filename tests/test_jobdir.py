@@ -14,7 +14,7 @@ import pytest
 
 from ckpt import CkptError
 from ckpt import _jobdir as jobdir
-from ckpt.runtime import manifest as manifests
+from ckpt import _manifest as manifests
 
 
 def _hold_in_child(directory: Path) -> subprocess.Popen[str]:

@@ -33,6 +33,8 @@ pytestmark = pytest.mark.timeout(60)
 
 TOKEN = "race-token-0123456789"
 WAIT = 5.0
+#: The program a fake rank says it runs: what a rank sends, and a manifest records, of it.
+PROGRAM = {"name": "p", "path": "/p.py", "class": "P", "sha256": ""}
 
 
 # ----------------------------------------------------------------- raw ranks
@@ -44,7 +46,7 @@ class Rank:
         self.sock = socket.create_connection((host, port), timeout=WAIT)
         challenge = wire.recv(self.sock)
         wire.send(self.sock, {"op": "hello", "auth": wire.auth_answer(TOKEN, challenge["nonce"]), "role": "rank"})
-        join = {"op": "join", "rank": rank, "size": size, "pid": 1000 + rank, "host": "h", "program": {"name": "p"}}
+        join = {"op": "join", "rank": rank, "size": size, "pid": 1000 + rank, "host": "h", "program": PROGRAM}
         wire.send(self.sock, {**join, **extra})
         self.welcome = self._next_message()
         assert self.welcome["op"] == "welcome", self.welcome
@@ -159,7 +161,7 @@ def reach(r: Rank, *, finished: bool = False) -> dict[str, Any]:
 
 def walk_to_checkpoint(ranks: list[Rank], number: int, finished: Callable[[Rank], bool] = lambda r: False) -> None:
     """reach, PRESUSPEND, DRAIN for everyone (no aborts expected)."""
-    for answer in all_at(ranks, f"ckpt{number}:reach", lambda r: reach(r, finished=finished(r))):
+    for answer in all_at(ranks, f"ckpt{number}:REACH", lambda r: reach(r, finished=finished(r))):
         assert "abort" not in answer and "error" not in answer, answer
     for phase in ("PRESUSPEND", "DRAIN"):
         for answer in all_at(ranks, f"ckpt{number}:{phase}", lambda r: {"step": 0}):
@@ -182,6 +184,22 @@ def test_a_checkpoint_queued_during_a_restart_does_not_start_on_an_ended_job(
     # a job that has ended must not have a checkpoint in progress, nor tell its ranks to suspend after "done"
     assert coordinator.status()["checkpoint_in_progress"] is None
     assert "suspend" not in pushed
+
+
+def test_an_image_report_that_does_not_fit_the_manifest_aborts_the_checkpoint(
+    coordinator: Coordinator, join: Callable[..., Rank], ctl: CoordinatorClient
+) -> None:
+    ranks = [join(coordinator, r, 2) for r in range(2)]
+    assert ctl.call("checkpoint", reply_timeout=WAIT)["number"] == 1
+    walk_to_checkpoint(ranks, 1)
+    bad = {**image_value(1, 1), "bytes": "ten"}
+    answers = all_at(ranks, "ckpt1:CHECKPOINT", lambda r: bad if r.rank == 1 else image_value(0, 1))
+    for answer in answers:
+        assert "rank 1's image report does not fit the manifest" in answer["abort"], answer
+        assert "$.bytes" in answer["abort"], answer
+        assert "\n" not in answer["abort"]
+    assert coordinator.status()["last_checkpoint"] is None and coordinator.outcome is None  # the job goes on
+    assert not list(coordinator.job.settings.ckpt_dir.glob("*.json"))
 
 
 def test_checkpoint_kill_joining_a_checkpoint_past_its_commit_point_kills_the_job(
@@ -225,7 +243,7 @@ def test_a_killed_checkpoint_does_not_push_aborts_into_the_next_job(
     ctl = control(coord.address, TOKEN)
     try:
         assert ctl.call("checkpoint", reply_timeout=WAIT)["number"] == 1
-        all_at(ranks, "ckpt1:reach", reach)
+        all_at(ranks, "ckpt1:REACH", reach)
         ctl.call("kill", reply_timeout=WAIT)
     finally:
         ctl.close()
@@ -244,7 +262,7 @@ def test_stuck_check_sees_ranks_parked_in_a_presuspend_plugin_barrier(
 ) -> None:
     ranks = [join(coordinator, r, 2) for r in range(2)]
     assert ctl.call("checkpoint", reply_timeout=WAIT)["number"] == 1
-    all_at(ranks, "ckpt1:reach", reach)
+    all_at(ranks, "ckpt1:REACH", reach)
     # rank 0 parked, runs ckpt_presuspend, whose plugin waits for its peers
     plugin = ranks[0].barrier("ckpt1:plugin:sync")
     # rank 1 is still catching up and blocks in a collective rank 0 enters only in a later step
@@ -264,7 +282,7 @@ def test_a_plugin_barrier_does_not_confuse_the_phase_timeout_message(
         assert ctl.call("checkpoint", reply_timeout=WAIT)["number"] == 1
     finally:
         ctl.close()
-    all_at(ranks, "ckpt1:reach", reach)
+    all_at(ranks, "ckpt1:REACH", reach)
     all_at(ranks, "ckpt1:PRESUSPEND", lambda r: {"step": 0})
     all_at(ranks, "ckpt1:plugin:counts")  # a plugin's barrier inside ckpt_drain, on every rank
     answer = ranks[0].reply(ranks[0].barrier("ckpt1:DRAIN"), timeout=WAIT)  # rank 1 never finishes DRAIN
@@ -278,7 +296,7 @@ def test_a_kill_checkpoint_of_finished_ranks_does_not_also_push_done(
     ranks = [join(coordinator, r, 2) for r in range(2)]
     ranks[0].call("finished", result="r0", step=3)
     assert ctl.call("checkpoint", reply_timeout=WAIT, kill=True)["number"] == 1
-    all_at(ranks, "ckpt1:reach", lambda r: reach(r, finished=r.rank == 0))
+    all_at(ranks, "ckpt1:REACH", lambda r: reach(r, finished=r.rank == 0))
     ranks[1].call("finished", result="r1", step=3)  # rank 1 finishes its last step while parking
     for phase in ("PRESUSPEND", "DRAIN"):
         all_at(ranks, f"ckpt1:{phase}", lambda r: {"step": 3})
@@ -298,18 +316,18 @@ def test_a_latecomer_at_an_aborted_checkpoint_does_not_disturb_the_next_one(
     before suspend 2 on the one connection."""
     ranks = [join(coordinator, r, 2) for r in range(2)]
     assert ctl.call("checkpoint", reply_timeout=WAIT)["number"] == 1
-    all_at(ranks, "ckpt1:reach", reach)
+    all_at(ranks, "ckpt1:REACH", reach)
     all_at(ranks, "ckpt1:PRESUSPEND", lambda r: {"step": 0})
     ranks[0].call("abort_checkpoint", number=1, reason="rank 0: plugin x failed in ckpt_drain")
     assert ctl.call("checkpoint", reply_timeout=WAIT)["number"] == 2
-    waiting = ranks[0].barrier("ckpt2:reach", reach(ranks[0]))
+    waiting = ranks[0].barrier("ckpt2:REACH", reach(ranks[0]))
     late = ranks[1].reply(ranks[1].barrier("ckpt1:DRAIN"))  # rank 1 leaves its slow ckpt_drain hook
     assert "checkpoint 1 was aborted" in late["abort"]
     assert [m["op"] for m in ranks[1].pushes[:3]] == ["suspend", "abort", "suspend"]
     assert [m["number"] for m in ranks[1].pushes[:3]] == [1, 1, 2]
     # a late `abort_checkpoint` for checkpoint 1 (from rank 1's error path) must not touch checkpoint 2
     ranks[1].call("abort_checkpoint", number=1, reason="rank 1: late")
-    done = ranks[1].reply(ranks[1].barrier("ckpt2:reach", reach(ranks[1])))
+    done = ranks[1].reply(ranks[1].barrier("ckpt2:REACH", reach(ranks[1])))
     assert "abort" not in done and "error" not in done, done
     assert "abort" not in ranks[0].reply(waiting)
     assert coordinator.status()["checkpoint_in_progress"] == 2
@@ -359,7 +377,7 @@ def test_a_rank_finishing_while_others_wait_at_presuspend_triggers_the_stuck_che
     rank 0 parked. The finish completes the picture, and the coordinator aborts instead of hanging."""
     ranks = [join(coordinator, r, 3) for r in range(3)]
     assert ctl.call("checkpoint", reply_timeout=WAIT)["number"] == 1
-    all_at(ranks, "ckpt1:reach", reach)
+    all_at(ranks, "ckpt1:REACH", reach)
     parked = ranks[0].barrier("ckpt1:PRESUSPEND", {"step": 1})
     _until(lambda: 0 in coordinator.job._barriers.get("ckpt1:PRESUSPEND", {}))  # three connections:
     coll = ranks[2].send("collective", seq=1, kind="allgather", step=0, data=b"x")  # force the order
@@ -382,7 +400,7 @@ class _FakeClient:
             self.finished.append(fields)
             return {}
         assert op == "barrier", op
-        if fields["name"].endswith(":reach"):
+        if fields["name"].endswith(":REACH"):
             peer = {"reach": self.peer_reach, "finished": False, "step": self.peer_reach}
             return {"values": [fields["value"], peer]}
         return {"values": [fields["value"], None]}
@@ -552,7 +570,7 @@ def test_a_checkpoint_during_result_keeps_the_result(start_job: Callable[..., Jo
     header = images.read_header(ckpt_dir / "ckpt_slowresult_0_1.ckpt")
     again = start_job("restart", "--ckpt-dir", str(ckpt_dir))
     assert again.wait() == 0, again.stderr
-    assert (header["finished"], header["result"], results(again.stdout)) == (True, "i=3", {0: "i=3"})
+    assert (header.finished, header.result, results(again.stdout)) == (True, "i=3", {0: "i=3"})
 
 
 # ----------------------------------------------------------------- helpers

@@ -67,6 +67,20 @@ class Phase(enum.Enum):
         """The phase after this one in its sequence; None after RESUME."""
         return _NEXT[self]
 
+    def barrier(self, scope: str) -> str:
+        """The name of this phase's global barrier in ``scope``: ``ckptN`` for checkpoint N, ``genG`` for the
+        restart that makes generation G (``Phase.DRAIN.barrier("ckpt3") == "ckpt3:DRAIN"``)."""
+        return f"{scope}:{self.value}"
+
+    @classmethod
+    def of_barrier(cls, name: str) -> tuple[str, Phase | None]:
+        """(scope, phase) of a barrier name; the phase is None for any other barrier (a plugin's own)."""
+        scope, _, rest = name.partition(":")
+        try:
+            return scope, cls(rest)
+        except ValueError:
+            return scope, None
+
     @classmethod
     def checkpoint_sequence(cls) -> tuple[Phase, ...]:
         return _sequence(Phase.REACH)

@@ -30,11 +30,13 @@ from typing import Any, NoReturn, cast
 import cloudpickle
 import numpy as np
 
+from ckpt import _manifest as manifest
 from ckpt._errors import CheckpointAborted, CkptError, CoordinatorError, ImageError, PluginError
 from ckpt._program import Program, Runtime, _set_current_runtime
+from ckpt._schemas import ImageHeader
 from ckpt.coordinator.client import CoordinatorClient
-from ckpt.plugin import ImageContents, _vid
-from ckpt.runtime import images, manifest
+from ckpt.plugin import ImageContents, Phase, _vid
+from ckpt.runtime import images
 from ckpt.runtime.plugins import PluginHost
 
 log = logging.getLogger(__name__)
@@ -117,7 +119,7 @@ class RankEngine:
         self.plugins = (
             None if self.native else PluginHost().load(spec.get("with_plugins", []), spec.get("disabled", []))
         )
-        self.image_header: dict[str, Any] | None = None
+        self.image_header: ImageHeader | None = None
         restart = spec.get("restart")
         if restart:
             self.image_header = images.read_header(restart["image"])
@@ -142,16 +144,16 @@ class RankEngine:
         _set_current_runtime(self.rt)
         _vid.set_global_allocator(self.rt.allocate_global)
 
-    def _check_header(self, header: dict[str, Any]) -> None:
+    def _check_header(self, header: ImageHeader) -> None:
         restart = self.spec["restart"]
-        if header.get("program") != self.program_info["name"] or header.get("job") != restart["job"]:
+        if header.program != self.program_info["name"] or header.job != restart["job"]:
             raise ImageError(
-                f"image {restart['image']} belongs to program {header.get('program')!r} of job "
-                f"{header.get('job')!r}, not to {self.program_info['name']!r} of job {restart['job']!r}"
+                f"image {restart['image']} belongs to program {header.program!r} of job "
+                f"{header.job!r}, not to {self.program_info['name']!r} of job {restart['job']!r}"
             )
-        if header.get("rank") != self.rank or header.get("number") != restart["number"]:
+        if header.rank != self.rank or header.number != restart["number"]:
             raise ImageError(
-                f"image {restart['image']} is rank {header.get('rank')} of checkpoint {header.get('number')}, "
+                f"image {restart['image']} is rank {header.rank} of checkpoint {header.number}, "
                 f"expected rank {self.rank} of checkpoint {restart['number']}"
             )
 
@@ -177,9 +179,9 @@ class RankEngine:
                 k: restart.get(k) for k in ("job", "generation", "number", "id_counters", "last_checkpoint")
             }
             hello.update(
-                step=self.image_header.get("step", 0),
-                finished=self.image_header.get("finished", False),
-                result=self.image_header.get("result"),
+                step=self.image_header.step,
+                finished=self.image_header.finished,
+                result=self.image_header.result,
             )
         return hello
 
@@ -353,7 +355,7 @@ class RankEngine:
         # wrappers), but already sees a restarted rank at the step the image was taken at.
         assert self.image_header is not None
         self.rt.restarted = True
-        self.step = int(self.image_header.get("step", 0))
+        self.step = self.image_header.step
         if self.plugins:
             self.plugins.call("ckpt_init", rt=self.rt)
             self._install_verbs()
@@ -367,19 +369,15 @@ class RankEngine:
         self._coll_seq = state["coll_seq"]
         self.rt.restarted = True
         contents = ImageContents(graph["plugins"])
-        generation = self.rt.generation
-        self.barrier_scope = f"gen{generation}"
-        if self.plugins:
-            self.plugins.call("ckpt_restart", rt=self.rt, image=contents)
-        self._phase(f"gen{generation}:RESTART")
-        if self.plugins:
-            self.plugins.call("ckpt_refresh", rt=self.rt)
-        self._phase(f"gen{generation}:REFRESH")
-        if self.plugins:
-            self.plugins.call("ckpt_resume", rt=self.rt, restarted=True, aborted=False)
+        scope = self.barrier_scope = f"gen{self.rt.generation}"
+        self._hook(Phase.RESTART, image=contents)
+        self._phase(Phase.RESTART, scope)
+        self._hook(Phase.REFRESH)
+        self._phase(Phase.REFRESH, scope)
+        self._hook(Phase.RESUME, restarted=True, aborted=False)
         if self.spec.get("debug"):
             self._debug_stop()
-        self._phase(f"gen{generation}:RESUME")
+        self._phase(Phase.RESUME, scope)
         self.barrier_scope = "job"
         if self.finished:
             self.client.call("finished", result=self.result, step=self.step)
@@ -402,8 +400,15 @@ class RankEngine:
         pdb.Pdb().set_trace()  # the next line is where it stops: `program` is in scope
         del program
 
-    def _phase(self, name: str, value: Any = None) -> dict[str, Any]:
-        answer = self.client.call("barrier", name=name, value=value)
+    def _hook(self, phase: Phase, **kwargs: Any) -> None:
+        """Run ``phase``'s hook on every plugin (a rank without plugins has none to run)."""
+        assert phase.hook is not None
+        if self.plugins:
+            self.plugins.call(phase.hook, rt=self.rt, **kwargs)
+
+    def _phase(self, phase: Phase, scope: str, value: Any = None) -> dict[str, Any]:
+        """Wait at ``phase``'s global barrier in ``scope`` (``ckptN`` for checkpoint N, ``genG`` for a restart)."""
+        answer = self.client.call("barrier", name=phase.barrier(scope), value=value)
         if "abort" in answer:
             raise CheckpointAborted(answer["abort"])
         return answer
@@ -417,24 +422,24 @@ class RankEngine:
         """Walk one checkpoint's phases; every way out releases the program thread."""
         assert self.plugins is not None
         suspended = written = False
-        self.barrier_scope = f"ckpt{number}"
+        scope = self.barrier_scope = f"ckpt{number}"
         image = self.ckpt_dir / manifest.image_name(self.program_info["name"], self.rank, number)
         try:
             self._park(number)
             suspended = True
-            self.plugins.call("ckpt_presuspend", rt=self.rt)
-            self._phase(f"ckpt{number}:PRESUSPEND", {"step": self.step})
-            self.plugins.call("ckpt_drain", rt=self.rt)
-            self._phase(f"ckpt{number}:DRAIN")
+            self._hook(Phase.PRESUSPEND)
+            self._phase(Phase.PRESUSPEND, scope, {"step": self.step})
+            self._hook(Phase.DRAIN)
+            self._phase(Phase.DRAIN, scope)
             contents = ImageContents()
-            self.plugins.call("ckpt_precheckpoint", rt=self.rt, image=contents)
-            answer = self._phase(f"ckpt{number}:CHECKPOINT", self._write_image(number, contents))
+            self._hook(Phase.CHECKPOINT, image=contents)
+            answer = self._phase(Phase.CHECKPOINT, scope, self._write_image(number, contents))
             written = True
             self.plugins.call("ckpt_checkpointed", rt=self.rt, info={"number": number, "manifest": answer["manifest"]})
             if answer.get("kill"):
                 self._exit_after_checkpoint(number)
-            self.plugins.call("ckpt_resume", rt=self.rt, restarted=False, aborted=False)
-            self._phase(f"ckpt{number}:RESUME")
+            self._hook(Phase.RESUME, restarted=False, aborted=False)
+            self._phase(Phase.RESUME, scope)
         except (CheckpointAborted, CoordinatorError, PluginError) as exc:
             if written:  # the checkpoint exists; a rank whose plugins failed after it cannot go on safely
                 self._fatal(f"after checkpoint {number} was written: {exc} (it can be restarted)")
@@ -456,7 +461,7 @@ class RankEngine:
         with self._cv:
             self._hold = True
             reach, finished = self._reach(), self.finished
-        answer = self._phase(f"ckpt{number}:reach", {"reach": reach, "finished": finished, "step": self.step})
+        answer = self._phase(Phase.REACH, f"ckpt{number}", {"reach": reach, "finished": finished, "step": self.step})
         reaches = [v["reach"] for v in answer["values"] if v and not v["finished"]]
         with self._cv:
             self._target = max(reaches, default=reach)
@@ -478,7 +483,7 @@ class RankEngine:
     def _resume_after_abort(self) -> None:
         assert self.plugins is not None
         try:
-            self.plugins.call("ckpt_resume", rt=self.rt, restarted=False, aborted=True)
+            self._hook(Phase.RESUME, restarted=False, aborted=True)
         except PluginError as exc:
             self._fatal(f"could not resume after an aborted checkpoint: {exc}")
 
@@ -492,19 +497,19 @@ class RankEngine:
     def _write_image(self, number: int, contents: ImageContents) -> dict[str, Any]:
         name = self.program_info["name"]
         path = self.ckpt_dir / manifest.image_name(name, self.rank, number)
-        header = {
-            "program": name,
-            "class": self.program_info["class"],
-            "program_sha256": self.program_info["sha256"],
-            "job": self.rt.job,
-            "rank": self.rank,
-            "size": self.size,
-            "number": number,
-            "generation": self.rt.generation,
-            "step": self.step,
-            "finished": self.finished,
-            "result": self.result,
-        }
+        header = ImageHeader(
+            program=name,
+            class_=self.program_info["class"],
+            program_sha256=self.program_info["sha256"],
+            job=self.rt.job,
+            rank=self.rank,
+            size=self.size,
+            number=number,
+            generation=self.rt.generation,
+            step=self.step,
+            finished=self.finished,
+            result=self.result,
+        )
         graph = {
             "program": self.program,
             "runtime": {

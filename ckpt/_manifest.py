@@ -1,4 +1,4 @@
-"""Checkpoint manifests: their schema, atomic writes, the ``latest`` pointer and pruning."""
+"""Checkpoint manifests on disk: atomic writes, the ``latest`` pointer, file names and pruning (schema: _schemas)."""
 
 # A checkpoint exists once, and only once, its manifest exists: the images of
 # all ranks are written first, then the coordinator writes the manifest
@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from ckpt._errors import ImageError
+from ckpt._schemas import MANIFEST_FORMAT, MANIFEST_MINOR, Manifest, SchemaError, decode, to_dict
 
 __all__ = [
     "LATEST",
@@ -41,7 +42,8 @@ __all__ = [
     "write_manifest",
 ]
 
-MANIFEST_VERSION: Final[int] = 1
+#: The manifest format this ckpt writes and reads (its schema and compatibility rule: ckpt._schemas).
+MANIFEST_VERSION: Final[int] = MANIFEST_FORMAT
 LATEST: Final[str] = "latest"
 _REQUIRED: Final = ("manifest_version", "program", "number", "ranks")
 
@@ -56,21 +58,21 @@ def manifest_name(program: str, number: int) -> str:
     return f"ckpt_{_checked(program)}_{number}.json"
 
 
-def write_manifest(ckpt_dir: str | os.PathLike[str], manifest: dict[str, Any], *, token: bytes) -> Path:
+def write_manifest(ckpt_dir: str | os.PathLike[str], manifest: Manifest, *, token: bytes) -> Path:
     """Write ``manifest`` atomically, then point ``latest`` at it; return its path.
 
-    Adds ``manifest_version`` and ``hmac`` (HMAC-SHA256 of the canonical JSON
-    without the ``hmac`` field).  ``manifest["program"]`` is the program entry
-    (a dict with ``name``) or its name; ``manifest["number"]`` the checkpoint number.
+    What is stored is ``manifest`` with this ckpt's format and a fresh ``hmac`` (HMAC-SHA256 of the
+    canonical JSON of every other field), whatever the ones it carries.
     """
     directory = Path(ckpt_dir)
-    stored = {key: value for key, value in manifest.items() if key != "hmac"}
-    stored["manifest_version"] = MANIFEST_VERSION
     try:
-        name = manifest_name(_program_name(stored), int(stored["number"]))
+        stored = to_dict(manifest)
+        del stored["hmac"]
+        stored["manifest_version"], stored["manifest_minor"] = MANIFEST_VERSION, MANIFEST_MINOR
+        name = manifest_name(manifest.program.name, manifest.number)
         stored["hmac"] = _mac(stored, token)
         text = json.dumps(stored, indent=2, sort_keys=True) + "\n"
-    except (KeyError, TypeError, ValueError) as exc:
+    except (TypeError, ValueError) as exc:
         raise ImageError(f"cannot write manifest in {directory}: {_one_line(exc)}") from exc
     path = directory / name
     try:
@@ -91,11 +93,13 @@ def write_manifest(ckpt_dir: str | os.PathLike[str], manifest: dict[str, Any], *
     return path
 
 
-def read_manifest(path: str | os.PathLike[str], *, token: bytes | None) -> dict[str, Any]:
+def read_manifest(path: str | os.PathLike[str], *, token: bytes | None) -> Manifest:
     """Read and check a manifest; with a ``token``, also check its HMAC.
 
     Raises ImageError (one line naming the file) if it is missing, unreadable,
-    not JSON, not a ckpt manifest, of another version, or not authentic.
+    not JSON, not a ckpt manifest, of another format, not authentic, or does
+    not fit its format's schema.  The HMAC covers the file as written, fields
+    this ckpt does not know (a newer minor's) included.
     """
     where = f"checkpoint manifest {os.fspath(path)}"
     try:
@@ -111,14 +115,17 @@ def read_manifest(path: str | os.PathLike[str], *, token: bytes | None) -> dict[
     if not isinstance(manifest, dict) or any(key not in manifest for key in _REQUIRED):
         raise ImageError(f"{where}: not a ckpt manifest")
     version = manifest["manifest_version"]
-    if version != MANIFEST_VERSION:
-        raise ImageError(f"{where}: unsupported manifest version {version} (this ckpt reads {MANIFEST_VERSION})")
+    if version != MANIFEST_VERSION:  # refused before its HMAC: another format may sign another way
+        raise ImageError(f"manifest {os.fspath(path)} has format {version}; this ckpt reads format {MANIFEST_VERSION}")
     if token is not None:
         stored = manifest.get("hmac")
         unsigned = {key: value for key, value in manifest.items() if key != "hmac"}
         if not isinstance(stored, str) or not hmac.compare_digest(stored, _mac(unsigned, token)):
             raise ImageError(f"{where}: not authentic (HMAC mismatch: wrong CKPT_TOKEN or tampered manifest)")
-    return manifest
+    try:
+        return decode(manifest, Manifest, where)
+    except SchemaError as exc:
+        raise ImageError(str(exc)) from None
 
 
 def latest_manifest(ckpt_dir: str | os.PathLike[str]) -> Path:
@@ -209,11 +216,6 @@ def _checked(program: str) -> str:
     if "/" in program or os.sep in program or "\0" in program:
         raise ValueError(f"program name {program!r} cannot be part of a file name")
     return program
-
-
-def _program_name(manifest: dict[str, Any]) -> str:
-    program = manifest["program"]
-    return str(program["name"] if isinstance(program, dict) else program)
 
 
 def _mac(manifest: dict[str, Any], token: bytes) -> str:
