@@ -239,18 +239,27 @@ def coordinator_cmd(
 @plugin_options
 @click.option("--json", "as_json", is_flag=True, help="Print the list as JSON.")
 def plugins(with_plugins: tuple[str, ...], disabled: tuple[str, ...], as_json: bool) -> None:
-    """List the installed plugins, their versions and the hooks they implement."""
+    """List the installed plugins: versions, hooks, and the transports and commands each contributes."""
+    from ckpt._cli_plugins import contributions
     from ckpt.plugin import CKPT_PLUGIN_API
     from ckpt.runtime.plugins import PluginHost
 
     host = PluginHost().load(list(with_plugins), list(disabled))
+    offered = contributions(host)
     if as_json:
-        click.echo(json.dumps([vars(p) | {"hooks": list(p.hooks)} for p in host.plugins], indent=2))
+        listed = [vars(p) | {"hooks": list(p.hooks), **offered[p.name]} for p in host.plugins]
+        click.echo(json.dumps(listed, indent=2))
         return
     click.echo(f"plugin API {CKPT_PLUGIN_API}; {len(host.plugins)} plugin(s)")
     for p in host.plugins:
         click.echo(f"  {p.name} {p.version}  ({p.module}, {p.source}, order {p.order})")
         click.echo(f"      hooks: {', '.join(p.hooks) or 'none'}")
+        mine = offered[p.name]
+        if mine["transports"]:
+            marked = [f"{n} (default)" if n in mine["default_transport"] else n for n in mine["transports"]]
+            click.echo(f"      transports: {', '.join(marked)}")
+        if mine["commands"]:
+            click.echo(f"      commands: {', '.join(mine['commands'])}")
 
 
 @click.command()

@@ -105,6 +105,25 @@ def _refuse_disabled(with_plugins: tuple[str, ...], disabled: tuple[str, ...], n
         )
 
 
+def contributions(host: PluginHost) -> dict[str, dict[str, list[str]]]:
+    """{plugin: {"transports": [...], "default_transport": [...], "commands": [...]}} for `ckpt plugins`."""
+    found: dict[str, dict[str, list[str]]] = {}
+
+    def of(plugin: str) -> dict[str, list[str]]:
+        return found.setdefault(plugin, {"transports": [], "default_transport": [], "commands": []})
+
+    for info in host.plugins:
+        of(info.name)
+    for name, (transport, plugin) in sorted(offered_transports(host).items()):
+        of(plugin)["transports"].append(name)
+        if transport.default:
+            of(plugin)["default_transport"].append(name)
+    for impl in host.ordered_impls("ckpt_cli_commands"):
+        for command in _call(impl, "ckpt_cli_commands") or []:
+            of(impl.plugin_name)["commands"].append(str(getattr(command, "name", command)))
+    return found
+
+
 # ------------------------------------------------------------------ commands
 def plugin_commands(taken: Collection[str]) -> dict[str, click.Command]:
     """The commands installed plugins add to `ckpt` (ckpt_cli_commands); a name already taken is refused."""

@@ -114,3 +114,14 @@ def test_ranks_of_an_external_launcher_need_a_coordinator(
     err = capsys.readouterr().err
     assert err.startswith("error: this process is rank 1 of 4 under an external launcher") and "--coordinator" in err
     assert not (tmp_path / "d").exists()  # refused before it claimed anything
+
+
+def test_ckpt_plugins_names_the_transports_and_commands_of_the_installed_plugins(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("sys.argv", ["ckpt", "plugins"])
+    with pytest.raises(SystemExit) as exited:
+        main()
+    assert exited.value.code == 0
+    out = capsys.readouterr().out
+    assert "transports: simib (default)" in out and "commands: fabric" in out and "transports: tcp" in out

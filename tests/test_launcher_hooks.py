@@ -288,3 +288,20 @@ def test_a_command_must_be_a_click_command(command_host: Callable[..., None]) ->
     command_host(_commands_plugin(print))
     with pytest.raises(PluginError, match=r"plugin 'p0': ckpt_cli_commands returned .* not a named click command"):
         _cli_plugins.plugin_commands(set())
+
+
+def test_ckpt_plugins_lists_what_each_plugin_contributes() -> None:
+    class Commands:
+        @hookimpl
+        def ckpt_cli_commands(self) -> list[click.Command]:
+            return [click.Command("hello")]
+
+    log: Log = []
+    host = _host(_Plugin(log, "fast", Transport("fast", default=True)), _Plugin(log, "slow", Transport("slow")))
+    host.register(Commands(), name="cmds")
+    assert _cli_plugins.contributions(host) == {
+        "fast": {"transports": ["fast"], "default_transport": ["fast"], "commands": []},
+        "slow": {"transports": ["slow"], "default_transport": [], "commands": []},
+        "cmds": {"transports": [], "default_transport": [], "commands": ["hello"]},
+    }
+    assert not log, "listing contributions starts no service"
