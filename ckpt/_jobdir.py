@@ -274,8 +274,9 @@ def find_job(ckpt_dir: Path, *, wait: float = 0.0, wait_none: float = 0.0) -> Jo
 
 
 # ----------------------------------------------------------- leftovers
-#: The temporary files ckpt writes (images, manifests, latest, the job and fabric files): only those go.
-_TMP = re.compile(r"(ckpt_.+|latest|coordinator\.json|fabric\.json)\.tmp")
+#: The temporary files the core writes (images, manifests, latest, the job file): only those go. A plugin
+#: cleans up after itself in its ckpt_job_start (the simib plugin: fabric.json).
+_TMP = re.compile(r"(ckpt_.+|latest|coordinator\.json)\.tmp")
 
 
 def remove_leftovers(ckpt_dir: Path, program: str) -> list[Path]:
@@ -293,23 +294,9 @@ def remove_leftovers(ckpt_dir: Path, program: str) -> list[Path]:
                 path.unlink(missing_ok=True)
                 removed.append(path)
     removed += manifests.remove_uncommitted(ckpt_dir, program)
-    removed += _remove_stale_fabric_file(ckpt_dir)
     for path in removed:
         log.info("removed %s, left behind by an earlier job", path)
     return removed
-
-
-def _remove_stale_fabric_file(ckpt_dir: Path) -> list[Path]:
-    """A job's fabric.json outlives a launcher killed with -9 (its subnet manager died with it)."""
-    path = ckpt_dir / "fabric.json"
-    try:
-        record = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return []
-    if not isinstance(record, dict) or not record.get("job") or process_exists(record.get("pid")):
-        return []  # a standalone fabric (`ckpt fabric start`), or a live one
-    path.unlink(missing_ok=True)
-    return [path]
 
 
 def process_exists(pid: object) -> bool:

@@ -176,8 +176,8 @@ def test_a_restart_does_not_create_its_directory(tmp_path: Path) -> None:
 
 def test_leftovers_of_a_killed_job_are_removed(tmp_path: Path) -> None:
     keep = ["ckpt_prog_0_1.ckpt", "ckpt_prog_1_1.ckpt", "ckpt_prog_1.json", "ckpt_other_0_2.ckpt", "notes.txt"]
-    keep += ["download.part.tmp"]  # the user's, not ckpt's
-    stray = ["ckpt_prog_0_2.ckpt", "ckpt_prog_1_2.ckpt.tmp", "ckpt_prog_2.json.tmp", "latest.tmp", "fabric.json.tmp"]
+    keep += ["download.part.tmp", "fabric.json.tmp"]  # the user's, and a plugin's (it cleans up after itself)
+    stray = ["ckpt_prog_0_2.ckpt", "ckpt_prog_1_2.ckpt.tmp", "ckpt_prog_2.json.tmp", "latest.tmp"]
     for name in keep + stray:
         (tmp_path / name).write_text("x")
     removed = jobdir.remove_leftovers(tmp_path, "prog")
@@ -189,17 +189,3 @@ def test_remove_uncommitted_keeps_every_committed_image(tmp_path: Path) -> None:
     for name in ("ckpt_p_0_1.ckpt", "ckpt_p_0_3.ckpt", "ckpt_p_0_12.ckpt", "ckpt_p_1.json", "ckpt_p_12.json"):
         (tmp_path / name).write_text("x")
     assert [p.name for p in manifests.remove_uncommitted(tmp_path, "p")] == ["ckpt_p_0_3.ckpt"]
-
-
-def test_a_dead_jobs_fabric_file_is_removed_a_standalone_or_live_one_kept(tmp_path: Path) -> None:
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    fabric = tmp_path / "fabric.json"
-    for record, stays in (
-        ({"address": "a:1", "token": "t", "pid": dead.pid, "job": "j"}, False),  # its launcher was killed
-        ({"address": "a:1", "token": "t", "pid": os.getpid(), "job": "j"}, True),  # alive
-        ({"address": "a:1", "token": "t", "pid": dead.pid, "job": None}, True),  # `ckpt fabric stop` handles those
-    ):
-        fabric.write_text(json.dumps(record))
-        jobdir.remove_leftovers(tmp_path, "prog")
-        assert fabric.exists() == stays, record

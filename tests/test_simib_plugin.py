@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -213,3 +216,27 @@ def test_status_loads_no_plugin(fresh_commands: None, monkeypatch: pytest.Monkey
 
     monkeypatch.setattr(_cli_plugins, "launcher_host", refuse)
     assert _run_main(monkeypatch, "status", "--ckpt-dir", str(tmp_path)) == 1  # no job there: one error line
+
+
+def test_a_dead_jobs_fabric_file_is_removed_a_standalone_or_live_one_kept(tmp_path: Path) -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    recorded = tmp_path / "fabric.json"
+    for record, stays in (
+        ({"address": "a:1", "token": "t", "pid": dead.pid, "job": "j"}, False),  # its launcher was killed
+        ({"address": "a:1", "token": "t", "pid": os.getpid(), "job": "j"}, True),  # alive
+        ({"address": "a:1", "token": "t", "pid": dead.pid, "job": None}, True),  # `ckpt fabric stop` handles those
+    ):
+        recorded.write_text(json.dumps(record))
+        (tmp_path / "fabric.json.tmp").write_text("x")
+        _service.remove_stale_fabric_file(tmp_path)
+        assert recorded.exists() == stays, record
+        assert not (tmp_path / "fabric.json.tmp").exists()
+
+
+def test_a_job_start_on_any_transport_clears_a_dead_jobs_fabric_file(tmp_path: Path) -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / "fabric.json").write_text(json.dumps({"address": "a:1", "token": "t", "pid": dead.pid, "job": "j"}))
+    assert _service.job_start(_job(tmp_path, transport="tcp")) is None
+    assert not (tmp_path / "fabric.json").exists()

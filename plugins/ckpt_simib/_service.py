@@ -122,6 +122,7 @@ _running: dict[Path, SubnetManager] = {}
 def job_start(job: JobInfo) -> dict[str, str] | None:
     """The ranks' fabric: --fabric, or a subnet manager of the job's own, recorded in the ckpt dir for
     `ckpt fabric`; its address and token for the ranks' environment. None for another transport."""
+    remove_stale_fabric_file(job.ckpt_dir)
     latency, bandwidth = job.options.get("fabric_latency"), job.options.get("fabric_bandwidth")
     address = job.options.get("fabric")
     # A restart takes the link model from the manifest, so it is no mistake there: only a launch is told.
@@ -151,6 +152,27 @@ def job_start(job: JobInfo) -> dict[str, str] | None:
         raise
     _running[job.ckpt_dir] = sm
     return {ENV_ADDRESS: sm.address, ENV_TOKEN: sm.token}
+
+
+def remove_stale_fabric_file(ckpt_dir: Path) -> list[Path]:
+    """What a job's launcher killed with -9 left: its fabric.json (the subnet manager died with it), and a
+    fabric.json.tmp. A standalone fabric's file (`ckpt fabric stop` handles those) and a live one stay."""
+    from ckpt.plugin.cli import process_exists
+
+    removed = []
+    tmp = ckpt_dir / (FABRIC_FILE + ".tmp")
+    if tmp.is_file():
+        tmp.unlink(missing_ok=True)
+        removed.append(tmp)
+    path = ckpt_dir / FABRIC_FILE
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return removed
+    if isinstance(record, dict) and record.get("job") and not process_exists(record.get("pid")):
+        path.unlink(missing_ok=True)
+        removed.append(path)
+    return removed
 
 
 def job_stop(job: JobInfo) -> None:
