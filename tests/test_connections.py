@@ -15,7 +15,8 @@ import pytest
 
 from ckpt.coordinator import protocol
 from ckpt.coordinator._connections import HandshakeGate, PeerConnection
-from harness import closed_by_peer, trickle_until_closed, wait_for
+from ckpt.testing import wait_for
+from harness import closed_by_peer, trickle_until_closed
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -9,11 +9,12 @@ from typing import Any
 
 import numpy as np
 import pytest
-from dsm_util import ThreadRuntime, run_ranks
+from dsm_util import run_ranks
 
 import ckpt
 import dsm
 from ckpt.runtime.plugins import PluginError, PluginHost
+from ckpt.testing import ThreadRuntime
 
 WORDS = 512  # float64 per 4 KiB page
 

@@ -13,8 +13,9 @@ from typing import Any
 
 import pytest
 
+from ckpt.testing import Job, kill_pids, one_error_line, results, run, wait_for
 from ckpt.verbs.fabric import FABRIC_FILE, FabricClient
-from harness import Job, kill_pids, one_error_line, results, run, start_fabric, wait_for
+from harness import start_fabric
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 

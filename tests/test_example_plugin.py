@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from harness import EXAMPLES, Job, env, results, run
+from ckpt.testing import Job, env, results, run
+from harness import EXAMPLES
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
