@@ -7,7 +7,7 @@ import pytest
 from ckpt.testing import add_pythonpath
 from harness import TEST_PLUGINS
 
-pytest_plugins = ["ckpt.testing.pytest_plugin"]
+pytest_plugins = ["ckpt.testing.pytest_plugin", "pytester"]
 
 add_pythonpath(TEST_PLUGINS)  # `--with-plugin ckpt_faults` and the other test plugins, in every ckpt command
 
