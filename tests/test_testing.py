@@ -198,3 +198,14 @@ def test_the_pytest_plugins_start_job_fixture_reaps_what_a_test_left_running(pyt
     pids = [int(pid) for pid in record.read_text().split()]
     assert len(pids) == 2
     wait_for(lambda: all(_gone(pid) for pid in pids), 30, "the job the inner test left running to be gone")
+
+
+def test_nothing_else_in_ckpt_imports_ckpt_testing() -> None:
+    """ckpt.testing is for tests: a rank, the launcher or the coordinator never loads it (nor pytest with it)."""
+    package = Path(ckpt.__file__).parent
+    for source in package.rglob("*.py"):
+        if package / "testing" in source.parents:
+            continue
+        lines = source.read_text().splitlines()
+        imports = [line for line in lines if line.lstrip().startswith(("import ", "from ")) and "testing" in line]
+        assert not imports, f"{source.relative_to(package.parent)} imports {imports}"

@@ -124,6 +124,16 @@ def wait_for(condition: Callable[[], Any], timeout: float, what: str, interval: 
         time.sleep(interval)  # the polling interval of a condition wait, not a race-hiding sleep
 
 
+def _session_of(pid: int) -> int | None:
+    """The session id of process `pid` (None if it is gone or /proc cannot tell)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()  # after the command name: state, ppid, pgrp, session, ...
+    return int(fields[3])
+
+
 @dataclass
 class Job:
     """Stands for a `ckpt launch` / `ckpt restart` running in the background, in its own process group.
@@ -137,7 +147,7 @@ class Job:
     process: subprocess.Popen[str] | None = None
     stdout: str = ""
     stderr: str = ""
-    #: Every rank PID a status showed: killed with the process group, in case one left it.
+    #: Every rank PID a status showed: killed with the process group, in case one left the group.
     seen_pids: set[int] = field(default_factory=set)
     _files: tuple[IO[str], IO[str]] | None = None
 
@@ -215,14 +225,16 @@ class Job:
         return self.stdout, self.stderr
 
     def kill(self) -> None:
-        """Kill the whole process group (launcher, coordinator, ranks) and every rank PID seen; reap the launcher."""
+        """Kill the whole process group (launcher, coordinator, ranks), then every rank PID seen that is still in
+        the job's session (one that left the group; a PID since reused by another process is left alone); reap
+        the launcher."""
         if self.process is not None:
             try:
                 os.killpg(self.process.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
             self.process.wait(timeout=30)
-        kill_pids(self.seen_pids)
+            kill_pids(pid for pid in self.seen_pids if _session_of(pid) == self.process.pid)
         for f in self._files or ():
             f.close()
 
