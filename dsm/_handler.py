@@ -85,7 +85,6 @@ class Handler:
 
     # ------------------------------------------------------------------ dispatch
     def serve(self, src: int, raw: Any) -> None:
-        rid = raw[0] if isinstance(raw, list | tuple) and raw and isinstance(raw[0], int) else 0
         try:
             msg = decode(raw)
             with self.mutex:
@@ -105,6 +104,7 @@ class Handler:
                     case _:
                         raise DsmError(f"a {type(msg).__name__} is not a request")
         except Exception as exc:  # a bad request, or a plugin hook that failed: the requester gets the error
+            rid = raw[0] if isinstance(raw, list) and raw and isinstance(raw[0], int) else 0  # msgpack: a list
             # DsmError and PluginError (which names the failing plugin and hook) say enough as they are
             what = str(exc) if isinstance(exc, DsmError | PluginError) else f"{type(exc).__name__}: {exc}"
             self.reply(src, ErrorReply(rid, f"rank {self.mem.rank}: {what}"), "error")
