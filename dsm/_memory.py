@@ -163,7 +163,7 @@ class Memory:
         self.epoch += 1
         notices: list[Notice] = [[q, i, flat] for (q, i), flat in self.known.items() if i > self.floor[q]]
         # a barrier waits for the slowest rank, however long it computes: no timeout (a dead peer is a QP error)
-        request = BarrierRequest(0, self.epoch, self.vt, notices)
+        request = BarrierRequest(self._next_rid(), self.epoch, self.vt, notices)
         reply = self._request(0, request, BarrierReply, f"barrier {self.epoch}", math.inf)
         self._merge(reply.vt, reply.notices, "barrier")
         self.floor = list(self.vt)
@@ -199,7 +199,8 @@ class Memory:
             raise DsmError(f"lock {lock} is already held by this rank (DSM locks are not re-entrant)")
         self._close_interval()
         started = time.perf_counter()
-        reply = self._request(lock % self.size, AcquireRequest(0, lock, self.vt), Grant, f"lock {lock}", math.inf)
+        acquire = AcquireRequest(self._next_rid(), lock, self.vt)
+        reply = self._request(lock % self.size, acquire, Grant, f"lock {lock}", math.inf)
         self._merge(reply.vt, reply.notices, f"lock {lock}")
         self.held[lock] = list(reply.vt)
         seconds = time.perf_counter() - started
@@ -215,7 +216,8 @@ class Memory:
         self._close_interval()
         started = time.perf_counter()
         notices = [[q, i, flat] for (q, i), flat in self.known.items() if i > max(at_grant[q], self.floor[q])]
-        self._request(lock % self.size, ReleaseRequest(0, lock, self.vt, notices), Ack, f"release of lock {lock}")
+        release = ReleaseRequest(self._next_rid(), lock, self.vt, notices)
+        self._request(lock % self.size, release, Ack, f"release of lock {lock}")
         del self.held[lock]  # only now: a release that failed can be retried
         self.counters.lock_seconds += time.perf_counter() - started
         self.hook("dsm_lock_released", lock=lock)
@@ -246,7 +248,8 @@ class Memory:
         owner, gid = region.default_home(page), gid_of(region.aid, page)
         self.counters.home_lookups += 1
         if self.protocol == "async":
-            home = int(self._request(owner, HomeRequest(0, gid), HomeReply, f"the home of page {gid:#x}").home)
+            lookup = HomeRequest(self._next_rid(), gid)
+            home = int(self._request(owner, lookup, HomeReply, f"the home of page {gid:#x}").home)
         else:
             land = self.scratch_mr.buf + (len(self.scratch) - 2) * 8
             wr = atomic(
@@ -271,7 +274,7 @@ class Memory:
         if home < 0 or home == self.rank:
             raise DsmError(f"page {gid:#x} is invalid but its home is {home} (rank {self.rank})")
         if self.protocol == "async":
-            reply = self._request(home, PageRequest(0, gid, need.tolist()), PageReply, f"page {gid:#x}")
+            reply = self._request(home, PageRequest(self._next_rid(), gid, need.tolist()), PageReply, f"page {gid:#x}")
             region.page(page)[:] = np.frombuffer(reply.data, dtype=np.uint8)
         else:
             self._ardmar(region, page, home, need)
@@ -346,7 +349,11 @@ class Memory:
     def _send_diffs(self, outgoing: dict[int, list[tuple[Region, int, Diff]]], interval: int) -> None:
         if self.protocol == "async":
             requests: list[tuple[int, Request, str]] = [
-                (home, DiffRequest(0, gid_of(region.aid, page), interval, diff), f"diff ack from rank {home}")
+                (
+                    home,
+                    DiffRequest(self._next_rid(), gid_of(region.aid, page), interval, diff),
+                    f"diff ack from rank {home}",
+                )
                 for home, items in outgoing.items()
                 for region, page, diff in items
             ]
@@ -402,6 +409,11 @@ class Memory:
             self.hook("dsm_write_notices_received", source=source, notices=fresh)
 
     # ------------------------------------------------------------------ requests
+    def _next_rid(self) -> int:
+        """A new request id (the reply echoes it); requests carry theirs from construction."""
+        self.rid += 1
+        return self.rid
+
     def _request(self, dst: int, msg: Request, expect: type[_R], what: str, timeout: float = FETCH_TIMEOUT) -> _R:
         return self._request_many([(dst, msg, what)], expect, timeout)[0]
 
@@ -421,11 +433,10 @@ class Memory:
             while len(mine) >= WINDOW:
                 self._await(mine[:1], what_of[mine[0]], timeout)
                 mine[:] = [r for r in mine if r not in self.replies]
-            self.rid += 1
-            self.counters.count(NAMES[msg.kind], self.client.send(dst, msg._replace(rid=self.rid)))
-            rids.append(self.rid)
-            what_of[self.rid] = what
-            mine.append(self.rid)
+            self.counters.count(NAMES[msg.kind], self.client.send(dst, msg))
+            rids.append(msg.rid)
+            what_of[msg.rid] = what
+            mine.append(msg.rid)
         for rid in rids:
             self._await([rid], what_of[rid], timeout)
         replies = [self.replies.pop(rid) for rid in rids]

@@ -1,7 +1,7 @@
 """The DSM's messages: their kinds (`Kind`) and one named type for each request and reply.
 
 On the wire a message is its tuple as a msgpack array, the kind last: ``[rid, fields..., kind]``.
-The request id `rid` (the requester's, echoed by the reply) is filled in when the request is sent.
+The request id `rid` is the requester's (`Memory._next_rid`), and the reply echoes it.
 A write notice is ``[writer, interval, [gid, home, gid, home, ...]]``; a diff is a list of
 ``[offset, bytes]`` runs.  Both ranks run the same code (an image restarts with the version that
 wrote it), so the layout carries no version of its own.

@@ -588,7 +588,8 @@ def test_an_error_reply_fails_its_own_request_only(protocol: str) -> None:
         seen = []
         if rt.rank == 1:
             try:
-                mem._request(0, ReleaseRequest(0, lock.id, mem.vt, []), Ack, "a forged release")  # of a lock not held
+                forged = ReleaseRequest(mem._next_rid(), lock.id, mem.vt, [])  # of a lock not held
+                mem._request(0, forged, Ack, "a forged release")
             except DsmError as exc:
                 seen.append("refused" if "does not hold" in str(exc) else str(exc))
             with lock:
