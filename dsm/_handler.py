@@ -25,16 +25,32 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ckpt import PluginError
+
 from ._diff import apply_diff
 from ._errors import DsmError
+from ._messages import (
+    Ack,
+    AcquireRequest,
+    BarrierReply,
+    BarrierRequest,
+    DiffRequest,
+    ErrorReply,
+    Grant,
+    HomeReply,
+    HomeRequest,
+    Message,
+    Notice,
+    PageReply,
+    PageRequest,
+    ReleaseRequest,
+    decode,
+)
 from ._region import META, split_gid
 from ._stats import Counters
 
 if TYPE_CHECKING:
     from ._memory import Memory
-
-K_REPLY, K_HOME, K_PAGE, K_DIFF, K_ACQUIRE, K_RELEASE, K_BARRIER, K_ERROR = range(8)
-KIND_NAMES = ["reply", "home", "page", "diff", "acquire", "release", "barrier", "error"]
 
 
 @dataclass
@@ -53,7 +69,7 @@ class Handler:
     def __init__(self, memory: Memory) -> None:
         self.mem = memory
         self.locks: dict[int, LockState] = {}
-        self.arrivals: list[tuple[int, int, int, list[int], list[Any]]] = []  # rank, rid, epoch, vt, notices
+        self.arrivals: list[tuple[int, int, int, list[int], list[Notice]]] = []  # rank, rid, epoch, vt, notices
         self.waiting: list[tuple[int, int, int, list[int]]] = []  # page requests: rank, rid, gid, need
         self.counters = Counters()  # the handler's own: two threads never add to one counter
         self.mutex = threading.Lock()
@@ -68,29 +84,32 @@ class Handler:
         self.mutex = threading.Lock()
 
     # ------------------------------------------------------------------ dispatch
-    def serve(self, src: int, msg: list[Any]) -> None:
-        kind, rid = msg[0], msg[1]
+    def serve(self, src: int, raw: Any) -> None:
         try:
+            msg = decode(raw)
             with self.mutex:
-                if kind == K_HOME:
-                    self._home(src, rid, msg[2])
-                elif kind == K_PAGE:
-                    self._page(src, rid, msg[2], msg[3])
-                elif kind == K_DIFF:
-                    self._diff(src, rid, msg[2], msg[3], msg[4])
-                elif kind == K_ACQUIRE:
-                    self._acquire(src, rid, msg[2], msg[3])
-                elif kind == K_RELEASE:
-                    self._release(src, rid, msg[2], msg[3], msg[4])
-                elif kind == K_BARRIER:
-                    self._barrier(src, rid, msg[2], msg[3], msg[4])
-                else:
-                    raise DsmError(f"unknown DSM request kind {kind}")
+                match msg:
+                    case HomeRequest():
+                        self._home(src, msg.rid, msg.gid)
+                    case PageRequest():
+                        self._page(src, msg.rid, msg.gid, msg.need)
+                    case DiffRequest():
+                        self._diff(src, msg.rid, msg.gid, msg.interval, msg.runs)
+                    case AcquireRequest():
+                        self._acquire(src, msg.rid, msg.lock, msg.vt)
+                    case ReleaseRequest():
+                        self._release(src, msg.rid, msg.lock, msg.vt, msg.notices)
+                    case BarrierRequest():
+                        self._barrier(src, msg.rid, msg.epoch, msg.vt, msg.notices)
+                    case _:
+                        raise DsmError(f"a {type(msg).__name__} is not a request")
         except Exception as exc:  # a bad request, or a plugin hook that failed: the requester gets the error
-            what = str(exc) if isinstance(exc, DsmError) else f"{type(exc).__name__}: {exc}"
-            self.reply(src, [K_ERROR, rid, f"rank {self.mem.rank}: {what}"], "error")
+            rid = raw[0] if isinstance(raw, list) and raw and isinstance(raw[0], int) else 0  # msgpack: a list
+            # DsmError and PluginError (which names the failing plugin and hook) say enough as they are
+            what = str(exc) if isinstance(exc, DsmError | PluginError) else f"{type(exc).__name__}: {exc}"
+            self.reply(src, ErrorReply(rid, f"rank {self.mem.rank}: {what}"), "error")
 
-    def reply(self, dst: int, msg: list[Any], name: str) -> None:
+    def reply(self, dst: int, msg: Message, name: str) -> None:
         self.counters.count(name, self.mem.server.send(dst, msg))
 
     # ------------------------------------------------------------------ pages
@@ -98,7 +117,7 @@ class Handler:
         region, page = self._region(gid)
         if region.table[page] == 0:
             region.table[page] = src + 1
-        self.reply(src, [K_REPLY, rid, int(region.table[page]) - 1], "home_reply")
+        self.reply(src, HomeReply(rid, int(region.table[page]) - 1), "home_reply")
 
     def _page(self, src: int, rid: int, gid: int, need: list[int]) -> None:
         region, page = self._region(gid)
@@ -106,7 +125,7 @@ class Handler:
             self.waiting.append((src, rid, gid, need))  # a diff it needs is still on its way
             return
         self.mem.hook("dsm_page_served", requester=src, gid=gid)  # hooks before the reply: one reply per request
-        self.reply(src, [K_REPLY, rid, region.page(page).tobytes()], "page_reply")
+        self.reply(src, PageReply(rid, region.page(page).tobytes()), "page_reply")
         self.counters.pages_served += 1
 
     def _diff(self, src: int, rid: int, gid: int, interval: int, runs: list[Any]) -> None:
@@ -118,7 +137,7 @@ class Handler:
         region.meta[page, column] = max(int(region.meta[page, column]), interval)
         self.counters.diffs_applied += 1
         self.mem.hook("dsm_diff_applied", writer=src, gid=gid, interval=interval)
-        self.reply(src, [K_REPLY, rid], "diff_ack")
+        self.reply(src, Ack(rid), "diff_ack")
         waiting, self.waiting = self.waiting, []
         for request in waiting:
             self._page(*request)
@@ -145,9 +164,9 @@ class Handler:
     def _grant(self, state: LockState, src: int, rid: int, vt: list[int]) -> None:
         state.holder = src
         notices = [[q, i, flat] for (q, i), flat in state.notices.items() if i > vt[q]]
-        self.reply(src, [K_REPLY, rid, state.vt, notices], "grant")
+        self.reply(src, Grant(rid, state.vt, notices), "grant")
 
-    def _release(self, src: int, rid: int, lock: int, vt: list[int], notices: list[Any]) -> None:
+    def _release(self, src: int, rid: int, lock: int, vt: list[int], notices: list[Notice]) -> None:
         state = self._lock(lock)
         if state.holder != src:
             raise DsmError(f"rank {src} released lock {lock}, which it does not hold")
@@ -155,7 +174,7 @@ class Handler:
         for q, i, flat in notices:
             state.notices[(q, i)] = flat
         state.holder = -1
-        self.reply(src, [K_REPLY, rid], "release_ack")
+        self.reply(src, Ack(rid), "release_ack")
         if state.queue:
             self._grant(state, *state.queue.popleft())
 
@@ -166,7 +185,7 @@ class Handler:
                 state.notices = {key: flat for key, flat in state.notices.items() if key[1] > floor[key[0]]}
 
     # ------------------------------------------------------------------ barriers (rank 0)
-    def _barrier(self, src: int, rid: int, epoch: int, vt: list[int], notices: list[Any]) -> None:
+    def _barrier(self, src: int, rid: int, epoch: int, vt: list[int], notices: list[Notice]) -> None:
         self.arrivals.append((src, rid, epoch, vt, notices))
         if len(self.arrivals) < self.mem.size:
             return
@@ -175,7 +194,7 @@ class Handler:
         if len(epochs) != 1 or len({a[0] for a in arrivals}) != self.mem.size:
             detail = ", ".join(f"rank {a[0]} at barrier {a[2]}" for a in arrivals)
             for a in arrivals:
-                self.reply(a[0], [K_ERROR, a[1], f"DSM barriers out of step: {detail}"], "error")
+                self.reply(a[0], ErrorReply(a[1], f"DSM barriers out of step: {detail}"), "error")
             return
         merged_vt = [max(column) for column in zip(*(a[3] for a in arrivals), strict=True)]
         merged: dict[tuple[int, int], list[int]] = {}
@@ -184,4 +203,4 @@ class Handler:
                 merged[(q, i)] = flat
         union = [[q, i, flat] for (q, i), flat in merged.items()]
         for a in arrivals:
-            self.reply(a[0], [K_REPLY, a[1], merged_vt, union], "barrier_reply")
+            self.reply(a[0], BarrierReply(a[1], merged_vt, union), "barrier_reply")

@@ -44,17 +44,37 @@ import logging
 import math
 import threading
 import time
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 import ckpt
 from ckpt import verbs
+from ckpt.plugin import PluginCalls
 
 from . import hookspecs
 from ._diff import Diff, diff_size, diff_unit, make_diff
 from ._errors import DsmError
-from ._handler import K_ACQUIRE, K_BARRIER, K_DIFF, K_ERROR, K_HOME, K_PAGE, K_RELEASE, KIND_NAMES, Handler
+from ._handler import Handler
+from ._messages import (
+    NAMES,
+    Ack,
+    AcquireRequest,
+    BarrierReply,
+    BarrierRequest,
+    DiffRequest,
+    ErrorReply,
+    Grant,
+    HomeReply,
+    HomeRequest,
+    Notice,
+    PageReply,
+    PageRequest,
+    ReleaseRequest,
+    Reply,
+    Request,
+    decode_reply,
+)
 from ._net import ACCESS, Endpoint, atomic, rdma
 from ._region import DIRTY, INVALID, META, VALID, Region, gid_of, split_gid
 from ._stats import Counters, Statistics
@@ -62,6 +82,7 @@ from ._stats import Counters, Statistics
 log = logging.getLogger("dsm")
 PROTOCOLS = ("async", "onesided")
 HOOKS = [name for name in dir(hookspecs) if name.startswith("dsm_")]
+_R = TypeVar("_R", bound=Reply)
 WINDOW = 8  # requests in flight per destination (diffs at a release)
 FETCH_TIMEOUT = 120.0
 
@@ -73,8 +94,8 @@ class Memory:
     _thread: threading.Thread | None
     _stop: threading.Event
     _failure: BaseException | None
-    _pm: Any
-    _fire: set[str]
+    _plugins: PluginCalls | None
+    _fire: frozenset[str]
 
     def __init__(self, rt: Any, protocol: str, page_size: int) -> None:
         if protocol not in PROTOCOLS:
@@ -102,7 +123,7 @@ class Memory:
         self.epoch = 0
         self.rid = 0
         self.seq = [0]
-        self.replies: dict[int, list[Any]] = {}
+        self.replies: dict[int, Reply] = {}
         self.counters = Counters()
         self.handler = Handler(self)
         self._live()
@@ -140,10 +161,11 @@ class Memory:
         self._close_interval()  # its diffs count as flush time, not barrier time
         started = time.perf_counter()
         self.epoch += 1
-        notices = [[q, i, flat] for (q, i), flat in self.known.items() if i > self.floor[q]]
+        notices: list[Notice] = [[q, i, flat] for (q, i), flat in self.known.items() if i > self.floor[q]]
         # a barrier waits for the slowest rank, however long it computes: no timeout (a dead peer is a QP error)
-        reply = self._request(0, [K_BARRIER, 0, self.epoch, self.vt, notices], f"barrier {self.epoch}", math.inf)
-        self._merge(reply[2], reply[3], "barrier")
+        request = BarrierRequest(self._next_rid(), self.epoch, self.vt, notices)
+        reply = self._request(0, request, BarrierReply, f"barrier {self.epoch}", math.inf)
+        self._merge(reply.vt, reply.notices, "barrier")
         self.floor = list(self.vt)
         self.known = {key: flat for key, flat in self.known.items() if key[1] > self.floor[key[0]]}
         self.handler.prune(self.floor)
@@ -159,10 +181,10 @@ class Memory:
         long as the job); tests and long-lived processes that attach many times do.
         """
         self._halt()
-        if self._pm is not None and self._pm.is_registered(self):
-            self._pm.unregister(self)
-        self._pm = None
-        self._fire = set()
+        if self._plugins is not None:
+            self._plugins.unregister(self)
+        self._plugins = None
+        self._fire = frozenset()
         self.ctx.close()
 
     def statistics(self) -> Statistics:
@@ -177,9 +199,10 @@ class Memory:
             raise DsmError(f"lock {lock} is already held by this rank (DSM locks are not re-entrant)")
         self._close_interval()
         started = time.perf_counter()
-        reply = self._request(lock % self.size, [K_ACQUIRE, 0, lock, self.vt], f"lock {lock}", math.inf)
-        self._merge(reply[2], reply[3], f"lock {lock}")
-        self.held[lock] = list(reply[2])
+        acquire = AcquireRequest(self._next_rid(), lock, self.vt)
+        reply = self._request(lock % self.size, acquire, Grant, f"lock {lock}", math.inf)
+        self._merge(reply.vt, reply.notices, f"lock {lock}")
+        self.held[lock] = list(reply.vt)
         seconds = time.perf_counter() - started
         self.counters.lock_acquires += 1
         self.counters.lock_seconds += seconds
@@ -193,7 +216,8 @@ class Memory:
         self._close_interval()
         started = time.perf_counter()
         notices = [[q, i, flat] for (q, i), flat in self.known.items() if i > max(at_grant[q], self.floor[q])]
-        self._request(lock % self.size, [K_RELEASE, 0, lock, self.vt, notices], f"release of lock {lock}")
+        release = ReleaseRequest(self._next_rid(), lock, self.vt, notices)
+        self._request(lock % self.size, release, Ack, f"release of lock {lock}")
         del self.held[lock]  # only now: a release that failed can be retried
         self.counters.lock_seconds += time.perf_counter() - started
         self.hook("dsm_lock_released", lock=lock)
@@ -224,7 +248,8 @@ class Memory:
         owner, gid = region.default_home(page), gid_of(region.aid, page)
         self.counters.home_lookups += 1
         if self.protocol == "async":
-            home = int(self._request(owner, [K_HOME, 0, gid], f"the home of page {gid:#x}")[2])
+            lookup = HomeRequest(self._next_rid(), gid)
+            home = int(self._request(owner, lookup, HomeReply, f"the home of page {gid:#x}").home)
         else:
             land = self.scratch_mr.buf + (len(self.scratch) - 2) * 8
             wr = atomic(
@@ -249,8 +274,8 @@ class Memory:
         if home < 0 or home == self.rank:
             raise DsmError(f"page {gid:#x} is invalid but its home is {home} (rank {self.rank})")
         if self.protocol == "async":
-            reply = self._request(home, [K_PAGE, 0, gid, need.tolist()], f"page {gid:#x}")
-            region.page(page)[:] = np.frombuffer(reply[2], dtype=np.uint8)
+            reply = self._request(home, PageRequest(self._next_rid(), gid, need.tolist()), PageReply, f"page {gid:#x}")
+            region.page(page)[:] = np.frombuffer(reply.data, dtype=np.uint8)
         else:
             self._ardmar(region, page, home, need)
         region.state[page] = VALID
@@ -323,12 +348,16 @@ class Memory:
 
     def _send_diffs(self, outgoing: dict[int, list[tuple[Region, int, Diff]]], interval: int) -> None:
         if self.protocol == "async":
-            requests = [
-                (home, [K_DIFF, 0, gid_of(region.aid, page), interval, diff], f"diff ack from rank {home}")
+            requests: list[tuple[int, Request, str]] = [
+                (
+                    home,
+                    DiffRequest(self._next_rid(), gid_of(region.aid, page), interval, diff),
+                    f"diff ack from rank {home}",
+                )
                 for home, items in outgoing.items()
                 for region, page, diff in items
             ]
-            self._request_many(requests)
+            self._request_many(requests, Ack)
         else:
             self._draw(outgoing, interval)
         for home, items in outgoing.items():
@@ -359,7 +388,7 @@ class Memory:
                 self.counters.count("fetch_add", 16)
             self.client.run(home, wrs, self.seq)
 
-    def _merge(self, vt: list[int], notices: list[Any], source: str) -> None:
+    def _merge(self, vt: list[int], notices: list[Notice], source: str) -> None:
         """Take write notices this rank has not seen: invalidate those pages, raise what their fetch needs."""
         fresh = []
         for q, i, flat in notices:
@@ -380,13 +409,18 @@ class Memory:
             self.hook("dsm_write_notices_received", source=source, notices=fresh)
 
     # ------------------------------------------------------------------ requests
-    def _request(self, dst: int, msg: list[Any], what: str, timeout: float = FETCH_TIMEOUT) -> list[Any]:
-        return self._request_many([(dst, msg, what)], timeout)[0]
+    def _next_rid(self) -> int:
+        """A new request id (the reply echoes it); requests carry theirs from construction."""
+        self.rid += 1
+        return self.rid
+
+    def _request(self, dst: int, msg: Request, expect: type[_R], what: str, timeout: float = FETCH_TIMEOUT) -> _R:
+        return self._request_many([(dst, msg, what)], expect, timeout)[0]
 
     def _request_many(
-        self, requests: list[tuple[int, list[Any], str]], timeout: float = FETCH_TIMEOUT
-    ) -> list[list[Any]]:
-        """Send requests (at most WINDOW in flight per destination) and return their replies in order.
+        self, requests: list[tuple[int, Request, str]], expect: type[_R], timeout: float = FETCH_TIMEOUT
+    ) -> list[_R]:
+        """Send requests (at most WINDOW in flight per destination) and return their replies, each an `expect`.
 
         Every reply is collected before an error reply raises, so none is left behind to
         be mistaken for a later request's.
@@ -399,24 +433,28 @@ class Memory:
             while len(mine) >= WINDOW:
                 self._await(mine[:1], what_of[mine[0]], timeout)
                 mine[:] = [r for r in mine if r not in self.replies]
-            self.rid += 1
-            msg[1] = self.rid
-            self.counters.count(KIND_NAMES[msg[0]], self.client.send(dst, msg))
-            rids.append(self.rid)
-            what_of[self.rid] = what
-            mine.append(self.rid)
+            self.counters.count(NAMES[msg.kind], self.client.send(dst, msg))
+            rids.append(msg.rid)
+            what_of[msg.rid] = what
+            mine.append(msg.rid)
         for rid in rids:
             self._await([rid], what_of[rid], timeout)
         replies = [self.replies.pop(rid) for rid in rids]
         for reply in replies:
-            if reply[0] == K_ERROR:
-                raise DsmError(reply[2])
-        return replies
+            if isinstance(reply, ErrorReply):
+                raise DsmError(reply.message)
+        checked: list[_R] = []
+        for reply in replies:
+            if not isinstance(reply, expect):
+                raise DsmError(f"a {type(reply).__name__} answered a request that wants a {expect.__name__}")
+            checked.append(reply)
+        return checked
 
     def _await(self, rids: list[int], what: str, timeout: float) -> None:
         def done() -> bool:
-            for _, msg, _ in self.client.inbox:
-                self.replies[msg[1]] = msg
+            for _, raw, _ in self.client.inbox:
+                msg = decode_reply(raw)
+                self.replies[msg.rid] = msg
             self.client.inbox.clear()
             self._check()
             return all(rid in self.replies for rid in rids)
@@ -425,23 +463,26 @@ class Memory:
 
     # ------------------------------------------------------------------ hooks and the handler thread
     def hook(self, name: str, **kwargs: Any) -> None:
-        if name in self._fire and self._pm is not None:
-            getattr(self._pm.hook, name)(memory=self, **kwargs)
+        """Fire DSM hook `name` through the rank's plugin host (its order; a failure is a PluginError naming the
+        plugin), if any plugin implements it: a set look-up is all the hot path pays otherwise."""
+        if name in self._fire and self._plugins is not None:
+            self._plugins.call(name, memory=self, **kwargs)
 
     def _live(self) -> None:
-        """Per-process parts (thread, plugin manager): at attach, and again after unpickling."""
+        """Per-process parts (thread, plugin host registration): at attach, and again after unpickling."""
         self._thread = None
         self._stop = threading.Event()
         self._failure = None
-        host = getattr(self.rt, "plugins", None)
-        self._pm = None
-        self._fire = set()
+        host: PluginCalls | None = getattr(self.rt, "plugins", None)
+        self._plugins = None
+        self._fire = frozenset()
         if host is None:
             return
         host.add_hookspecs(hookspecs)  # when the dsm plugin is not loaded
-        self._pm = pm = host.pm
-        pm.register(self, name=f"dsm-memory-{id(self)}")
-        self._fire = {name for name in HOOKS if getattr(pm.hook, name).get_hookimpls()}
+        host.register(self, name=f"dsm-memory-{id(self)}")  # for ckpt_drain / ckpt_resume
+        self._plugins = host
+        # decided once: which hooks have implementations (plugins are all loaded before a program attaches)
+        self._fire = frozenset(name for name in HOOKS if host.has_impl(name))
 
     def _start(self) -> None:
         if self._thread is not None:
@@ -489,14 +530,14 @@ class Memory:
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        for name in ("_thread", "_stop", "_failure", "_pm", "_fire"):
+        for name in ("_thread", "_stop", "_failure", "_plugins", "_fire"):
             state.pop(name, None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._live()
-        if self._pm is None:  # unpickled outside a ckpt rank: nothing will call ckpt_resume
+        if self._plugins is None:  # unpickled outside a ckpt rank: nothing will call ckpt_resume
             self._start()
 
     def __repr__(self) -> str:

@@ -9,12 +9,13 @@ as any other):
 * the *server* endpoint, used only by the protocol-handler thread: requests in,
   replies out.
 
-Client QP (i -> j) is connected to server QP (j <- i).  A message is a msgpack
-list, cut into fragments of at most one slot (a flag byte says whether more
-follow); RC delivers fragments in order, so reassembly needs no sequence
-numbers.  Every SEND is signaled, and its completion frees its slot.  Receive
-slots are re-posted as soon as their data is copied out; a sender that outruns
-them gets RNR NAKs and retries forever (rnr_retry 7), so flow control needs no
+Client QP (i -> j) is connected to server QP (j <- i).  A message (one of
+`dsm._messages`, decoded by its receiver) is a msgpack array, cut into
+fragments of at most one slot (a flag byte says whether more follow); RC
+delivers fragments in order, so reassembly needs no sequence numbers.  Every
+SEND is signaled, and its completion frees its slot.  Receive slots are
+re-posted as soon as their data is copied out; a sender that outruns them gets
+RNR NAKs and retries forever (rnr_retry 7), so flow control needs no
 credits.  Waiting arms the CQ and blocks on its completion channel after a
 short spin, so idle ranks leave the CPU to the ones that work.
 
@@ -34,6 +35,7 @@ import numpy as np
 from ckpt import verbs
 
 from ._errors import DsmError
+from ._messages import Message
 
 REMOTE = verbs.IBV_ACCESS_REMOTE_READ | verbs.IBV_ACCESS_REMOTE_WRITE | verbs.IBV_ACCESS_REMOTE_ATOMIC
 ACCESS = verbs.IBV_ACCESS_LOCAL_WRITE | REMOTE
@@ -91,9 +93,9 @@ class Endpoint:
         self.qps[peer].post_recv(verbs.RecvWR(wr_id=RECV | peer << 20 | slot, num_sge=1, sg=[sge]))
 
     # ------------------------------------------------------------ messages
-    def send(self, peer: int, obj: Any) -> int:
-        """Queue message `obj` to `peer`; returns its size in bytes (completions are reaped by `poll`)."""
-        data = pack(obj)
+    def send(self, peer: int, msg: Message) -> int:
+        """Queue `msg` to `peer`; returns its size in bytes (completions are reaped by `poll`)."""
+        data = pack(msg)
         room = self.slot - 1
         for start in range(0, max(len(data), 1), room):
             chunk = data[start : start + room]

@@ -1,28 +1,47 @@
 """The DSM's plugin contract: hooks fired by the HLRC protocol, for plugins such as remote logging.
 
-They are added to the rank's plugin manager (the one ``ckpt.hookimpl`` plugins
-live in) by the ``dsm`` plugin, or by ``dsm.attach`` when that plugin is not
-loaded.  Implement them with ``@ckpt.hookimpl`` like any ckpt hook.
+They are added to the rank's plugin host (``rt.plugins``, the one ``ckpt.hookimpl``
+plugins live in) through ``rt.plugins.add_hookspecs`` by the ``dsm`` plugin
+(``CKPT_HOOKSPECS``), or by ``dsm.attach`` when that plugin is not loaded, and
+fired through ``rt.plugins.call``: the contract's order (`ORDER`: every DSM hook
+runs down, in registration order) and its error naming the failing plugin apply.
+Implement them with ``@ckpt.hookimpl`` like any ckpt hook.  Whether a hook has
+implementations is decided once, when the memory attaches (or is restored): a
+plugin registered later is not called.
 
 Threads: hooks marked *handler* run on the rank's protocol-handler thread, the
 others on the program thread.  ``memory`` is the rank's :class:`dsm.Memory`;
 pages are named by their global page id ``gid = (array_id << 32) | page_index``.
 A hook must not block and must not call back into the DSM.  An exception
-raised by a *handler* hook fails that one request (the requester gets a
-DsmError naming it); one raised on the program thread propagates to the
-program.  Under the
-``onesided`` protocol the home's CPU takes no part in page service or diff
-application, so ``dsm_page_served``, ``dsm_diff_received`` and
-``dsm_diff_applied`` fire only under ``async``.
+raised by a *handler* hook fails that one request: the requester gets a
+DsmError carrying the host's ``plugin 'NAME' failed in HOOK: ...``, and the
+handler serves on.  One raised on the program thread reaches the program as
+that ``ckpt.PluginError``.  Under the ``onesided`` protocol the home's CPU
+takes no part in page service or diff application, so ``dsm_page_served``,
+``dsm_diff_received`` and ``dsm_diff_applied`` fire only under ``async``.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ckpt.plugin import hookspec
+from ckpt.plugin import Direction, hookspec
 
 Notices = list[tuple[int, int, list[int]]]  # (writer rank, interval, [gid, home, gid, home, ...])
+
+#: Each hook's direction (read by the plugin host): all are notifications, in registration order.
+ORDER: dict[str, Direction] = {
+    "dsm_interval_closed": "down",
+    "dsm_diff_created": "down",
+    "dsm_diff_sent": "down",
+    "dsm_diff_received": "down",
+    "dsm_diff_applied": "down",
+    "dsm_write_notices_received": "down",
+    "dsm_page_served": "down",
+    "dsm_lock_acquired": "down",
+    "dsm_lock_released": "down",
+    "dsm_barrier_passed": "down",
+}
 
 
 @hookspec

@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from harness import PROGRAMS, run
+from ckpt.testing import run
+from harness import PROGRAMS
 
 RANKS = 4
 TRACE_ENV = "CKPT_IB_TRACE_DIR"

@@ -1,12 +1,12 @@
-"""Fixtures for the ckpt_ib unit tests: a fake runtime, a private virtualized provider, a simulated restart."""
+"""Fixtures for the ckpt_ib unit tests: a private virtualized provider and a simulated restart, on a FakeRuntime."""
 
 # The plugin is tested in one process, without a coordinator:
 #
-# * `FakeRuntime` stands for `ckpt.Runtime` as the plugin uses it (rank 0 of
-#   1): `allocate_global` with per-namespace counters kept across
-#   generations, as the coordinator keeps them; `kv` with publish / get /
-#   subscribe on a dict that a new generation empties (the real store is
-#   generation-scoped); `coordinator_barrier` returning `[value]`.
+# * `ckpt.testing.FakeRuntime` stands for `ckpt.Runtime` (rank 0 of 1):
+#   `allocate_global` with per-namespace counters kept across generations,
+#   as the coordinator keeps them (from VIRTUAL_BASE here); `kv` that a new
+#   generation empties (the real store is generation-scoped);
+#   `coordinator_barrier` returning `[value]`.
 #
 # * Each test gets its own provider, `ibt_<letters>`: a fresh simib table
 #   (`_simib.make_ops()`) under a unique name, registered with
@@ -42,6 +42,7 @@ from typing import Any
 import cloudpickle
 
 from ckpt import verbs as v
+from ckpt.testing import FakeRuntime
 from ckpt.verbs import _simib
 from ckpt_ib import drain, rebuild, reconnect, repost_sends
 from ckpt_ib._virtual import Virtualizer
@@ -52,60 +53,6 @@ from ckpt_ib._virtual import Virtualizer
 VIRTUAL_BASE = 0xC000
 #: The real HCAs device index i opens, before and after a simulated restart (alternating).
 HCA_GENERATIONS = (("simib0", "simib1"), ("ibrestart0", "ibrestart1"))
-
-
-class FakeKV:
-    """`rt.kv` on a dict: publish / get / subscribe (nobody else can publish here, so subscribe does not wait),
-    and incrby on counters of its own."""
-
-    def __init__(self) -> None:
-        self.values: dict[tuple[str, str], Any] = {}
-        self.counters: dict[tuple[str, str], int] = {}
-
-    def incrby(self, ns: str, key: str, delta: int = 1) -> int:
-        self.counters[ns, key] = self.counters.get((ns, key), 0) + delta
-        return self.counters[ns, key]
-
-    def publish(self, ns: str, key: str, value: Any) -> None:
-        self.values[ns, key] = value
-
-    def get(self, ns: str, key: str, default: Any = None) -> Any:
-        return self.values.get((ns, key), default)
-
-    def subscribe(self, ns: str, key: str, timeout: float = 60.0) -> Any:
-        if (ns, key) not in self.values:
-            raise AssertionError(f"subscribe({ns!r}, {key!r}): never published in a one-process test")
-        return self.values[ns, key]
-
-
-class FakeRuntime:
-    """Rank 0 of 1: the part of `ckpt.Runtime` the plugin uses."""
-
-    rank = 0
-    size = 1
-
-    def __init__(self, first_id: int = VIRTUAL_BASE) -> None:
-        self.first_id = first_id
-        self.generation = 0
-        self.kv = FakeKV()
-        self.counters: dict[str, int] = {}
-        self.allocated: dict[str, list[int]] = {}  # namespace -> every ID handed out, for assertions
-        self.barriers: list[str] = []
-
-    def allocate_global(self, ns: str, count: int = 1) -> int:
-        first = self.counters.get(ns, self.first_id)
-        self.counters[ns] = first + count
-        self.allocated.setdefault(ns, []).extend(range(first, first + count))
-        return first
-
-    def coordinator_barrier(self, name: str, value: Any = None) -> list[Any]:
-        self.barriers.append(name)
-        return [value]
-
-    def new_generation(self) -> None:
-        """A restart: the key-value store starts empty, the ID counters go on."""
-        self.generation += 1
-        self.kv = FakeKV()
 
 
 _provider_numbers = itertools.count()
@@ -126,7 +73,7 @@ class IbEnv:
 
     def __init__(self) -> None:
         self.provider = f"ibt_{_letters(next(_provider_numbers))}"
-        self.rt = FakeRuntime()
+        self.rt = FakeRuntime(first_id=VIRTUAL_BASE)
         self.vz = Virtualizer(self.rt)
         self.hca_generation = 0
         self.contexts: list[v.Context] = []

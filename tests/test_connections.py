@@ -17,7 +17,8 @@ import pytest
 from ckpt import _wire as wire
 from ckpt._gate import HandshakeGate
 from ckpt._server import PeerConnection
-from harness import closed_by_peer, trickle_until_closed, wait_for
+from ckpt.testing import wait_for
+from harness import closed_by_peer, trickle_until_closed
 
 pytestmark = pytest.mark.timeout(60)
 

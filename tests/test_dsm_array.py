@@ -6,9 +6,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-from dsm_util import ThreadRuntime, run_ranks
+from dsm_util import run_ranks
 
 import dsm
+from ckpt.testing import ThreadRuntime
 from dsm import DsmError, SharedArray
 
 pytestmark = pytest.mark.timeout(60)

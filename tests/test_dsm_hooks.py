@@ -9,11 +9,12 @@ from typing import Any
 
 import numpy as np
 import pytest
-from dsm_util import ThreadRuntime, run_ranks
+from dsm_util import run_ranks
 
 import ckpt
 import dsm
 from ckpt.runtime.plugins import PluginError, PluginHost
+from ckpt.testing import ThreadRuntime
 
 WORDS = 512  # float64 per 4 KiB page
 
@@ -97,7 +98,8 @@ def recorded(protocol: str) -> list[Recorder]:
 
     def host(rank: int) -> PluginHost:
         plugins = PluginHost()
-        plugins.pm.register(recorders[rank])
+        plugins.add_hookspecs(dsm.hookspecs)  # as the dsm plugin's CKPT_HOOKSPECS does
+        plugins.register(recorders[rank], f"recorder-{rank}")
         return plugins
 
     run_ranks(2, exchange, protocol, plugins=host)
@@ -174,13 +176,98 @@ def test_a_hook_failing_on_the_handler_fails_that_request_and_the_handler_serves
                 a[0]  # a page fault: rank 0 serves it, then its hook raises
                 outcome = "no error"
             except dsm.DsmError as exc:
-                outcome = "refused" if "ValueError: the plugin is broken" in str(exc) else str(exc)
+                named = "plugin 'failing' failed in dsm_page_served: ValueError: the plugin is broken"
+                outcome = "refused" if named in str(exc) else str(exc)
         mem.barrier()  # the handler on rank 0 still serves: barriers go through it
         return outcome
 
     def host(rank: int) -> PluginHost:
         plugins = PluginHost()
-        plugins.pm.register(Failing())
+        plugins.add_hookspecs(dsm.hookspecs)
+        plugins.register(Failing(), "failing")
         return plugins
 
     assert run_ranks(2, body, "async", plugins=host) == ["home", "refused"]
+
+
+class Ordered:
+    """A plugin noting, in one list shared with the others, that it saw dsm_barrier_passed."""
+
+    def __init__(self, name: str, calls: list[str]) -> None:
+        self.name, self.calls = name, calls
+
+    @ckpt.hookimpl
+    def dsm_barrier_passed(self, epoch: int) -> None:
+        self.calls.append(self.name)
+
+
+def test_dsm_hooks_run_down_in_registration_order_through_the_host() -> None:
+    assert set(dsm.hookspecs.ORDER) == set(dsm._memory.HOOKS)  # every hook has a declared direction
+    calls: dict[int, list[str]] = {0: [], 1: []}
+
+    def host(rank: int) -> PluginHost:
+        plugins = PluginHost()
+        plugins.add_hookspecs(dsm.hookspecs)
+        for name in ("first", "second", "third"):
+            plugins.register(Ordered(name, calls[rank]), f"{name}-{rank}")
+        return plugins
+
+    def body(mem: dsm.Memory, rt: ThreadRuntime) -> None:
+        mem.barrier()
+        mem.barrier()
+
+    run_ranks(2, body, "async", plugins=host)
+    assert calls == {rank: ["first", "second", "third"] * 2 for rank in (0, 1)}
+
+
+class FailsOnTheProgramThread:
+    @ckpt.hookimpl
+    def dsm_barrier_passed(self, epoch: int) -> None:
+        raise RuntimeError("no room for the log")
+
+
+def test_a_hook_failing_on_the_program_thread_reaches_the_program_naming_the_plugin() -> None:
+    def host(rank: int) -> PluginHost:
+        plugins = PluginHost()
+        plugins.add_hookspecs(dsm.hookspecs)
+        plugins.register(FailsOnTheProgramThread(), "remote-log")
+        return plugins
+
+    def body(mem: dsm.Memory, rt: ThreadRuntime) -> None:
+        mem.barrier()
+
+    expected = "plugin 'remote-log' failed in dsm_barrier_passed: RuntimeError: no room for the log"
+    with pytest.raises(PluginError, match=expected):
+        run_ranks(2, body, "async", plugins=host)
+
+
+def test_without_implementations_no_dsm_hook_reaches_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whether a hook fires is decided once, at attach: the hot path makes no host call for hooks nobody implements."""
+    called: list[str] = []
+    real_call = PluginHost.call
+
+    def counting(self: PluginHost, hook: str, **kwargs: Any) -> list[Any]:
+        called.append(hook)
+        return real_call(self, hook, **kwargs)
+
+    monkeypatch.setattr(PluginHost, "call", counting)
+    recorders = [Recorder(), Recorder()]
+
+    def host(rank: int) -> PluginHost:
+        plugins = PluginHost()
+        plugins.add_hookspecs(dsm.hookspecs)
+        if rank == 0:
+            plugins.register(recorders[0], "recorder-0")
+        return plugins
+
+    run_ranks(2, exchange, "async", plugins=host)
+    assert called and all(recorders[0].seen[hook.removeprefix("dsm_")] for hook in called)
+    assert sum(recorders[0].seen.values()) == len(called)  # rank 1 has no implementation: it called nothing
+    assert sum(recorders[1].seen.values()) == 0
+
+
+def test_nothing_in_dsm_touches_the_pluggy_manager() -> None:
+    for source in Path(dsm.__file__).parent.rglob("*.py"):
+        text = source.read_text()
+        for forbidden in ("pluggy", ".pm", ".hook."):
+            assert forbidden not in text, f"{source.name} uses {forbidden!r}: go through rt.plugins"

@@ -14,10 +14,12 @@ from typing import Any
 
 import numpy as np
 import pytest
-from dsm_util import ThreadRuntime, run_ranks
+from dsm_util import run_ranks
 
 import dsm
+from ckpt.testing import ThreadRuntime
 from dsm import DsmError
+from dsm._messages import Ack, ReleaseRequest
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.parametrize("protocol", dsm.PROTOCOLS)]
 
@@ -586,7 +588,8 @@ def test_an_error_reply_fails_its_own_request_only(protocol: str) -> None:
         seen = []
         if rt.rank == 1:
             try:
-                mem._request(0, [5, 0, lock.id, mem.vt, []], "a forged release")  # K_RELEASE of a lock not held
+                forged = ReleaseRequest(mem._next_rid(), lock.id, mem.vt, [])  # of a lock not held
+                mem._request(0, forged, Ack, "a forged release")
             except DsmError as exc:
                 seen.append("refused" if "does not hold" in str(exc) else str(exc))
             with lock:

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from harness import BANNER, EXAMPLES, PROGRAMS, Job, one_error_line, results, run, wait_for
+from ckpt.testing import BANNER, Job, one_error_line, results, run, wait_for
+from harness import EXAMPLES, PROGRAMS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from harness import CKPT, EXAMPLES, PROGRAMS, Job, env, results, run, wait_for
+from ckpt.testing import CKPT, Job, env, results, run, wait_for
+from harness import EXAMPLES, PROGRAMS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 

@@ -21,7 +21,8 @@ from dsm_cases import CASES, RESTARTS, DsmCase
 from dsm_util import run_program
 from ib_cases import RANKS, Hold, launch_args, random_seed, take
 
-from harness import PROGRAMS, Job, results, run, wait_for
+from ckpt.testing import Job, results, run, wait_for
+from harness import PROGRAMS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 PROGRAM_ENV = "CKPT_TEST_DSM_PROGRAM"

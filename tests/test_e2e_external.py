@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 from ib_cases import Hold, expected_ring
 
-from harness import CKPT, EXAMPLES, Job, env, results, run, wait_for
+from ckpt.testing import CKPT, Job, env, results, run, wait_for
+from harness import EXAMPLES
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 

@@ -13,9 +13,10 @@ from typing import Any
 
 import pytest
 
+from ckpt.testing import Job, kill_pids, one_error_line, results, run, wait_for
 from ckpt.verbs.fabric import FabricClient
 from ckpt_simib import FABRIC_FILE
-from harness import PROGRAMS, Job, kill_pids, one_error_line, results, run, start_fabric, wait_for
+from harness import PROGRAMS, start_fabric
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from ckpt import _jobdir as jobdir
-from harness import PROGRAMS, Job, results, run, uninterrupted, wait_for
+from ckpt.testing import Job, results, run, uninterrupted, wait_for
+from harness import PROGRAMS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 

@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 
 from ckpt import _wire as wire
+from ckpt.testing import Job, kill_pids, run, wait_for
 from ckpt.verbs.fabric import FabricClient
-from harness import PROGRAMS, Job, closed_by_peer, kill_pids, run, start_fabric, wait_for
+from harness import PROGRAMS, closed_by_peer, start_fabric
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(60)]
 

@@ -1,6 +1,6 @@
 """End-to-end: verbs programs checkpointed, resumed and restarted through the ckpt_ib plugin, 4 ranks, via the CLI.
 
-One shape (tests/harness.py): launch -> (checkpoint -> kill -> restart) x k -> the
+One shape (ckpt.testing): launch -> (checkpoint -> kill -> restart) x k -> the
 uninterrupted run's results, which are checked against a plain-Python computation
 of what each program computes (tests/ib_cases.py).
 """
@@ -30,7 +30,8 @@ from ib_cases import (
     traced,
 )
 
-from harness import PROGRAMS, Job, results, run
+from ckpt.testing import Job, results, run
+from harness import PROGRAMS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 from ib_cases import BY_NAME, CASES, LONGER, RANKS, TRACE_ENV, Case, Hold, expected_seq, launch_args, take, traced
 
-from harness import PROGRAMS, Job, results, run
+from ckpt.testing import Job, results, run
+from harness import PROGRAMS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from ckpt import _jobdir as jobdir
-from harness import EXAMPLES, PROGRAMS, Job, one_error_line, results, run, wait_for
+from ckpt.testing import Job, one_error_line, results, run, wait_for
+from harness import EXAMPLES, PROGRAMS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 

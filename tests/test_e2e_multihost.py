@@ -28,7 +28,8 @@ from pathlib import Path
 import pytest
 from ib_cases import Hold, expected_ring
 
-from harness import CKPT, PROGRAMS, env, results, wait_for
+from ckpt.testing import CKPT, env, results, wait_for
+from harness import PROGRAMS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from harness import EXAMPLES, PROGRAMS, Job, env, results, run
+from ckpt.testing import Job, env, results, run
+from harness import EXAMPLES, PROGRAMS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 

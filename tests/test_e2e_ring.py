@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from harness import EXAMPLES, Job, results, run
+from ckpt.testing import Job, results, run
+from harness import EXAMPLES
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 from ib_cases import RANKS, TRACE_ENV, Case, Hold, expected_seq, launch_args, take, traced
 
-from harness import PROGRAMS, Job, one_error_line, results, run, uninterrupted
+from ckpt.testing import Job, one_error_line, results, run, uninterrupted
+from harness import PROGRAMS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 

@@ -26,10 +26,11 @@ from typing import Any
 import numpy as np
 import pytest
 
+from ckpt.testing import env, kill_pids, run
 from ckpt.verbs import _enums as e
 from ckpt.verbs._qpbase import ack_timeout
 from ckpt.verbs.fabric import ENV_ADDRESS, ENV_TOKEN, LinkModel, SubnetManager
-from harness import PROGRAMS, env, kill_pids, run, start_fabric
+from harness import PROGRAMS, start_fabric
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 

@@ -9,14 +9,14 @@ rank, and a history that came back from the image after the restart.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from harness import EXAMPLES, Job, env, results, run
+from ckpt.testing import Job, checkpoint, env, results, run
+from harness import EXAMPLES
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -28,7 +28,7 @@ PHASES = ("presuspend", "drain", "checkpoint")
 
 def _env(summaries: Path) -> dict[str, str]:
     return {
-        "PYTHONPATH": os.pathsep.join([str(PLUGIN_DIR), env()["PYTHONPATH"]]),
+        "PYTHONPATH": env(pythonpath=[PLUGIN_DIR])["PYTHONPATH"],  # the plugin is not installed: found on the path
         "CKPT_STEPCLOCK_FILE": str(summaries / "stepclock-{rank}.json"),
     }
 
@@ -40,12 +40,6 @@ def _summaries(directory: Path) -> dict[int, dict[str, Any]]:
         assert path.exists(), f"rank {rank} wrote no summary at exit"
         found[rank] = json.loads(path.read_text())
     return found
-
-
-def _checkpoint(ckpt_dir: Path, *flags: str) -> str:
-    taken = run("checkpoint", *flags, "--ckpt-dir", str(ckpt_dir))
-    assert taken.returncode == 0, taken.stderr
-    return taken.stdout
 
 
 def _max_step(job: Job) -> int:
@@ -81,9 +75,9 @@ def test_the_timings_survive_a_restart(start_job: Callable[..., Job], tmp_path: 
     # generation 0: checkpoint 1 (the job resumes), checkpoint 2 (the job is killed)
     job = start_job("launch", "-n", str(RANKS), "--ckpt-dir", str(ckpt_dir), *plugin, *HEAT, extra_env=_env(killed_dir))
     job.wait_step(20)
-    assert "checkpoint 1 written" in _checkpoint(ckpt_dir, "--wait")
+    assert "checkpoint 1 written" in checkpoint(ckpt_dir, "--wait")
     job.wait_step(_max_step(job) + 20)
-    assert "checkpoint 2 written" in _checkpoint(ckpt_dir, "--kill")
+    assert "checkpoint 2 written" in checkpoint(ckpt_dir, "--kill")
     assert job.wait() == 0, job.stderr
     manifest = json.loads((ckpt_dir / "ckpt_heat_2.json").read_text())
     assert {"name": "stepclock", "version": "1.0", "module": "ckpt_stepclock"} in manifest["plugins"]
@@ -101,7 +95,7 @@ def test_the_timings_survive_a_restart(start_job: Callable[..., Job], tmp_path: 
     option = ["--stepclock-file", str(final_dir / "stepclock-{rank}.json")]
     again = start_job("restart", "--ckpt-dir", str(ckpt_dir), *plugin, *option, extra_env=_env(killed_dir))
     again.wait_step(killed_at + 1)  # the restarted job is up (not the killed one's final status)
-    assert "checkpoint 3 written" in _checkpoint(ckpt_dir, "--wait")
+    assert "checkpoint 3 written" in checkpoint(ckpt_dir, "--wait")
     assert again.wait() == 0, again.stderr
     assert sorted(results(again.stdout)) == list(range(RANKS))
 

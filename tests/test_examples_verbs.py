@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import wait_for
+from ckpt.testing import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
-import harness
-from harness import ROOT, env, results
+import ckpt.testing
+from ckpt.testing import env, results
+from harness import ROOT
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -82,7 +83,7 @@ def _bash(script: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedP
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
-    return harness.uninterrupted(tmp_path_factory.mktemp("plain"), 4, str(ROOT / "examples" / "heat.py"), "20000")
+    return ckpt.testing.uninterrupted(tmp_path_factory.mktemp("plain"), 4, str(ROOT / "examples" / "heat.py"), "20000")
 
 
 def test_the_quick_start_demo_runs_in_a_fresh_clone(fresh_clone: Path) -> None:

@@ -15,10 +15,10 @@ from types import SimpleNamespace
 import ckpt_ib2tcp
 import numpy as np
 import pytest
-from ib_util import FakeKV
 from verbs_util import ACCESS_ALL, contexts, poll_one, rdma_wr, wait_for
 
 from ckpt import verbs as v
+from ckpt.testing import FakeKeyValue
 from ckpt.verbs import _hca
 
 pytestmark = pytest.mark.timeout(60)
@@ -118,7 +118,7 @@ def test_under_a_runtime_hcas_register_in_the_coordinators_kv(monkeypatch: pytes
     monkeypatch.setattr(ckpt_ib2tcp, "_kv", ckpt_ib2tcp._kv)  # restored after the test, whatever ckpt_init sets
     monkeypatch.setattr(ckpt_ib2tcp, "_coordinator", ckpt_ib2tcp._coordinator)
     monkeypatch.delenv(ckpt_ib2tcp.HOST_ENV, raising=False)
-    kv = FakeKV()
+    kv = FakeKeyValue()
     ckpt_ib2tcp.ckpt_init(SimpleNamespace(kv=kv, coordinator="127.0.0.1:1"))  # type: ignore[arg-type]
     name = _fresh_device()
     device = ckpt_ib2tcp.make_ops().open_device(name)
@@ -126,7 +126,7 @@ def test_under_a_runtime_hcas_register_in_the_coordinators_kv(monkeypatch: pytes
     assert device.hca is hca and type(hca.sm).__name__ == "KvDirectory"
     assert hca.endpoint.startswith("127.0.0.1:")  # the route to the coordinator
     for port, lid in enumerate(hca.lids, start=1):
-        assert kv.counters["ib2tcp", f"claim/{lid}"] == 1
+        assert kv.get("ib2tcp", f"claim/{lid}") == 1
         assert kv.get("ib2tcp", f"lid/{lid}")["endpoint"] == hca.endpoint
         assert kv.get("ib2tcp", f"lid/{lid}")["port"] == port
 

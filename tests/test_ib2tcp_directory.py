@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 from ckpt_ib2tcp import _directory as d
-from ib_util import FakeKV
+
+from ckpt.testing import FakeKeyValue
 
 
 @pytest.fixture
@@ -31,7 +32,7 @@ def _register(directory: d._Directory, endpoint: str = "10.0.0.1:5000") -> list[
 
 
 def test_kv_claims_never_collide_even_when_the_draw_repeats(draws: list[int]) -> None:
-    kv = FakeKV()
+    kv = FakeKeyValue()
     draws.extend([7, 8, 7, 8, 9, 9, 10])
     first, second = d.KvDirectory(kv), d.KvDirectory(kv)
     assert _register(first) == [7, 8]
@@ -41,12 +42,12 @@ def test_kv_claims_never_collide_even_when_the_draw_repeats(draws: list[int]) ->
 
 
 def test_unknown_lid_resolves_to_nothing(tmp_path: Path) -> None:
-    for directory in (d.KvDirectory(FakeKV()), d.FileDirectory(tmp_path), d.LocalDirectory()):
+    for directory in (d.KvDirectory(FakeKeyValue()), d.FileDirectory(tmp_path), d.LocalDirectory()):
         assert directory.resolve(0xBFFF + 1) == (None, None, False)
 
 
 def test_register_claims_two_unicast_lids_and_reports_no_link_model(tmp_path: Path) -> None:
-    for directory in (d.KvDirectory(FakeKV()), d.FileDirectory(tmp_path), d.LocalDirectory()):
+    for directory in (d.KvDirectory(FakeKeyValue()), d.FileDirectory(tmp_path), d.LocalDirectory()):
         reply = directory.register(guid=5, name="tcp3", endpoint="127.0.0.1:4000", pid=9, host="127.0.0.1")
         lids = reply["lids"]
         assert len(lids) == 2 and lids[0] != lids[1] and all(1 <= lid <= 0xBFFF for lid in lids)
@@ -62,11 +63,11 @@ def test_random_lids_reach_both_ends_of_the_unicast_range(monkeypatch: pytest.Mo
         return bound - 1 if next(answers) else 0
 
     monkeypatch.setattr(d, "secrets", SimpleNamespace(randbelow=randbelow))  # only the directory's draws
-    assert _register(d.KvDirectory(FakeKV())) == [1, 0xBFFF]
+    assert _register(d.KvDirectory(FakeKeyValue())) == [1, 0xBFFF]
 
 
 def test_kv_skips_a_lid_another_rank_claimed_first(draws: list[int]) -> None:
-    kv = FakeKV()
+    kv = FakeKeyValue()
     kv.incrby(d.NS, "claim/20")  # another rank's HCA, through the same coordinator
     draws.extend([20, 21, 22])
     assert _register(d.KvDirectory(kv)) == [21, 22]
@@ -129,7 +130,7 @@ def test_local_directory_claims_are_unique_in_the_process(draws: list[int]) -> N
 
 def test_factory_picks_kv_then_files_then_the_process(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv(d.DIRECTORY_ENV, str(tmp_path / "dir"))
-    assert isinstance(d.factory(FakeKV())(lambda lid, up: None), d.KvDirectory)
+    assert isinstance(d.factory(FakeKeyValue())(lambda lid, up: None), d.KvDirectory)
     made = d.factory(None)(lambda lid, up: None)
     assert isinstance(made, d.FileDirectory) and made.path == tmp_path / "dir" and made.path.is_dir()
     monkeypatch.delenv(d.DIRECTORY_ENV)

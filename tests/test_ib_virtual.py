@@ -255,8 +255,7 @@ def test_errors_of_unsignaled_wrs_are_visible(ib: IbEnv) -> None:
     ],
 )
 def test_a_shadow_device_is_opened_on_the_active_transport(wrapped: str, shadow: str, opened: str) -> None:
-    from ib_util import FakeRuntime
-
+    from ckpt.testing import FakeRuntime
     from ckpt_ib._virtual import Virtualizer
 
     v.register_transport("tcp")  # as a rank does for the transports its plugins declare (ib2tcp's)
@@ -274,8 +273,7 @@ def test_a_shadow_device_is_opened_on_the_active_transport(wrapped: str, shadow:
     ],
 )
 def test_a_shadow_device_of_no_other_transport_keeps_its_name(wrapped: str, shadow: str, opened: str) -> None:
-    from ib_util import FakeRuntime
-
+    from ckpt.testing import FakeRuntime
     from ckpt_ib._virtual import Virtualizer
 
     vz = Virtualizer(FakeRuntime())
@@ -284,8 +282,7 @@ def test_a_shadow_device_of_no_other_transport_keeps_its_name(wrapped: str, shad
 
 
 def test_a_transport_device_stays_when_the_wrapped_provider_is_no_transport() -> None:
-    from ib_util import FakeRuntime
-
+    from ckpt.testing import FakeRuntime
     from ckpt_ib._virtual import Virtualizer
 
     vz = Virtualizer(FakeRuntime())

@@ -27,7 +27,7 @@ from ckpt.coordinator.client import CoordinatorClient, control
 from ckpt.coordinator.server import Coordinator
 from ckpt.runtime import images
 from ckpt.runtime.rank import RankEngine
-from harness import Job, results, wait_for
+from ckpt.testing import Job, results, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 

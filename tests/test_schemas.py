@@ -34,7 +34,7 @@ from ckpt.coordinator.job import STATES
 from ckpt.plugin import Phase
 from ckpt.runtime._imageformat import MAGIC, PREFIX, TRAILER, TRAILER_MAGIC, ContentHash
 from ckpt.runtime.images import inspect_image, read_header, read_image, write_image
-from harness import one_error_line, run
+from ckpt.testing import one_error_line, run
 
 TOKEN = b"test-token"
 #: A checkpoint of one rank written by ckpt before the schemas were explicit (format 1, no minor).

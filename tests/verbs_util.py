@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-import harness
+import ckpt.testing
 from ckpt import verbs as v
 from ckpt.verbs import _hca, fabric
 
@@ -196,8 +196,8 @@ def connect_self(ctx: v.Context, **opts: Any) -> Endpoint:
 
 # ---------------------------------------------------------------- waiting
 def wait_for(predicate: Callable[[], Any], timeout: float = WAIT, what: str = "condition") -> Any:
-    """harness.wait_for with this module's default timeout, polling every millisecond (in-process verbs are fast)."""
-    return harness.wait_for(predicate, timeout, what, interval=0.001)
+    """ckpt.testing.wait_for with this default timeout, polling every millisecond (in-process verbs are fast)."""
+    return ckpt.testing.wait_for(predicate, timeout, what, interval=0.001)
 
 
 def poll_until(cq: v.CQ, n: int = 1, timeout: float = WAIT) -> list[v.WC]:

@@ -1,0 +1,148 @@
+"""In-process doubles of what a rank hands its plugins: `FakeKeyValue` (``rt.kv``) and `FakeRuntime` (``rt``)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from ckpt._errors import CoordinatorError
+from ckpt.plugin import PluginCalls
+
+
+class FakeKeyValue:
+    """Stands for ``rt.kv`` (the coordinator's key-value store) on a dict, for one generation.
+
+    Thread-safe, and `subscribe` really waits: thread-ranks sharing one store see each other's
+    publications as ranks do through the coordinator.  Atomic operations work on the same keys as
+    `publish` (an unset key counts as 0 for `incrby`, as the operand for `min` / `max`), and a
+    wait that times out raises `ckpt.CoordinatorError`, as the real store does.
+    """
+
+    def __init__(self) -> None:
+        self.values: dict[tuple[str, str], Any] = {}
+        self._changed = threading.Condition()
+
+    def publish(self, ns: str, key: str, value: Any) -> None:
+        with self._changed:
+            self.values[ns, key] = value
+            self._changed.notify_all()
+
+    def get(self, ns: str, key: str, default: Any = None) -> Any:
+        with self._changed:
+            return self.values.get((ns, key), default)
+
+    def subscribe(self, ns: str, key: str, timeout: float = 60.0) -> Any:
+        with self._changed:
+            self._wait(lambda: (ns, key) in self.values, timeout, f"key {ns}/{key}")
+            return self.values[ns, key]
+
+    def subscribe_prefix(self, ns: str, prefix: str, count: int, timeout: float = 60.0) -> dict[str, Any]:
+        def found() -> dict[str, Any]:
+            return {k: v for (n, k), v in self.values.items() if n == ns and k.startswith(prefix)}
+
+        with self._changed:
+            self._wait(lambda: len(found()) >= count, timeout, f"{count} keys with prefix {ns}/{prefix}")
+            return found()
+
+    def incrby(self, ns: str, key: str, delta: int = 1) -> int:
+        return self._atomic(ns, key, lambda current: (0 if current is None else current) + delta)
+
+    def min(self, ns: str, key: str, value: int) -> int:
+        return self._atomic(ns, key, lambda current: value if current is None else min(current, value))
+
+    def max(self, ns: str, key: str, value: int) -> int:
+        return self._atomic(ns, key, lambda current: value if current is None else max(current, value))
+
+    def _atomic(self, ns: str, key: str, update: Any) -> int:
+        with self._changed:
+            current = self.values.get((ns, key))
+            if current is not None and not isinstance(current, int):
+                raise CoordinatorError(f"{ns}/{key} holds a {type(current).__name__}, not an integer")
+            value = int(update(current))
+            self.values[ns, key] = value
+            self._changed.notify_all()
+            return value
+
+    def _wait(self, ready: Any, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise CoordinatorError(f"timed out waiting for {what}")
+            self._changed.wait(left)
+
+
+class FakeRuntime:
+    """Stands for ``rt`` (`ckpt.plugin.Runtime`) of rank 0 of a one-rank job, without a coordinator.
+
+    Enough to drive a plugin's hooks by hand: `kv` is a `FakeKeyValue` that `new_generation` (a
+    restart) replaces with an empty one, while `allocate_global`'s counters go on across
+    generations as the coordinator's do; `coordinator_barrier` and `allgather` return this one
+    rank's value; `checkpoint` only counts the requests.  What the plugin asked for is kept for
+    assertions: `allocated` (every ID handed out, by namespace) and `barriers` (their names).
+    """
+
+    def __init__(
+        self,
+        *,
+        argv: list[str] | None = None,
+        options: dict[str, Any] | None = None,
+        device: str = "simib0",
+        first_id: int = 1,
+        plugins: PluginCalls | None = None,
+    ) -> None:
+        self.rank = 0
+        self.size = 1
+        self.argv = list(argv or [])
+        self.device = device
+        self.options = dict(options or {})
+        self.restarted = False
+        self.generation = 0
+        self.job = "fake"
+        self.ckpt_dir = ""
+        self.native = plugins is None
+        self.log = logging.getLogger("ckpt.testing.rank0")
+        self.kv = FakeKeyValue()
+        self.plugins = plugins
+        self.first_id = first_id
+        self.steps = 0
+        self.checkpoints_requested = 0
+        self.allocated: dict[str, list[int]] = {}
+        self.barriers: list[str] = []
+        self._next_id: dict[str, int] = {}
+
+    @property
+    def step(self) -> int:
+        return self.steps
+
+    @property
+    def coordinator(self) -> str:
+        return "127.0.0.1:0"  # there is none: an address nothing listens on
+
+    def allgather(self, obj: Any) -> list[Any]:
+        return [obj]
+
+    def barrier(self) -> None:
+        return None
+
+    def checkpoint(self) -> int:
+        self.checkpoints_requested += 1
+        return 0  # as under --native: nothing is taken
+
+    def coordinator_barrier(self, name: str, value: Any = None) -> list[Any]:
+        self.barriers.append(name)
+        return [value]
+
+    def allocate_global(self, ns: str, count: int = 1) -> int:
+        first = self._next_id.get(ns, self.first_id)
+        self._next_id[ns] = first + count
+        self.allocated.setdefault(ns, []).extend(range(first, first + count))
+        return first
+
+    def new_generation(self) -> None:
+        """A restart: the key-value store starts empty, the ID counters go on."""
+        self.generation += 1
+        self.restarted = True
+        self.kv = FakeKeyValue()
