@@ -13,7 +13,7 @@ from typing import Any
 import click
 
 from ckpt import _jobdir as jobdir
-from ckpt import _wire as protocol
+from ckpt import _wire as wire
 from ckpt._cli_common import ckpt_dir_option, coordinator_option, plugin_options, serve_until_signal
 from ckpt._errors import CkptError, ImageError
 from ckpt.coordinator import client as coord_client
@@ -206,7 +206,7 @@ def coordinator_cmd(
     ckpt_dir = ckpt_dir.resolve()
     claim = jobdir.claim(ckpt_dir)  # held until this process exits: the directory's jobs are this coordinator's
     existing = jobdir.read_job_file(ckpt_dir) or {}
-    token = os.environ.get("CKPT_TOKEN") or existing.get("token") or protocol.new_token()
+    token = os.environ.get("CKPT_TOKEN") or existing.get("token") or wire.new_token()
     server = Coordinator(
         token=token,
         ckpt_dir=ckpt_dir,
@@ -301,7 +301,7 @@ def _inspect_manifest(path: Path, as_json: bool) -> None:
     authentic: bool | None = None
     if token:
         try:
-            manifests.read_manifest(path, token=protocol.token_bytes(token))
+            manifests.read_manifest(path, token=wire.token_bytes(token))
             authentic = True
         except ImageError:
             authentic = False

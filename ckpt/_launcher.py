@@ -17,7 +17,7 @@ from typing import Any
 
 from ckpt import _jobdir as jobdir
 from ckpt import _manifest as manifests
-from ckpt import _wire as protocol
+from ckpt import _wire as wire
 from ckpt._cli_plugins import JobServices, launcher_host
 from ckpt._errors import CkptError, CoordinatorError, ImageError, ProtocolError
 from ckpt._jobdir import read_job_file, write_job_file
@@ -160,7 +160,7 @@ def prepare_restart(manifest_path: Path | None, directory: Path, token: str | No
         token = job["token"] if job else None
     if token is None:
         raise ImageError(f"no token to authenticate {path}: set CKPT_TOKEN (or keep coordinator.json beside it)")
-    manifest = manifests.read_manifest(path, token=protocol.token_bytes(token))
+    manifest = manifests.read_manifest(path, token=wire.token_bytes(token))
     program = manifest.program
     if not Path(program.path).is_file():
         raise ImageError(f"the checkpointed program {program.path} no longer exists")
@@ -217,10 +217,10 @@ class _Job:
         given = opts.token or os.environ.get("CKPT_TOKEN")
         if opts.coordinator is not None and not given and existing.get("address") != opts.coordinator:
             raise CoordinatorError(f"no token for the coordinator at {opts.coordinator}: set CKPT_TOKEN")
-        self.token = given or existing.get("token") or protocol.new_token()
+        self.token = given or existing.get("token") or wire.new_token()
         self.job_id = restart["job"] if restart else uuid.uuid4().hex[:12]
         try:  # checked here, once, rather than by every rank
-            self.heartbeat = protocol.Heartbeat.from_environment()
+            self.heartbeat = wire.Heartbeat.from_environment()
         except ProtocolError as exc:
             raise CoordinatorError(str(exc)) from None
         self.coordinator: Coordinator | None = None
@@ -272,8 +272,8 @@ class _Job:
             spec["print_result"] = self.coordinator is None
             # The ranks heartbeat as the coordinator expects them to (and watch it with the same timeout).
             heartbeat = {
-                protocol.ENV_HEARTBEAT_INTERVAL: repr(self.heartbeat.interval),
-                protocol.ENV_HEARTBEAT_TIMEOUT: repr(self.heartbeat.timeout),
+                wire.ENV_HEARTBEAT_INTERVAL: repr(self.heartbeat.interval),
+                wire.ENV_HEARTBEAT_TIMEOUT: repr(self.heartbeat.timeout),
             }
             env = dict(os.environ, **self.services_env, **heartbeat, **{SPEC_ENV: json.dumps(spec)})
             # Under --debug only the debugged rank reads the terminal; the others must not take its input.

@@ -163,7 +163,7 @@ def _add_plugin_options(argv: list[str]) -> None:
                 param.metavar = names
     taken = {opt for command in (launch, restart) for param in command.params for opt in param.opts}
     added = {param.name for param in launch.params if (param.name or "").startswith(_PLUGIN_OPTION)}
-    for declared in host.pm.hook.ckpt_add_options():
+    for declared in host.call("ckpt_add_options"):  # down: the lower plugin's options first in --help
         for spec in declared:
             name = str(spec["name"])
             flag = f"--{name}"

@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, final
 
-from ckpt import _wire as protocol
+from ckpt import _wire as wire
 from ckpt._errors import ProtocolError
 from ckpt.verbs._subnet import (
     MAX_UNICAST_LID,
@@ -105,7 +105,7 @@ class FabricClient:
         self.address = address
         self.timeout = timeout
         try:
-            host, port = protocol.parse_address(address)
+            host, port = wire.parse_address(address)
         except ProtocolError:
             raise FabricError(f"bad fabric address {address!r}: expected HOST:PORT") from None
         try:
@@ -116,7 +116,7 @@ class FabricClient:
             ) from None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
-            welcome = protocol.client_handshake(sock, token, "subnet manager", timeout=timeout)
+            welcome = wire.client_handshake(sock, token, "subnet manager", timeout=timeout)
         except TimeoutError:
             sock.close()
             raise FabricError(f"the fabric at {address} did not answer within {timeout:g} s") from None
@@ -134,7 +134,7 @@ class FabricClient:
         self.fabric: str = str(welcome.get("fabric"))
         self.sm_lid: int = int(welcome.get("sm_lid", 0))
         self._on_link = on_link
-        self._connection = protocol.ClientConnection(
+        self._connection = wire.ClientConnection(
             sock,
             error=FabricError,
             peer=f"fabric at {address}",
