@@ -105,7 +105,7 @@ def test(extra: list[str]) -> int:
         [str(BIN / "ruff"), "check", "ckpt", "plugins", "dsm", "tests", "benchmarks", "examples", "tools"],
         [str(BIN / "ruff"), "format", "--check", "ckpt", "plugins", "dsm", "tests", "benchmarks", "examples", "tools"],
         [str(BIN / "mypy")],
-        [str(BIN / "lint-imports"), "--no-cache"],
+        [str(BIN / "lint-imports"), "--no-cache", "--no-logo"],
         [str(BIN / "python"), "-m", "pytest", "-q", *PYTEST_DEFAULTS, *extra],
     ]
     for command in steps:
