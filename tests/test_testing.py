@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,7 @@ import ckpt.plugin
 from ckpt.testing import (
     FakeKeyValue,
     FakeRuntime,
+    Job,
     Jobs,
     ThreadRuntime,
     run_program,
@@ -209,3 +212,27 @@ def test_nothing_else_in_ckpt_imports_ckpt_testing() -> None:
         lines = source.read_text().splitlines()
         imports = [line for line in lines if line.lstrip().startswith(("import ", "from ")) and "testing" in line]
         assert not imports, f"{source.relative_to(package.parent)} imports {imports}"
+
+
+def test_wait_step_waits_for_every_rank_to_join(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A restarted rank starts at its image's step: one rank past `step` is not the job past it."""
+    states = iter(
+        [
+            {"state": "running", "size": 2, "ranks": [{"rank": 0, "step": 10}]},  # rank 1 has not joined
+            {"state": "running", "size": 2, "ranks": [{"rank": 0, "step": 10}, {"rank": 1, "step": 7}]},
+        ]
+    )
+    seen: list[dict[str, Any]] = []
+
+    def poll_status(self: Job) -> dict[str, Any]:
+        seen.append(next(states))
+        return seen[-1]
+
+    job = Job(["launch"], tmp_path / "ckpt")
+    job.process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        monkeypatch.setattr(Job, "poll_status", poll_status)
+        assert len(job.wait_step(6, timeout=10)["ranks"]) == 2 and len(seen) == 2
+    finally:
+        job.process.kill()
+        job.process.wait()

@@ -203,7 +203,9 @@ class Job:
             state = self.poll_status()
             if state and state["state"] in ("finished", "killed", "failed"):
                 return None  # the final status an earlier job left behind, not this one's
-            if state and len(state["ranks"]) and min(r["step"] for r in state["ranks"]) >= step:
+            if not state or not state["ranks"] or len(state["ranks"]) < state.get("size", 0):
+                return None  # every rank must have joined: a restarted rank that has starts at its image's step
+            if min(r["step"] for r in state["ranks"]) >= step:
                 return state
             return None
 
