@@ -120,3 +120,21 @@ def test_a_mistyped_request_is_answered_and_only_that_connection_closes(coordina
     finally:
         client.close()
         watcher.close()
+
+
+@pytest.mark.parametrize(
+    "push",
+    [protocol.Suspend(number=3), protocol.Abort(number=3, reason="rank 1 lost"), protocol.KillRank(), protocol.Done()],
+)
+def test_every_push_round_trips_as_its_type(push: protocol.Push) -> None:
+    message = protocol.push_message(push)
+    assert isinstance(message["op"], str) and message["op"] in {"suspend", "abort", "kill", "done"}
+    assert protocol.parse_push(message) == push
+
+
+@pytest.mark.parametrize(
+    "message", [{"op": "suspend"}, {"op": "suspend", "number": "3"}, {"op": "resume"}, {"number": 1}]
+)
+def test_a_push_that_does_not_fit_is_one_protocol_error(message: dict[str, Any]) -> None:
+    with pytest.raises(ProtocolError, match="push"):
+        protocol.parse_push(message)

@@ -22,6 +22,7 @@ import msgspec
 from ckpt import _manifest as manifests
 from ckpt._errors import CkptError
 from ckpt._schemas import JobRecord, ProgramInfo
+from ckpt.coordinator import protocol
 from ckpt.coordinator._scheduler import Scheduler, Timer
 from ckpt.coordinator.kvstore import KeyValueStore, Reply
 from ckpt.plugin import Phase
@@ -39,7 +40,8 @@ STATES = (
     "finished",
 )
 
-Push = Callable[[int, dict[str, Any]], None]
+#: Sends a push to a rank (if it is still connected).
+Push = Callable[[int, protocol.Push], None]
 
 
 @dataclass
@@ -246,7 +248,7 @@ class JobMembership(abc.ABC):
         self.message = message
         self._end({"status": "failed", "message": message, **({"traceback": detail} if detail else {})})
         for rank in self._live():
-            self._push(rank, {"op": "kill", "reason": message})
+            self._push(rank, protocol.KillRank(reason=message))
 
     def kill(self, reason: str, *, push: bool = True) -> None:
         if self.outcome is not None:
@@ -256,7 +258,7 @@ class JobMembership(abc.ABC):
         self.message = reason
         self._end({"status": "killed", "message": reason})
         for rank in self._live() if push else ():
-            self._push(rank, {"op": "kill", "reason": reason})
+            self._push(rank, protocol.KillRank(reason=reason))
 
     def _end(self, outcome: dict[str, Any]) -> None:
         outcome["results"] = {r: info.result for r, info in sorted(self.ranks.items())}
@@ -290,7 +292,7 @@ class JobMembership(abc.ABC):
                 self.message = "all ranks finished"
                 self._end({"status": "finished", "message": self.message})
                 for rank in self._live():
-                    self._push(rank, {"op": "done"})
+                    self._push(rank, protocol.Done())
 
     # ----------------------------------------------------------- collectives
     def collective(self, rank: int, seq: int, kind: str, step: int, data: Any, reply: Reply) -> None:

@@ -36,6 +36,7 @@ import msgspec
 from ckpt import _manifest as manifests
 from ckpt._errors import CkptError, ImageError
 from ckpt._schemas import Manifest, RankEntry
+from ckpt.coordinator import protocol
 from ckpt.coordinator._membership import STATES, Checkpoint, JobMembership, JobSettings, Push, RankInfo, log
 from ckpt.coordinator._scheduler import Timer
 from ckpt.coordinator.kvstore import Reply
@@ -156,7 +157,7 @@ class Job(JobMembership):
         log.info("checkpoint %d started%s", ckpt.number, " (then the job ends)" if ckpt.kill else "")
         ckpt.timer = self._arm_phase_timer(ckpt)
         for rank in self._live():
-            self._push(rank, {"op": "suspend", "number": ckpt.number})
+            self._push(rank, protocol.Suspend(number=ckpt.number))
 
     def _arm_phase_timer(self, ckpt: Checkpoint) -> Timer:
         return self._scheduler.call_at(
@@ -222,7 +223,7 @@ class Job(JobMembership):
             for arrival in self._barriers.pop(name).values():
                 arrival.reply({"abort": message})
         for rank in self._live():
-            self._push(rank, {"op": "abort", "number": ckpt.number, "reason": message})
+            self._push(rank, protocol.Abort(number=ckpt.number, reason=message))
             info = self.ranks[rank]
             info.state = "finished" if info.finished else "running"
         self._remove_images(ckpt.number)  # nothing of a committed one: its manifest protects it

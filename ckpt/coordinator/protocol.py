@@ -11,6 +11,10 @@
 # coordinator's own: they live in ckpt._wire, which the subnet manager of
 # ckpt.verbs speaks too.
 #
+# The other direction is typed the same way: the pushes the coordinator sends a
+# rank unasked (suspend, abort, kill, done) are Structs too, built by the job
+# and decoded by the rank with parse_push().
+#
 # Unknown fields are ignored (a newer client may send more); a missing
 # required field, a field of the wrong type or out of its range, an unknown op,
 # or a rank's op on a control connection is a ProtocolError: the server
@@ -208,3 +212,44 @@ def parse_join(message: Message) -> Join:
         return msgspec.convert(message, Join, strict=True)
     except msgspec.ValidationError as exc:
         raise ProtocolError(f"join: {exc}") from None
+
+
+# ----------------------------------------------------------- pushes: coordinator -> rank, unasked
+class Push(msgspec.Struct, tag_field="op", kw_only=True, frozen=True):
+    """What the coordinator tells a rank without being asked (no id, no reply)."""
+
+
+class Suspend(Push, tag="suspend", frozen=True):
+    """Checkpoint `number` has started: the rank's checkpoint thread walks its phases."""
+
+    number: int
+
+
+class Abort(Push, tag="abort", frozen=True):
+    """Checkpoint `number` is aborted (`reason`): the rank resumes with ckpt_resume(aborted=True)."""
+
+    number: int
+    reason: str = ""
+
+
+class KillRank(Push, tag="kill", frozen=True):
+    """The job is killed (`ckpt kill`, a failed rank): the rank exits at once."""
+
+    reason: str = ""
+
+
+class Done(Push, tag="done", frozen=True):
+    """Every rank has finished: the rank runs ckpt_exit and exits."""
+
+
+def push_message(push: Push) -> Message:
+    """The frame of `push` (its "op" is the Struct's tag)."""
+    return msgspec.to_builtins(push)  # type: ignore[no-any-return]
+
+
+def parse_push(message: Message) -> Push:
+    """The typed push in `message`; ProtocolError naming the op if it is none or does not fit."""
+    try:
+        return msgspec.convert(message, Suspend | Abort | KillRank | Done, strict=True)
+    except msgspec.ValidationError as exc:
+        raise ProtocolError(f"push {message.get('op')!r}: {exc}") from None

@@ -145,10 +145,10 @@ class Coordinator(Server[_Connection]):
     def _job_ended(self) -> None:
         self.ended.set()
 
-    def _push(self, rank: int, message: dict[str, Any]) -> None:
+    def _push(self, rank: int, push: protocol.Push) -> None:
         conn = self._ranks.get(rank)
         if conn is not None:
-            conn.post(message)
+            conn.post(protocol.push_message(push))
 
     # ----------------------------------------------------------- connections (the server base's hooks)
     def _connection(self, sock: socket.socket, peer: str, hello: _wire.Message) -> _Connection:

@@ -34,6 +34,7 @@ from ckpt import _manifest as manifest
 from ckpt._errors import CheckpointAborted, CkptError, CoordinatorError, ImageError, PluginError
 from ckpt._program import Program, Runtime, _set_current_runtime
 from ckpt._schemas import ImageHeader
+from ckpt.coordinator import protocol
 from ckpt.coordinator.client import CoordinatorClient
 from ckpt.plugin import ImageContents, Phase, _vid
 from ckpt.runtime import images
@@ -187,18 +188,18 @@ class RankEngine:
 
     # ----------------------------------------------------------- coordinator pushes
     def _on_push(self, message: dict[str, Any]) -> None:
-        op = message["op"]
-        if op == "suspend":
-            self._suspends.put(int(message["number"]))
-        elif op == "abort":
-            with self._cv:
-                self._aborted.add(int(message["number"]))
-                self._cv.notify_all()
-        elif op == "done":
-            self._done.set()
-        elif op == "kill":
-            log.info("killed by the coordinator: %s", message.get("reason"))
-            _exit(0)
+        match protocol.parse_push(message):
+            case protocol.Suspend(number=number):
+                self._suspends.put(number)
+            case protocol.Abort(number=number):
+                with self._cv:
+                    self._aborted.add(number)
+                    self._cv.notify_all()
+            case protocol.Done():
+                self._done.set()
+            case protocol.KillRank(reason=reason):
+                log.info("killed by the coordinator: %s", reason)
+                _exit(0)
 
     def _on_lost(self, reason: str) -> None:
         if not self._done.is_set():
