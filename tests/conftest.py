@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from typing import Any
+
 import pytest
 
 from ckpt.testing import add_pythonpath
+from ckpt.verbs.fabric import SubnetManager
 from harness import TEST_PLUGINS
 
 pytest_plugins = ["ckpt.testing.pytest_plugin", "pytester"]
@@ -29,3 +33,18 @@ def provider(request: pytest.FixtureRequest) -> str:
 
             ckpt_ib2tcp.register()
     return name
+
+
+@pytest.fixture
+def start_sm() -> Iterator[Callable[..., SubnetManager]]:
+    """start_sm(**kwargs) -> a started SubnetManager, stopped after the test."""
+    started: list[SubnetManager] = []
+
+    def start(**kwargs: Any) -> SubnetManager:
+        sm = SubnetManager(**kwargs).start()
+        started.append(sm)
+        return sm
+
+    yield start
+    for sm in started:
+        sm.stop()

@@ -27,20 +27,6 @@ pytestmark = pytest.mark.timeout(60)
 LAUNCHER_HOST = _cli_plugins.launcher_host
 
 
-@pytest.fixture
-def start_sm() -> Iterator[Callable[..., SubnetManager]]:
-    started: list[SubnetManager] = []
-
-    def start(**kwargs: Any) -> SubnetManager:
-        sm = SubnetManager(**kwargs).start()
-        started.append(sm)
-        return sm
-
-    yield start
-    for sm in started:
-        sm.stop()
-
-
 def test_the_plugin_declares_simib_the_native_default() -> None:
     (transport,) = ckpt_simib.ckpt_transports()
     assert (transport.name, transport.default, transport.native) == ("simib", True, True)

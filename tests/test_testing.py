@@ -229,7 +229,7 @@ def test_wait_step_waits_for_every_rank_to_join(monkeypatch: pytest.MonkeyPatch,
         return seen[-1]
 
     job = Job(["launch"], tmp_path / "ckpt")
-    job.process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    job.process = subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"])  # runs until killed
     try:
         monkeypatch.setattr(Job, "poll_status", poll_status)
         assert len(job.wait_step(6, timeout=10)["ranks"]) == 2 and len(seen) == 2

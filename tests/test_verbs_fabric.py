@@ -35,20 +35,6 @@ Connect = Callable[..., FabricClient]
 
 
 @pytest.fixture
-def start_sm() -> Iterator[Callable[..., SubnetManager]]:
-    started: list[SubnetManager] = []
-
-    def start(**kwargs: object) -> SubnetManager:
-        sm = SubnetManager(**kwargs).start()
-        started.append(sm)
-        return sm
-
-    yield start
-    for sm in started:
-        sm.stop()
-
-
-@pytest.fixture
 def connect() -> Iterator[Callable[..., FabricClient]]:
     clients: list[FabricClient] = []
 

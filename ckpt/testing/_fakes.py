@@ -74,7 +74,43 @@ class FakeKeyValue:
             self._changed.wait(left)
 
 
-class FakeRuntime:
+class RuntimeDouble:
+    """What both runtime doubles share: the attributes of ``rt`` and the answers that need no coordinator."""
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        size: int,
+        job: str,
+        kv: FakeKeyValue,
+        argv: list[str] | None,
+        options: dict[str, Any] | None,
+        device: str,
+        plugins: PluginCalls | None,
+    ) -> None:
+        self.rank, self.size, self.job, self.kv = rank, size, job, kv
+        self.argv = list(argv or [])
+        self.device = device
+        self.options = dict(options or {})
+        self.restarted = False
+        self.generation = 0
+        self.ckpt_dir = ""
+        self.native = plugins is None
+        self.log = logging.getLogger(f"ckpt.testing.rank{rank}")
+        self.plugins = plugins
+        self.steps = 0
+
+    @property
+    def step(self) -> int:
+        return self.steps
+
+    @property
+    def coordinator(self) -> str:
+        return "127.0.0.1:0"  # there is none: an address nothing listens on
+
+
+class FakeRuntime(RuntimeDouble):
     """Stands for ``rt`` (`ckpt.plugin.Runtime`) of rank 0 of a one-rank job, without a coordinator.
 
     Enough to drive a plugin's hooks by hand: `kv` is a `FakeKeyValue` that `new_generation` (a
@@ -93,33 +129,14 @@ class FakeRuntime:
         first_id: int = 1,
         plugins: PluginCalls | None = None,
     ) -> None:
-        self.rank = 0
-        self.size = 1
-        self.argv = list(argv or [])
-        self.device = device
-        self.options = dict(options or {})
-        self.restarted = False
-        self.generation = 0
-        self.job = "fake"
-        self.ckpt_dir = ""
-        self.native = plugins is None
-        self.log = logging.getLogger("ckpt.testing.rank0")
-        self.kv = FakeKeyValue()
-        self.plugins = plugins
+        super().__init__(
+            rank=0, size=1, job="fake", kv=FakeKeyValue(), argv=argv, options=options, device=device, plugins=plugins
+        )
         self.first_id = first_id
-        self.steps = 0
         self.checkpoints_requested = 0
         self.allocated: dict[str, list[int]] = {}
         self.barriers: list[str] = []
         self._next_id: dict[str, int] = {}
-
-    @property
-    def step(self) -> int:
-        return self.steps
-
-    @property
-    def coordinator(self) -> str:
-        return "127.0.0.1:0"  # there is none: an address nothing listens on
 
     def allgather(self, obj: Any) -> list[Any]:
         return [obj]

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Callable
 from typing import Any
 
 from ckpt._program import Program
 from ckpt.plugin import PluginCalls
-from ckpt.testing._fakes import FakeKeyValue
+from ckpt.testing._fakes import FakeKeyValue, RuntimeDouble
 
 #: How long a collective waits for the other thread-ranks, and `run_threads` for all of them, by default.
 TIMEOUT = 120.0
@@ -48,7 +47,7 @@ class ThreadGroup:
         self._barrier.abort()
 
 
-class ThreadRuntime:
+class ThreadRuntime(RuntimeDouble):
     """Stands for ``rt`` (`ckpt.plugin.Runtime`) of one thread-rank of a `ThreadGroup`.
 
     Collectives (`allgather`, `barrier`, `coordinator_barrier`) meet the group's other threads;
@@ -69,28 +68,18 @@ class ThreadRuntime:
         first_device: int = 0,
         plugins: PluginCalls | None = None,
     ) -> None:
-        self.group, self.rank, self.size = group, rank, group.size
-        self.argv = list(argv or [])
-        self.device = f"{device}{first_device + rank}"
-        self.options = dict(options or {})
-        self.restarted = False
-        self.generation = 0
-        self.job = "threads"
-        self.ckpt_dir = ""
-        self.native = plugins is None
-        self.log = logging.getLogger(f"ckpt.testing.rank{rank}")
-        self.kv: FakeKeyValue = group.kv
-        self.plugins = plugins
-        self.steps = 0
+        super().__init__(
+            rank=rank,
+            size=group.size,
+            job="threads",
+            kv=group.kv,
+            argv=argv,
+            options=options,
+            device=f"{device}{first_device + rank}",
+            plugins=plugins,
+        )
+        self.group = group
         self.finalizers: list[Callable[[], Any]] = []
-
-    @property
-    def step(self) -> int:
-        return self.steps
-
-    @property
-    def coordinator(self) -> str:
-        return "127.0.0.1:0"  # there is none: an address nothing listens on
 
     def allgather(self, obj: Any) -> list[Any]:
         return self.group.allgather(self.rank, obj)

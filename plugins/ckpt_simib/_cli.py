@@ -180,15 +180,19 @@ def _lid(text: str) -> int:
         raise CkptError(f"bad LID {text!r}: expected a number (decimal, or hex with 0x)") from None
 
 
+def _set_link(lid: str, address: str | None, directory: Path, up: bool) -> None:
+    number = _lid(lid)
+    with _fabric_client(address, directory) as client:
+        (client.restore_link if up else client.fail_link)(number)
+    click.echo(f"link of LID {number} is {'up' if up else 'down'}")
+
+
 @fabric_group.command("fail-link")
 @click.argument("lid")
 @_fabric_locating_options
 def fabric_fail_link(lid: str, address: str | None, directory: Path) -> None:
     """Take the link of port LID down (every HCA is told, as when a cable is pulled)."""
-    number = _lid(lid)
-    with _fabric_client(address, directory) as client:
-        client.fail_link(number)
-    click.echo(f"link of LID {number} is down")
+    _set_link(lid, address, directory, up=False)
 
 
 @fabric_group.command("restore-link")
@@ -196,10 +200,7 @@ def fabric_fail_link(lid: str, address: str | None, directory: Path) -> None:
 @_fabric_locating_options
 def fabric_restore_link(lid: str, address: str | None, directory: Path) -> None:
     """Bring the link of port LID back up."""
-    number = _lid(lid)
-    with _fabric_client(address, directory) as client:
-        client.restore_link(number)
-    click.echo(f"link of LID {number} is up")
+    _set_link(lid, address, directory, up=True)
 
 
 @fabric_group.command("stop")
