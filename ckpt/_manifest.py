@@ -12,7 +12,13 @@
 # Files in a checkpoint directory:
 #   ckpt_<program>_<rank>_<n>.ckpt   image of one rank for checkpoint n
 #   ckpt_<program>_<n>.json          manifest of checkpoint n
-#   latest                           the file name of the newest manifest
+#   latest                           the file name of the newest coordinated ("job") manifest
+#
+# An independent checkpoint of one rank (single-rank recovery, DESIGN.md §8)
+# writes a manifest of kind "rank" that names every rank's latest image (the
+# others' from earlier checkpoints, `RankEntry.number`); `latest` keeps
+# pointing at the newest coordinated one, the only kind a whole-job restart
+# can use.  `rank_image` finds a rank's latest image in the newest manifest.
 
 from __future__ import annotations
 
@@ -36,6 +42,7 @@ __all__ = [
     "manifest_name",
     "next_number",
     "prune",
+    "rank_image",
     "read_manifest",
     "remove_uncommitted",
     "remove_unreferenced",
@@ -59,7 +66,7 @@ def manifest_name(program: str, number: int) -> str:
 
 
 def write_manifest(ckpt_dir: str | os.PathLike[str], manifest: Manifest, *, token: bytes) -> Path:
-    """Write ``manifest`` atomically, then point ``latest`` at it; return its path.
+    """Write ``manifest`` atomically, then point ``latest`` at it (a "job" manifest only); return its path.
 
     What is stored is ``manifest`` with this ckpt's format and a fresh ``hmac`` (HMAC-SHA256 of the
     canonical JSON of every other field), whatever the ones it carries.
@@ -79,6 +86,8 @@ def write_manifest(ckpt_dir: str | os.PathLike[str], manifest: Manifest, *, toke
         _replace_atomically(path, text.encode())
     except OSError as exc:
         raise ImageError(f"cannot write manifest {path}: {exc.strerror or exc}") from exc
+    if manifest.kind != "job":
+        return path  # an independent checkpoint's: no whole-job restart point, `latest` stays
     try:
         _replace_atomically(directory / LATEST, (name + "\n").encode())
     except OSError as exc:
@@ -146,6 +155,26 @@ def latest_manifest(ckpt_dir: str | os.PathLike[str]) -> Path:
     if not path.is_file():
         raise ImageError(f"{pointer} names {name}, which does not exist")
     return path
+
+
+def rank_image(
+    ckpt_dir: str | os.PathLike[str], program: str, rank: int, *, token: bytes | None
+) -> tuple[Manifest, int]:
+    """The newest committed manifest of ``program`` (any kind) and the number of ``rank``'s latest image in it.
+
+    What a single-rank recovery restarts ``rank`` from.  ImageError if there is none or it is damaged.
+    """
+    directory = Path(ckpt_dir)
+    numbers = sorted(
+        (n for n in _manifest_numbers(directory, program) if _complete(directory, program, n)), reverse=True
+    )
+    if not numbers:
+        raise ImageError(f"no checkpoint of {program} in {directory}")
+    manifest = read_manifest(directory / manifest_name(program, numbers[0]), token=token)
+    for entry in manifest.ranks:
+        if entry.rank == rank:
+            return manifest, entry.image_number(manifest.number)
+    raise ImageError(f"{manifest_name(program, numbers[0])} has no image of rank {rank}")
 
 
 def next_number(ckpt_dir: str | os.PathLike[str], program: str) -> int:

@@ -92,6 +92,8 @@ class Runtime:
         self.plugins = plugins
         self.restarted = False
         self.generation = 0
+        self.incarnation = 0
+        self.recovered = False
         self.job = ""
         self.ckpt_dir = ""
         self.native = plugins is None

@@ -39,7 +39,7 @@ __all__ = [
 
 #: Format of a manifest this ckpt writes and reads (the major), and the minor it writes.
 MANIFEST_FORMAT: Final[int] = 1
-MANIFEST_MINOR: Final[int] = 0
+MANIFEST_MINOR: Final[int] = 1
 #: Format of an image (its layout and its header) this ckpt writes and reads, and the header's minor.
 IMAGE_FORMAT: Final[int] = 1
 IMAGE_MINOR: Final[int] = 0
@@ -89,6 +89,15 @@ class RankEntry(msgspec.Struct, frozen=True, kw_only=True):
     seconds: float = 0.0
     #: The step boundary it was taken at; None when not recorded.
     step: int | None = None
+    #: The checkpoint this image was taken in when it is not the manifest's own (minor 1): an
+    #: independent checkpoint's manifest lists every rank's latest image, most from earlier ones.
+    number: int | None = None
+    #: The rank's incarnation when it was taken (minor 1; see ``Runtime.incarnation``).
+    incarnation: int = 0
+
+    def image_number(self, manifest_number: int) -> int:
+        """The checkpoint the image belongs to, in a manifest numbered ``manifest_number``."""
+        return manifest_number if self.number is None else self.number
 
 
 @final
@@ -103,6 +112,10 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True):
     size: int
     #: The checkpoint number, counted over the job's whole life (restarts included).
     number: int
+    #: "job": a coordinated checkpoint, every rank's image taken at one boundary -- what a
+    #: whole-job restart (and ``latest``) uses.  "rank" (minor 1): written after an independent
+    #: checkpoint of one rank; it lists every rank's latest image, for single-rank recovery only.
+    kind: str = "job"
     #: The job's generation when it was taken (0 for the launch, one more per restart).
     generation: int
     ranks: list[RankEntry]
@@ -161,6 +174,7 @@ _MAJOR: Final[dict[type[msgspec.Struct], tuple[str, int]]] = {
     Manifest: ("manifest_version", MANIFEST_FORMAT),
     ImageHeader: ("format_version", IMAGE_FORMAT),
 }
+_MINOR: Final[dict[type[msgspec.Struct], str]] = {Manifest: "manifest_minor", ImageHeader: "format_minor"}
 
 
 def decode(raw: Any, kind: type[_S], what: str) -> _S:
@@ -177,8 +191,8 @@ def decode(raw: Any, kind: type[_S], what: str) -> _S:
         raise SchemaError(f"{what} has no format version ({key})")
     if version != ours:
         raise SchemaError(f"{what} has format {version}; this ckpt reads format {ours}")
-    try:
-        return msgspec.convert(raw, kind)
+    try:  # a file written before minors existed is minor 0, not the minor this ckpt writes
+        return msgspec.convert({_MINOR[kind]: 0, **raw}, kind)
     except msgspec.ValidationError as exc:
         raise SchemaError(f"{what} does not fit format {ours}: {exc}") from None
 

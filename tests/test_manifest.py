@@ -17,6 +17,7 @@ from ckpt._manifest import (
     manifest_name,
     next_number,
     prune,
+    rank_image,
     read_manifest,
     remove_unreferenced,
     write_manifest,
@@ -234,3 +235,19 @@ def test_a_garbage_latest_is_one_clear_line(tmp_path: Path) -> None:
     (tmp_path / LATEST).write_bytes(b"\xff\xfe\x00garbage")
     with pytest.raises(ImageError, match=r"latest is damaged \(it does not name a manifest\)"):
         latest_manifest(tmp_path)
+
+
+def test_rank_image_is_each_ranks_latest_and_a_rank_manifest_leaves_latest(tmp_path: Path) -> None:
+    with pytest.raises(ImageError, match="no checkpoint of heat"):
+        rank_image(tmp_path, "heat", 0, token=TOKEN)
+    checkpoint(tmp_path, 1)
+    assert rank_image(tmp_path, "heat", 1, token=TOKEN)[1] == 1
+    # an independent checkpoint 2 of rank 1: rank 0's latest image is still checkpoint 1's
+    (tmp_path / image_name("heat", 1, 2)).write_bytes(b"image")
+    old = make_manifest(1)
+    ranks = [msgspec.structs.replace(old.ranks[0], number=1), RankEntry(rank=1, file=image_name("heat", 1, 2))]
+    write_manifest(tmp_path, msgspec.structs.replace(old, number=2, kind="rank", ranks=ranks), token=TOKEN)
+    assert latest_manifest(tmp_path).name == manifest_name("heat", 1)  # a whole-job restart still uses 1
+    assert [rank_image(tmp_path, "heat", r, token=TOKEN)[1] for r in (0, 1)] == [1, 2]
+    with pytest.raises(ImageError, match="has no image of rank 5"):
+        rank_image(tmp_path, "heat", 5, token=TOKEN)

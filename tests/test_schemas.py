@@ -22,6 +22,7 @@ from ckpt._manifest import read_manifest, write_manifest
 from ckpt._schemas import (
     IMAGE_FORMAT,
     MANIFEST_FORMAT,
+    MANIFEST_MINOR,
     ImageHeader,
     Manifest,
     ProgramInfo,
@@ -94,7 +95,7 @@ def test_manifest_round_trip(tmp_path: Path) -> None:
     assert msgspec.structs.replace(back, hmac="") == written
     stored = json.loads((tmp_path / "ckpt_heat_2.json").read_text())
     assert stored["program"]["class"] == "Heat" and "class_" not in stored["program"]  # the on-disk name
-    assert (stored["manifest_version"], stored["manifest_minor"]) == (MANIFEST_FORMAT, 0)
+    assert (stored["manifest_version"], stored["manifest_minor"]) == (MANIFEST_FORMAT, MANIFEST_MINOR)
 
 
 def test_image_header_round_trip(tmp_path: Path) -> None:
@@ -194,9 +195,10 @@ def test_a_format1_checkpoint_is_read(tmp_path: Path) -> None:
     head, state = read_image(image, token=TOKEN, expected_sha256=entry.sha256)
     assert (head.format_minor, head.class_, head.step, head.finished, head.result) == (0, "Heat", 7, False, None)
     assert np.array_equal(state["program"]["grid"], np.arange(16))  # type: ignore[index]
-    # and a format-1 manifest rewritten by this ckpt reads back the same
+    # and a format-1 manifest rewritten by this ckpt reads back the same, now of this ckpt's minor
     again = read_manifest(write_manifest(tmp_path, old, token=TOKEN), token=TOKEN)
-    assert msgspec.structs.replace(again, hmac="") == msgspec.structs.replace(old, hmac="")
+    assert again.manifest_minor == MANIFEST_MINOR and (again.kind, again.ranks[0].number) == ("job", None)
+    assert msgspec.structs.replace(again, hmac="", manifest_minor=0) == msgspec.structs.replace(old, hmac="")
 
 
 def test_ckpt_inspect_shows_a_format1_checkpoint(tmp_path: Path) -> None:

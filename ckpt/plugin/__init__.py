@@ -28,10 +28,17 @@ from ckpt.plugin._vid import VirtualIdTable
 #: The entry-point group through which installed plugins are found.
 ENTRY_POINT_GROUP = "ckpt.plugins"
 
+#: The key-value namespace where the coordinator says which ranks failed and came back
+#: (``--on-failure recover``): ``failed/<rank>`` = the incarnation that was lost, published when
+#: the coordinator notices; ``incarnation/<rank>`` = the rank's new incarnation, published once it
+#: has run ``ckpt_restart`` (just before ``ckpt_rank_recovered`` fires on the survivors).
+RANKS_NS = "ckpt.ranks"
+
 __all__ = [
     "CKPT_PLUGIN_API",
     "ENTRY_POINT_GROUP",
     "PROJECT",
+    "RANKS_NS",
     "Direction",
     "Directory",
     "DirectoryFactory",

@@ -83,6 +83,12 @@ class Runtime(Protocol):
     restarted: bool
     #: How many times the job was restarted; it scopes the key-value store.
     generation: int
+    #: How many times this rank alone was recovered (single-rank recovery, ``--on-failure recover``):
+    #: 0 at launch, +1 per recovery; a whole-job restart keeps it.  KV keys that name this rank's
+    #: verbs IDs are scoped by it.
+    incarnation: int
+    #: True in a process that replaced a failed rank while the others ran on (single-rank recovery).
+    recovered: bool
     job: str
     ckpt_dir: str
     #: True under ``ckpt launch --native``: no plugins, no checkpoints.

@@ -53,9 +53,12 @@ ORDER: dict[str, Direction] = {
     "ckpt_transports": "down",
     "ckpt_job_start": "down",
     "ckpt_job_stop": "up",
+    "ckpt_single_rank_recovery": "up",
     "ckpt_init": "down",
     "ckpt_exit": "up",
     "ckpt_checkpointed": "up",
+    "ckpt_rank_failed": "up",
+    "ckpt_rank_recovered": "up",
     "ckpt_verbs_providers": "down",
     "ckpt_wrap_verbs": "down",
 }
@@ -130,6 +133,23 @@ def ckpt_job_stop(job: JobInfo) -> None:
     """
 
 
+@hookspec
+def ckpt_single_rank_recovery(job: JobInfo) -> bool | str | None:
+    """May a job with this plugin loaded run under ``ckpt launch --on-failure recover``?
+
+    *launcher*, once, before the job starts, and only under ``--on-failure recover``.  Under
+    ``recover`` a lost rank is respawned from its own latest image while the other ranks keep
+    running, so every plugin that keeps state across ranks (connections, remote IDs, shared
+    memory) must be able to bring that one rank back among live peers.  Return True when your
+    plugin -- and the plugins below it that it takes responsibility for -- can; a string (one
+    line, the reason) when it cannot; None when it keeps no cross-rank state.  ``firstresult``
+    style: the first non-None answer, in the hook's order, decides; a string refuses the launch
+    with that line; no answer at all accepts it.  Order: up (the highest layer speaks for the
+    stack beneath it: ``ckpt_remotelog`` answers for the DSM and the verbs plugin).
+    """
+    raise NotImplementedError
+
+
 # --------------------------------------------------------------------- rank: lifecycle
 @hookspec
 def ckpt_init(rt: Runtime) -> None:
@@ -153,24 +173,28 @@ def ckpt_exit(rt: Runtime) -> None:
 
 # --------------------------------------------------------------------- rank: checkpoint, down
 @hookspec
-def ckpt_presuspend(rt: Runtime) -> None:
+def ckpt_presuspend(rt: Runtime, independent: bool) -> None:
     """``Phase.PRESUSPEND``: the program thread is parked at the checkpoint's step boundary.
 
-    *rank*.  Quiesce what your plugin drives from other threads.  Order: down.
+    *rank*.  Quiesce what your plugin drives from other threads.  ``independent`` is True for
+    an independent checkpoint of this rank alone (``ckpt checkpoint --rank R``,
+    ``--rank-interval``): the other ranks keep running, so the phase barriers have this rank
+    only and nothing can be exchanged with peers; the image serves this rank's single-rank
+    recovery only.  The same flag reaches every hook of the checkpoint.  Order: down.
     """
 
 
 @hookspec
-def ckpt_drain(rt: Runtime) -> None:
+def ckpt_drain(rt: Runtime, independent: bool) -> None:
     """``Phase.DRAIN``: empty what the network still holds (the verbs plugin drains CQs here).
 
-    *rank*.  May exchange counts with other ranks through ``rt.kv`` and wait for them.  Returns
-    when this rank is drained.  Order: down.
+    *rank*.  May exchange counts with other ranks through ``rt.kv`` and wait for them (not when
+    ``independent``: the others are running).  Returns when this rank is drained.  Order: down.
     """
 
 
 @hookspec
-def ckpt_precheckpoint(rt: Runtime, image: ImageContents) -> None:
+def ckpt_precheckpoint(rt: Runtime, image: ImageContents, independent: bool) -> None:
     """``Phase.CHECKPOINT``: add your plugin's state to the image with ``image.add(key, obj)``.
 
     *rank*.  Everything added is pickled in one object graph with the program, so references
@@ -181,18 +205,23 @@ def ckpt_precheckpoint(rt: Runtime, image: ImageContents) -> None:
 # --------------------------------------------------------------------- rank: checkpoint, up
 @hookspec
 def ckpt_checkpointed(rt: Runtime, info: dict[str, Any]) -> None:
-    """The checkpoint exists: its manifest is written. ``info`` has ``number`` and ``manifest`` (its path).
+    """The checkpoint exists: its manifest is written.
+
+    ``info`` has ``number``, ``manifest`` (its path) and ``independent`` (True for a checkpoint of
+    this rank alone, see ``ckpt_presuspend``).
 
     *rank*, at the end of ``Phase.CHECKPOINT``.  Order: up.
     """
 
 
 @hookspec
-def ckpt_resume(rt: Runtime, restarted: bool, aborted: bool) -> None:
+def ckpt_resume(rt: Runtime, restarted: bool, aborted: bool, independent: bool) -> None:
     """``Phase.RESUME``: the program thread is about to continue.
 
-    *rank*.  ``restarted`` is True after a restart; ``aborted`` is True when the checkpoint was
-    aborted after ``ckpt_presuspend`` ran (undo what it did).  Order: up.
+    *rank*.  ``restarted`` is True after a restart (also after a single-rank recovery:
+    ``rt.recovered``); ``aborted`` is True when the checkpoint was aborted after
+    ``ckpt_presuspend`` ran (undo what it did); ``independent`` as in ``ckpt_presuspend``
+    (False after a restart).  Order: up.
     """
 
 
@@ -202,7 +231,10 @@ def ckpt_restart(rt: Runtime, image: ImageContents) -> None:
     """``Phase.RESTART``: take your state back with ``image.get(key)``, recreate real resources and
     publish their new real IDs with ``rt.kv.publish``.
 
-    *rank*, in a new process, after ``ckpt_init``.  A barrier follows.  Order: up.
+    *rank*, in a new process, after ``ckpt_init``.  A barrier follows.  In a single-rank
+    recovery (``rt.recovered``) only this rank restarts: its barriers have this rank alone, the
+    others keep running, and peers' IDs are their live ones (``ckpt_rank_recovered`` tells them
+    this rank is back once this phase is complete).  Order: up.
     """
 
 
@@ -211,6 +243,31 @@ def ckpt_refresh(rt: Runtime) -> None:
     """``Phase.REFRESH``: every rank has published; subscribe to peers' new IDs and rebuild translations.
 
     *rank*.  A barrier follows, then ``ckpt_resume(restarted=True)``.  Order: up.
+    """
+
+
+# --------------------------------------------------------------------- rank: single-rank recovery
+@hookspec
+def ckpt_rank_failed(rt: Runtime, rank: int, incarnation: int) -> None:
+    """Rank ``rank`` (its incarnation ``incarnation``) was lost, and the job runs on (``--on-failure recover``).
+
+    *rank*, on every surviving rank, on a runtime thread (never the program thread, never the
+    coordinator link's reader), in the order failures happen.  The coordinator has also published
+    ``ckpt.plugin.RANKS_NS`` / ``failed/<rank>`` = ``incarnation``.  Connections to that rank
+    fail from now on (as on hardware: RETRY_EXC_ERR); stop using them, keep what you would send
+    it.  Do not block long: the next notification waits for this one.  Order: up.
+    """
+
+
+@hookspec
+def ckpt_rank_recovered(rt: Runtime, rank: int, incarnation: int) -> None:
+    """Rank ``rank``'s new incarnation ``incarnation`` has loaded its image and run ``ckpt_restart``.
+
+    *rank*, on every surviving rank, on the same thread as ``ckpt_rank_failed``.  The recovered
+    rank has published its new real IDs (its RESTART phase is complete) and is in ``ckpt_refresh``,
+    where it may wait for what you publish now: build fresh connections to it here (and re-send
+    what was pending).  ``RANKS_NS`` / ``incarnation/<rank>`` = ``incarnation`` is published
+    first.  Order: up.
     """
 
 

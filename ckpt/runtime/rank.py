@@ -375,7 +375,7 @@ class RankEngine:
         self._phase(Phase.RESTART, scope)
         self._hook(Phase.REFRESH)
         self._phase(Phase.REFRESH, scope)
-        self._hook(Phase.RESUME, restarted=True, aborted=False)
+        self._hook(Phase.RESUME, restarted=True, aborted=False, independent=False)
         if self.spec.get("debug"):
             self._debug_stop()
         self._phase(Phase.RESUME, scope)
@@ -428,18 +428,19 @@ class RankEngine:
         try:
             self._park(number)
             suspended = True
-            self._hook(Phase.PRESUSPEND)
+            self._hook(Phase.PRESUSPEND, independent=False)
             self._phase(Phase.PRESUSPEND, scope, {"step": self.step})
-            self._hook(Phase.DRAIN)
+            self._hook(Phase.DRAIN, independent=False)
             self._phase(Phase.DRAIN, scope)
             contents = ImageContents()
-            self._hook(Phase.CHECKPOINT, image=contents)
+            self._hook(Phase.CHECKPOINT, image=contents, independent=False)
             answer = self._phase(Phase.CHECKPOINT, scope, self._write_image(number, contents))
             written = True
-            self.plugins.call("ckpt_checkpointed", rt=self.rt, info={"number": number, "manifest": answer["manifest"]})
+            info = {"number": number, "manifest": answer["manifest"], "independent": False}
+            self.plugins.call("ckpt_checkpointed", rt=self.rt, info=info)
             if answer.get("kill"):
                 self._exit_after_checkpoint(number)
-            self._hook(Phase.RESUME, restarted=False, aborted=False)
+            self._hook(Phase.RESUME, restarted=False, aborted=False, independent=False)
             self._phase(Phase.RESUME, scope)
         except (CheckpointAborted, CoordinatorError, PluginError) as exc:
             if written:  # the checkpoint exists; a rank whose plugins failed after it cannot go on safely
@@ -484,7 +485,7 @@ class RankEngine:
     def _resume_after_abort(self) -> None:
         assert self.plugins is not None
         try:
-            self._hook(Phase.RESUME, restarted=False, aborted=True)
+            self._hook(Phase.RESUME, restarted=False, aborted=True, independent=False)
         except PluginError as exc:
             self._fatal(f"could not resume after an aborted checkpoint: {exc}")
 

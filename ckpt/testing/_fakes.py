@@ -95,6 +95,8 @@ class RuntimeDouble:
         self.options = dict(options or {})
         self.restarted = False
         self.generation = 0
+        self.incarnation = 0
+        self.recovered = False
         self.ckpt_dir = ""
         self.native = plugins is None
         self.log = logging.getLogger(f"ckpt.testing.rank{rank}")
