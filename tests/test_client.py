@@ -1116,6 +1116,20 @@ def test_named_barrier_mismatch_is_an_error_not_a_hang(ranks: Callable[..., list
         assert [f.result(WAIT)["values"] for f in again] == [[0, 1], [0, 1]]
 
 
+def test_a_rank_scoped_barrier_completes_with_that_rank_alone_beside_a_job_barrier(
+    ranks: Callable[..., list[CoordinatorClient]],
+) -> None:
+    r0, r1 = ranks(2)
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(r0.call, "barrier", WAIT, name="job:plugin:x", value=0)  # r1 has not come
+        own = r1.call("barrier", reply_timeout=WAIT, name="rank1.ckpt4:DRAIN", value="mine")
+        assert own["values"] == [None, "mine"]  # no name mismatch with rank 0's job barrier
+        with pytest.raises(CoordinatorError, match=r"a barrier of rank\(s\) \[1\] only"):
+            r0.call("barrier", reply_timeout=WAIT, name="rank1.ckpt4:RESUME", value=None)
+        r1.call("barrier", reply_timeout=WAIT, name="job:plugin:x", value=1)
+        assert waiting.result(WAIT)["values"] == [0, 1]
+
+
 def test_a_named_barrier_waits_for_ranks_that_have_not_joined_yet(
     connect: Callable[..., CoordinatorClient],
 ) -> None:

@@ -100,3 +100,11 @@ def test_the_runtime_class_satisfies_the_runtime_protocol() -> None:
     assert not missing, f"ckpt.Runtime lacks {missing}"
     kv_members = {n for n in dir(plugin.KeyValue) if not n.startswith("_")}
     assert kv_members <= set(dir(ckpt.KeyValue))
+
+
+def test_a_rank_scope_names_its_rank_and_a_job_scope_none() -> None:
+    scope = Phase.rank_scope(2, "ckpt7")
+    assert scope == "rank2.ckpt7" and Phase.DRAIN.barrier(scope) == "rank2.ckpt7:DRAIN"
+    assert Phase.rank_of_scope(scope) == 2 and Phase.rank_of_scope("rank2.ckpt7:plugin:ib") == 2
+    for job_wide in ("ckpt7", "gen3:RESTART", "rank:plugin", "rankx.ckpt1", "ib:published"):
+        assert Phase.rank_of_scope(job_wide) is None, job_wide

@@ -347,14 +347,24 @@ class JobMembership(abc.ABC):
                 )
 
     # ----------------------------------------------------------- named barriers
+    def participants(self, name: str) -> set[int]:
+        """Who barrier ``name`` waits for: one rank in that rank's own scope (``rankR.``), else every rank."""
+        rank = Phase.rank_of_scope(name)
+        return {rank} if rank is not None else set(range(self.size))
+
     def barrier(self, rank: int, name: str, value: Any, reply: Reply) -> None:
         """A named global barrier (runtime phases and plugins); a name mismatch is reported, not hung on."""
         prefix = name.partition(":")[0]
         if prefix.startswith("ckpt") and prefix[4:].isdigit() and int(prefix[4:]) in self._aborted:
             reply({"abort": f"checkpoint {prefix[4:]} was aborted"})  # a latecomer: do not wait for anyone
             return
+        participants = self.participants(name)
+        if rank not in participants:
+            reply({"error": f"rank {rank} arrived at {name!r}, a barrier of rank(s) {sorted(participants)} only"})
+            return
         for other, arrivals in self._barriers.items():
-            if other != name and arrivals:
+            # only barriers of the same ranks can mismatch: one rank's own phases run beside the job's
+            if other != name and arrivals and self.participants(other) == participants:
                 where = ", ".join(f"rank {r}" for r in sorted(arrivals))
                 message = f"barrier name mismatch: rank {rank} arrived at {name!r} while {where} wait at {other!r}"
                 reply({"error": message})
@@ -368,7 +378,7 @@ class JobMembership(abc.ABC):
         phase = Phase.of_barrier(name)[1]
         if phase is not None:
             self.ranks[rank].state = phase.state
-        if len(arrivals) < self.size:
+        if not participants <= set(arrivals):
             self._check_stuck()  # a rank arriving at PRESUSPEND (or a plugin barrier) may complete the picture
             return
         del self._barriers[name]

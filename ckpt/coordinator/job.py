@@ -54,7 +54,7 @@ class Job(JobMembership):
         scope, phase = Phase.of_barrier(name)
         if phase is None:
             return {}  # a plugin's own barrier: no phase ends here
-        for info in self.ranks.values():
+        for info in (self.ranks[r] for r in self.participants(name) if r in self.ranks):
             if phase.next is not None:
                 info.state = phase.next.state
             else:

@@ -69,8 +69,17 @@ class Phase(enum.Enum):
 
     def barrier(self, scope: str) -> str:
         """The name of this phase's global barrier in ``scope``: ``ckptN`` for checkpoint N, ``genG`` for the
-        restart that makes generation G (``Phase.DRAIN.barrier("ckpt3") == "ckpt3:DRAIN"``)."""
+        restart that makes generation G (``Phase.DRAIN.barrier("ckpt3") == "ckpt3:DRAIN"``).
+
+        A scope ``rankR.<what>`` is one rank's alone (its barriers complete with that rank only):
+        ``rankR.ckptN`` for an independent checkpoint N of rank R, ``rankR.incK`` for the restart of
+        its incarnation K in a single-rank recovery (see :func:`rank_of_scope`)."""
         return f"{scope}:{self.value}"
+
+    @staticmethod
+    def rank_scope(rank: int, what: str) -> str:
+        """The scope of rank ``rank``'s own phases: ``Phase.rank_scope(2, "ckpt7") == "rank2.ckpt7"``."""
+        return f"rank{rank}.{what}"
 
     @classmethod
     def of_barrier(cls, name: str) -> tuple[str, Phase | None]:
@@ -80,6 +89,14 @@ class Phase(enum.Enum):
             return scope, cls(rest)
         except ValueError:
             return scope, None
+
+    @staticmethod
+    def rank_of_scope(scope: str) -> int | None:
+        """The rank whose own phases ``scope`` (or a barrier name in it) belongs to; None for a job-wide one."""
+        head = scope.partition(":")[0].partition(".")
+        if head[1] and head[0].startswith("rank") and head[0][4:].isdigit():
+            return int(head[0][4:])
+        return None
 
     @classmethod
     def checkpoint_sequence(cls) -> tuple[Phase, ...]:
