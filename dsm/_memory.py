@@ -36,6 +36,39 @@ Checkpoints: the DSM is ordinary program state (numpy arrays, verbs objects)
 pickled with the program; the handler thread stops at DRAIN (every program
 thread is parked at a step boundary, so no request is unanswered) and starts
 again at RESUME, after the verbs plugin has rebuilt the queue pairs.
+
+Single-rank recovery (FT-KDSM §5, DESIGN §8 "Reconnection"; the links
+themselves: `dsm._net`).  When rank R fails (``ckpt_rank_failed``) the
+survivors fail their links to R and forget what their handlers queued for
+it (its lock requests, page requests, barrier arrival: replies owed to the dead
+incarnation are dropped); a request of theirs to R stays pending, and a
+one-sided operation on R's memory waits.  When R's next incarnation K has
+loaded its image (``ckpt_rank_recovered`` on the survivors, ``ckpt_refresh``
+with ``rt.recovered`` on R itself), both sides build fresh QPs and meet in the
+KV (namespace ``dsm``, generation-scoped; <tag> = ``R.K`` names the recovery):
+
+    conn/<memory>/<from>-<to>/<tag>  -> {lid, client, server, regions}
+    ready/<memory>/<from>-<to>/<tag> -> true
+
+``conn`` is the new QPs of <from> towards <to> and <from>'s shared arrays'
+addresses (`Region.peers` is refreshed from it: the one-sided protocol uses
+the new incarnation's rkeys); ``ready`` is published once those QPs are
+connected with receives posted.  Each side publishes all of its ``conn`` keys
+before it waits for anything, and its ``ready`` keys before it waits for the
+other's, so neither waits for the other in a cycle.  R rebuilds every link
+(loopback included) instead of using the QPs of its image; R's handler starts
+at RESUME, after every link is up.  Then the survivors re-send their pending
+requests to R (the program thread does, at its next poll) and issue their
+one-sided operations again.
+
+R is *reconnected* here, not *replayed*: it continues from its image with
+the state it had then, and the survivors' re-sent requests are served from
+that state.  Synchronisation that R re-executes after a real failure (a lock
+it had acquired, a barrier it had passed, diffs the homes already applied)
+needs the logs of remote logging (ckpt_remotelog) to give the same answers
+as the first time; until then the lock home lets a rank that it believes
+holds a lock acquire it again (its new incarnation), and the barrier manager
+counts the re-sent arrival of the dead incarnation once.
 """
 
 from __future__ import annotations
@@ -50,7 +83,7 @@ import numpy as np
 
 import ckpt
 from ckpt import verbs
-from ckpt.plugin import PluginCalls
+from ckpt.plugin import PluginCalls, Runtime
 
 from . import hookspecs
 from ._diff import Diff, diff_size, diff_unit, make_diff
@@ -75,7 +108,7 @@ from ._messages import (
     Request,
     decode_reply,
 )
-from ._net import ACCESS, Endpoint, atomic, rdma
+from ._net import ACCESS, UP, Endpoint, atomic, rdma
 from ._region import DIRTY, INVALID, META, VALID, Region, gid_of, split_gid
 from ._stats import Counters, Statistics
 
@@ -85,6 +118,9 @@ HOOKS = [name for name in dir(hookspecs) if name.startswith("dsm_")]
 _R = TypeVar("_R", bound=Reply)
 WINDOW = 8  # requests in flight per destination (diffs at a release)
 FETCH_TIMEOUT = 120.0
+KV_NS = "dsm"  # the reconnection keys (see the rationale above)
+#: How long one side of a reconnection waits for the other's keys: both act on the same event.
+RECONNECT_TIMEOUT = 120.0
 
 
 class Memory:
@@ -124,11 +160,17 @@ class Memory:
         self.rid = 0
         self.seq = [0]
         self.replies: dict[int, Reply] = {}
+        # requests sent and not answered: rid -> (destination, request, link it went out on; -1: not sent)
+        self.pending: dict[int, tuple[int, Request, int]] = {}
+        self.reconnections_seen = 0
         self.counters = Counters()
         self.handler = Handler(self)
         self._live()
         me = {"lid": self.ctx.query_port(1).lid, "client": self.client.address(), "server": self.server.address()}
+        if self.rank == 0:  # names this memory in the job's KV keys (a job may attach several)
+            me["memory"] = rt.allocate_global("dsm.memory")
         peers = rt.allgather(me)
+        self.mid = int(peers[0]["memory"])
         self.client.connect(peers, self.rank, "server")
         self.server.connect(peers, self.rank, "client")
         self._start()
@@ -252,14 +294,12 @@ class Memory:
             home = int(self._request(owner, lookup, HomeReply, f"the home of page {gid:#x}").home)
         else:
             land = self.scratch_mr.buf + (len(self.scratch) - 2) * 8
-            wr = atomic(
-                verbs.IBV_WR_ATOMIC_CMP_AND_SWP,
-                (land, self.scratch_mr.lkey),
-                *region.remote_table(owner, page),
-                0,
-                self.rank + 1,
-            )
-            self.client.run(owner, [wr], self.seq)
+
+            def claim() -> list[verbs.SendWR]:
+                cas = verbs.IBV_WR_ATOMIC_CMP_AND_SWP
+                return [atomic(cas, (land, self.scratch_mr.lkey), *region.remote_table(owner, page), 0, self.rank + 1)]
+
+            self.client.run(owner, claim, self.seq)
             self.counters.count("cas", 8)
             old = int(self.scratch[-2])
             home = self.rank if old == 0 else old - 1
@@ -286,15 +326,18 @@ class Memory:
         """RDMA READ meta, page, meta until both metadata reads agree, show no diff in progress and suffice."""
         n = META + self.size
         base, lkey = self.scratch_mr.buf, self.scratch_mr.lkey
-        meta = region.remote_meta(home, page)
         deadline = time.monotonic() + FETCH_TIMEOUT
-        while True:
-            wrs = [
+
+        def reads() -> list[verbs.SendWR]:  # the home's addresses as of this issue (they change if it is recovered)
+            meta = region.remote_meta(home, page)
+            return [
                 rdma(verbs.IBV_WR_RDMA_READ, (base, n * 8, lkey), *meta),
                 rdma(verbs.IBV_WR_RDMA_READ, region.local_page(page), *region.remote_page(home, page)),
                 rdma(verbs.IBV_WR_RDMA_READ, (base + n * 8, n * 8, lkey), *meta),
             ]
-            self.client.run(home, wrs, self.seq)
+
+        while True:
+            self.client.run(home, reads, self.seq)
             self.counters.count("rdma_read", 2 * n * 8 + self.page_size)
             before, after = self.scratch[:n], self.scratch[n : 2 * n]
             if before[0] == before[1] and np.array_equal(before, after) and np.all(before[META:] >= need):
@@ -433,7 +476,7 @@ class Memory:
             while len(mine) >= WINDOW:
                 self._await(mine[:1], what_of[mine[0]], timeout)
                 mine[:] = [r for r in mine if r not in self.replies]
-            self.counters.count(NAMES[msg.kind], self.client.send(dst, msg))
+            self._send_request(dst, msg)
             rids.append(msg.rid)
             what_of[msg.rid] = what
             mine.append(msg.rid)
@@ -450,16 +493,36 @@ class Memory:
             checked.append(reply)
         return checked
 
+    def _send_request(self, dst: int, msg: Request) -> None:
+        """Send a request and keep it pending until its reply: a link that fails under it gets it again."""
+        link = self.client.link[dst]
+        sent = self.client.send(dst, msg)
+        self.pending[msg.rid] = (dst, msg, link if sent is not None else -1)
+        if sent is not None:
+            self.counters.count(NAMES[msg.kind], sent)
+
     def _await(self, rids: list[int], what: str, timeout: float) -> None:
         def done() -> bool:
-            for _, raw, _ in self.client.inbox:
+            for _, raw, _, _ in self.client.inbox:
                 msg = decode_reply(raw)
-                self.replies[msg.rid] = msg
+                # a reply nobody waits for answered a request that was sent again after a reconnection
+                if self.pending.pop(msg.rid, None) is not None:
+                    self.replies[msg.rid] = msg
             self.client.inbox.clear()
             self._check()
+            if self.client.reconnections != self.reconnections_seen:
+                self._resend()
             return all(rid in self.replies for rid in rids)
 
         self.client.wait(done, what, timeout=timeout)
+
+    def _resend(self) -> None:
+        """Send again every pending request whose link was replaced since (now that it is up)."""
+        self.reconnections_seen = self.client.reconnections
+        for rid, (dst, msg, link) in list(self.pending.items()):
+            if link != self.client.link[dst] and self.client.state[dst] == UP:
+                self._send_request(dst, msg)
+                log.info("rank %d: request %d re-sent to rank %d after its recovery", self.rank, rid, dst)
 
     # ------------------------------------------------------------------ hooks and the handler thread
     def hook(self, name: str, **kwargs: Any) -> None:
@@ -505,8 +568,9 @@ class Memory:
         try:
             while server.wait(lambda: bool(server.inbox), "requests", math.inf, self._stop.is_set):
                 while server.inbox:
-                    peer, msg, _ = server.inbox.pop(0)
-                    self.handler.serve(peer, msg)
+                    peer, msg, _, link = server.inbox.pop(0)
+                    if link == server.link[peer]:  # else a request of an incarnation that died since
+                        self.handler.serve(peer, msg)
         except BaseException as exc:  # reported on the program thread at its next DSM call
             self._failure = exc
             log.error("rank %d: the DSM protocol handler failed: %s", self.rank, exc)
@@ -527,6 +591,73 @@ class Memory:
     @ckpt.hookimpl(trylast=True)
     def ckpt_resume(self) -> None:
         self._start()  # after the verbs plugin refilled / rebuilt the queues
+
+    # ------------------------------------------------------------------ single-rank recovery
+    @ckpt.hookimpl
+    def ckpt_rank_failed(self, rank: int, incarnation: int) -> None:
+        """A survivor: stop using the links to `rank`; what the handler owed it is dropped."""
+        if rank == self.rank or not 0 <= rank < self.size:
+            return
+        why = f"incarnation {incarnation} of rank {rank} was lost"
+        self.client.fail(rank, why)
+        self.server.fail(rank, why)
+        self.handler.forget(rank)
+
+    # trylast: after ckpt_ib (below it) has dropped its translations of the recovered rank's IDs
+    @ckpt.hookimpl(trylast=True)
+    def ckpt_rank_recovered(self, rank: int, incarnation: int) -> None:
+        """A survivor: connect to `rank`'s new incarnation; pending requests go again once it is up."""
+        if rank == self.rank or not 0 <= rank < self.size:
+            return
+        self._reconnect([rank], f"{rank}.{incarnation}")
+
+    # trylast: after ckpt_ib rebuilt this process's verbs objects.  Here, not at RESUME: the
+    # survivors build their side in ckpt_rank_recovered, which fires once this rank's RESTART phase
+    # is complete, i.e. while it is in REFRESH -- both sides publish before they wait, so neither
+    # blocks the other -- and the handler (RESUME) then starts on links that are all up.
+    @ckpt.hookimpl(trylast=True)
+    def ckpt_refresh(self, rt: Runtime) -> None:
+        """The process that replaced a failed rank: rebuild every link, to every rank, on fresh QPs."""
+        if not getattr(rt, "recovered", False):
+            return
+        incarnation = int(rt.incarnation)
+        # rids of this incarnation never meet a late reply to one of the dead incarnation's requests
+        self.rid = max(self.rid, incarnation << 40)
+        self.pending.clear()
+        self.replies.clear()
+        self.client.forget_everything()
+        self.server.forget_everything()
+        self.handler.forget_queues()  # the survivors send again whatever they still wait for
+        self._reconnect(list(range(self.size)), f"{self.rank}.{incarnation}")
+
+    def _reconnect(self, peers: list[int], tag: str) -> None:
+        """Fresh QPs to `peers`, connected through the KV keys of recovery `tag` (see the rationale)."""
+        kv = self.rt.kv
+        started = time.perf_counter()
+        fresh = {j: (self.client.new_qp(), self.server.new_qp()) for j in peers}
+        lid = self.ctx.query_port(1).lid
+        regions = [region.address() for region in self.regions]
+        for j, (client, server) in fresh.items():
+            record = {"lid": lid, "client": client.qp_num, "server": server.qp_num, "regions": regions}
+            kv.publish(KV_NS, f"conn/{self.mid}/{self.rank}-{j}/{tag}", record)
+        for j, (client, server) in fresh.items():
+            theirs = kv.subscribe(KV_NS, f"conn/{self.mid}/{j}-{self.rank}/{tag}", RECONNECT_TIMEOUT)
+            for region, address in zip(self.regions, theirs["regions"], strict=False):
+                region.peers[j] = dict(address)
+            self.client.attach(j, client, int(theirs["lid"]), int(theirs["server"]))
+            self.server.attach(j, server, int(theirs["lid"]), int(theirs["client"]))
+            kv.publish(KV_NS, f"ready/{self.mid}/{self.rank}-{j}/{tag}", True)
+        for j in fresh:
+            kv.subscribe(KV_NS, f"ready/{self.mid}/{j}-{self.rank}/{tag}", RECONNECT_TIMEOUT)
+            self.client.up(j)
+            self.server.up(j)
+        log.info(
+            "rank %d: reconnected to rank(s) %s (recovery %s) in %.3f s",
+            self.rank,
+            ", ".join(map(str, peers)),
+            tag,
+            time.perf_counter() - started,
+        )
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
