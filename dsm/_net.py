@@ -215,8 +215,10 @@ class Endpoint:
         with self.lock:
             self.inbox.clear()
             self.rdma_done.clear()
+            now = time.monotonic()
             for peer in range(self.size):
-                self._fail(peer, "this rank was restored from its image")
+                self.state[peer] = FAILED
+                self.failed_at[peer] = now
 
     # ------------------------------------------------------------ messages
     def send(self, peer: int, msg: Message) -> int | None:
