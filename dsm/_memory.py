@@ -37,38 +37,9 @@ pickled with the program; the handler thread stops at DRAIN (every program
 thread is parked at a step boundary, so no request is unanswered) and starts
 again at RESUME, after the verbs plugin has rebuilt the queue pairs.
 
-Single-rank recovery (FT-KDSM §5, DESIGN §8 "Reconnection"; the links
-themselves: `dsm._net`).  When rank R fails (``ckpt_rank_failed``) the
-survivors fail their links to R and forget what their handlers queued for
-it (its lock requests, page requests, barrier arrival: replies owed to the dead
-incarnation are dropped); a request of theirs to R stays pending, and a
-one-sided operation on R's memory waits.  When R's next incarnation K has
-loaded its image (``ckpt_rank_recovered`` on the survivors, ``ckpt_refresh``
-with ``rt.recovered`` on R itself), both sides build fresh QPs and meet in the
-KV (namespace ``dsm``, generation-scoped; <tag> = ``R.K`` names the recovery):
-
-    conn/<memory>/<from>-<to>/<tag>  -> {lid, client, server, regions}
-    ready/<memory>/<from>-<to>/<tag> -> true
-
-``conn`` is the new QPs of <from> towards <to> and <from>'s shared arrays'
-addresses (`Region.peers` is refreshed from it: the one-sided protocol uses
-the new incarnation's rkeys); ``ready`` is published once those QPs are
-connected with receives posted.  Each side publishes all of its ``conn`` keys
-before it waits for anything, and its ``ready`` keys before it waits for the
-other's, so neither waits for the other in a cycle.  R rebuilds every link
-(loopback included) instead of using the QPs of its image; R's handler starts
-at RESUME, after every link is up.  Then the survivors re-send their pending
-requests to R (the program thread does, at its next poll) and issue their
-one-sided operations again.
-
-R is *reconnected* here, not *replayed*: it continues from its image with
-the state it had then, and the survivors' re-sent requests are served from
-that state.  Synchronisation that R re-executes after a real failure (a lock
-it had acquired, a barrier it had passed, diffs the homes already applied)
-needs the logs of remote logging (ckpt_remotelog) to give the same answers
-as the first time; until then the lock home lets a rank that it believes
-holds a lock acquire it again (its new incarnation), and the barrier manager
-counts the re-sent arrival of the dead incarnation once.
+Single-rank recovery (FT-KDSM §5): a failed rank's links fail instead of
+the rank, its requests stay pending and are re-sent once its next incarnation
+is connected (`dsm._reconnect`, `dsm._net`).
 """
 
 from __future__ import annotations
@@ -85,7 +56,7 @@ import ckpt
 from ckpt import verbs
 from ckpt.plugin import PluginCalls, Runtime
 
-from . import hookspecs
+from . import _reconnect, hookspecs
 from ._diff import Diff, diff_size, diff_unit, make_diff
 from ._errors import DsmError
 from ._handler import Handler
@@ -118,9 +89,6 @@ HOOKS = [name for name in dir(hookspecs) if name.startswith("dsm_")]
 _R = TypeVar("_R", bound=Reply)
 WINDOW = 8  # requests in flight per destination (diffs at a release)
 FETCH_TIMEOUT = 120.0
-KV_NS = "dsm"  # the reconnection keys (see the rationale above)
-#: How long one side of a reconnection waits for the other's keys: both act on the same event.
-RECONNECT_TIMEOUT = 120.0
 
 
 class Memory:
@@ -592,72 +560,24 @@ class Memory:
     def ckpt_resume(self) -> None:
         self._start()  # after the verbs plugin refilled / rebuilt the queues
 
-    # ------------------------------------------------------------------ single-rank recovery
+    # ------------------------------------------------------------------ single-rank recovery (dsm._reconnect)
     @ckpt.hookimpl
     def ckpt_rank_failed(self, rank: int, incarnation: int) -> None:
         """A survivor: stop using the links to `rank`; what the handler owed it is dropped."""
-        if rank == self.rank or not 0 <= rank < self.size:
-            return
-        why = f"incarnation {incarnation} of rank {rank} was lost"
-        self.client.fail(rank, why)
-        self.server.fail(rank, why)
-        self.handler.forget(rank)
+        _reconnect.peer_failed(self, rank, incarnation)
 
     # trylast: after ckpt_ib (below it) has dropped its translations of the recovered rank's IDs
     @ckpt.hookimpl(trylast=True)
     def ckpt_rank_recovered(self, rank: int, incarnation: int) -> None:
         """A survivor: connect to `rank`'s new incarnation; pending requests go again once it is up."""
-        if rank == self.rank or not 0 <= rank < self.size:
-            return
-        self._reconnect([rank], f"{rank}.{incarnation}")
+        _reconnect.peer_recovered(self, rank, incarnation)
 
-    # trylast: after ckpt_ib rebuilt this process's verbs objects.  Here, not at RESUME: the
-    # survivors build their side in ckpt_rank_recovered, which fires once this rank's RESTART phase
-    # is complete, i.e. while it is in REFRESH -- both sides publish before they wait, so neither
-    # blocks the other -- and the handler (RESUME) then starts on links that are all up.
+    # trylast: after ckpt_ib rebuilt this process's verbs objects (why REFRESH: dsm._reconnect)
     @ckpt.hookimpl(trylast=True)
     def ckpt_refresh(self, rt: Runtime) -> None:
         """The process that replaced a failed rank: rebuild every link, to every rank, on fresh QPs."""
-        if not getattr(rt, "recovered", False):
-            return
-        incarnation = int(rt.incarnation)
-        # rids of this incarnation never meet a late reply to one of the dead incarnation's requests
-        self.rid = max(self.rid, incarnation << 40)
-        self.pending.clear()
-        self.replies.clear()
-        self.client.forget_everything()
-        self.server.forget_everything()
-        self.handler.forget_queues()  # the survivors send again whatever they still wait for
-        self._reconnect(list(range(self.size)), f"{self.rank}.{incarnation}")
-
-    def _reconnect(self, peers: list[int], tag: str) -> None:
-        """Fresh QPs to `peers`, connected through the KV keys of recovery `tag` (see the rationale)."""
-        kv = self.rt.kv
-        started = time.perf_counter()
-        fresh = {j: (self.client.new_qp(), self.server.new_qp()) for j in peers}
-        lid = self.ctx.query_port(1).lid
-        regions = [region.address() for region in self.regions]
-        for j, (client, server) in fresh.items():
-            record = {"lid": lid, "client": client.qp_num, "server": server.qp_num, "regions": regions}
-            kv.publish(KV_NS, f"conn/{self.mid}/{self.rank}-{j}/{tag}", record)
-        for j, (client, server) in fresh.items():
-            theirs = kv.subscribe(KV_NS, f"conn/{self.mid}/{j}-{self.rank}/{tag}", RECONNECT_TIMEOUT)
-            for region, address in zip(self.regions, theirs["regions"], strict=False):
-                region.peers[j] = dict(address)
-            self.client.attach(j, client, int(theirs["lid"]), int(theirs["server"]))
-            self.server.attach(j, server, int(theirs["lid"]), int(theirs["client"]))
-            kv.publish(KV_NS, f"ready/{self.mid}/{self.rank}-{j}/{tag}", True)
-        for j in fresh:
-            kv.subscribe(KV_NS, f"ready/{self.mid}/{j}-{self.rank}/{tag}", RECONNECT_TIMEOUT)
-            self.client.up(j)
-            self.server.up(j)
-        log.info(
-            "rank %d: reconnected to rank(s) %s (recovery %s) in %.3f s",
-            self.rank,
-            ", ".join(map(str, peers)),
-            tag,
-            time.perf_counter() - started,
-        )
+        if getattr(rt, "recovered", False):
+            _reconnect.recovered(self, int(rt.incarnation))
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)

@@ -31,6 +31,7 @@ from ckpt import verbs as v
 from ckpt.plugin import ImageContents
 from ckpt.testing import FakeRuntime
 from ckpt_ib import IbPlugin
+from ckpt_ib._recovery import forget_remote
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -148,7 +149,7 @@ def test_a_look_up_that_races_with_a_drop_is_used_but_not_cached(job: tuple[IbEn
 
     def get_while_a_peer_recovers(ns: str, key: str, default: Any = None) -> Any:
         value = real_get(ns, key, default)
-        a.vz.forget_remote(None)  # ckpt_rank_recovered ran between the read and the caching
+        forget_remote(a.vz, None)  # ckpt_rank_recovered ran between the read and the caching
         return value
 
     a.rt.kv.get = get_while_a_peer_recovers  # type: ignore[method-assign]

@@ -45,15 +45,40 @@ def ids_key(rank: int, incarnation: int) -> str:
     return f"rank/{rank}/{incarnation}"
 
 
+def own_ids(vz: Virtualizer) -> dict[str, list[int]]:
+    """The virtual IDs of this process's objects that peers look up: qp_nums, LIDs, rkeys."""
+    reg = vz.registry
+    return {
+        "qpn": [qp.qp_num for qp in reg.qps],
+        "lid": [vlid for dev in reg.devices for vlid in dev.vlids],
+        "rkey": [mr.rkey for mr in reg.mrs],
+    }
+
+
 def publish_ids(vz: Virtualizer, rt: Any) -> None:
     """On the recovered rank, at RESTART: which virtual IDs its peers must look up again."""
-    rt.kv.publish(NS, ids_key(rt.rank, rt.incarnation), vz.own_ids())
+    rt.kv.publish(NS, ids_key(rt.rank, rt.incarnation), own_ids(vz))
+
+
+def forget_remote(vz: Virtualizer, ids: dict[str, list[int]] | None) -> int:
+    """Drop cached translations of peers' virtual IDs (`ids` by kind: qpn, lid, rkey; None: all); how many."""
+    vz.cache_epoch += 1  # first: a look-up in progress on another thread will not cache what it read
+    caches: dict[str, dict[int, Any]] = {"qpn": vz.remote_qpn, "lid": vz.remote_lid, "rkey": vz.remote_key}
+    dropped = 0
+    for kind, cache in caches.items():
+        if ids is None:
+            dropped += len(cache)
+            cache.clear()
+            continue
+        for virtual in ids.get(kind, ()):
+            dropped += cache.pop(int(virtual), None) is not None
+    return dropped
 
 
 def forget_rank(vz: Virtualizer, rt: Any, rank: int, incarnation: int) -> int:
     """On a survivor: drop the cached translations of `rank`'s IDs (all of them if it did not say which)."""
     ids = rt.kv.get(NS, ids_key(rank, incarnation))
-    dropped = vz.forget_remote(dict(ids) if ids is not None else None)
+    dropped = forget_remote(vz, dict(ids) if ids is not None else None)
     log.debug("rank %d (incarnation %d) recovered: %d cached translation(s) dropped", rank, incarnation, dropped)
     return dropped
 

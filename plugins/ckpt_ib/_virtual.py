@@ -16,8 +16,8 @@
 # Lookups of peers' IDs are cached.  A rank recovered alone (single-rank
 # recovery, _recovery.py) publishes its objects again under the same virtual
 # IDs in the same generation -- the keys are overwritten -- so its peers drop
-# their cached translations of its IDs (`forget_remote`), and a lookup that
-# raced with that drop is not cached (`cache_epoch`).
+# their cached translations of its IDs (_recovery.forget_rank), and a look-up
+# that raced with that drop is not cached (`cache_epoch`).
 #
 # Addresses are virtual too: MR.buf is the address of the first registration;
 # after a restart the same buffer lives elsewhere, so local SGE addresses are
@@ -78,7 +78,7 @@ class Virtualizer:
         self.registry = Registry()
         self.inner: Any = None  # the provider's table as it was before wrapping (a plain namespace of entries)
         self.provider = ""  # its name
-        self.cache_epoch = 0  # bumped by forget_remote: a lookup that spans it is used once, not cached
+        self.cache_epoch = 0  # bumped when peers' IDs are dropped: a look-up that spans it is used, not cached
         self.reset_translations()
 
     def reset_translations(self) -> None:
@@ -109,29 +109,6 @@ class Virtualizer:
             if epoch == self.cache_epoch:  # else a peer was recovered meanwhile: the value may be its old one
                 cache[virtual] = real
         return real
-
-    def forget_remote(self, ids: dict[str, list[int]] | None) -> int:
-        """Drop cached translations of peers' virtual IDs (`ids` by kind: qpn, lid, rkey; None: all); how many."""
-        self.cache_epoch += 1
-        caches: dict[str, dict[int, Any]] = {"qpn": self.remote_qpn, "lid": self.remote_lid, "rkey": self.remote_key}
-        dropped = 0
-        for kind, cache in caches.items():
-            if ids is None:
-                dropped += len(cache)
-                cache.clear()
-                continue
-            for virtual in ids.get(kind, ()):
-                dropped += cache.pop(int(virtual), None) is not None
-        return dropped
-
-    def own_ids(self) -> dict[str, list[int]]:
-        """The virtual IDs of this process's objects that peers look up: qp_nums, LIDs, rkeys."""
-        reg = self.registry
-        return {
-            "qpn": [qp.qp_num for qp in reg.qps],
-            "lid": [vlid for dev in reg.devices for vlid in dev.vlids],
-            "rkey": [mr.rkey for mr in reg.mrs],
-        }
 
     # An unknown virtual ID becomes 0 (never a real qp_num or unicast LID): the connection then
     # fails as a wrong one would on hardware (RETRY_EXC_ERR), never reaches an unrelated QP.
