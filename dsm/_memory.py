@@ -439,17 +439,23 @@ class Memory:
         rids: list[int] = []
         what_of: dict[int, str] = {}
         in_flight: dict[int, list[int]] = {}
-        for dst, msg, what in requests:
-            mine = in_flight.setdefault(dst, [])
-            while len(mine) >= WINDOW:
-                self._await(mine[:1], what_of[mine[0]], timeout)
-                mine[:] = [r for r in mine if r not in self.replies]
-            self._send_request(dst, msg)
-            rids.append(msg.rid)
-            what_of[msg.rid] = what
-            mine.append(msg.rid)
-        for rid in rids:
-            self._await([rid], what_of[rid], timeout)
+        try:
+            for dst, msg, what in requests:
+                mine = in_flight.setdefault(dst, [])
+                while len(mine) >= WINDOW:
+                    self._await(mine[:1], what_of[mine[0]], timeout)
+                    mine[:] = [r for r in mine if r not in self.replies]
+                self._send_request(dst, msg)
+                rids.append(msg.rid)
+                what_of[msg.rid] = what
+                mine.append(msg.rid)
+            for rid in rids:
+                self._await([rid], what_of[rid], timeout)
+        except BaseException:
+            for rid in rids:  # given up: never sent again after a reconnection, nor kept if answered
+                self.pending.pop(rid, None)
+                self.replies.pop(rid, None)
+            raise
         replies = [self.replies.pop(rid) for rid in rids]
         for reply in replies:
             if isinstance(reply, ErrorReply):
