@@ -16,7 +16,7 @@ The program thread of the same rank touches none of this state except through
 `prune`, under the handler's mutex; the runtime thread that runs the recovery
 hooks only through `forget` and `forget_queues`, under the same mutex.
 
-After a peer fails (single-rank recovery, `dsm._memory`), nothing is owed to
+After a peer fails (single-rank recovery, `dsm._reconnect`), nothing is owed to
 its dead incarnation: `forget` drops its queued lock requests, its waiting
 page requests and its barrier arrival (a reply to them would reach its next
 incarnation, whose request ids mean other things).  A lock it held stays held

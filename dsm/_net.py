@@ -38,7 +38,7 @@ of three states:
   connected to the peer's new incarnation, whose end may not be ready yet.
   The first message that arrives on it proves it is (the peer sends nothing
   before its end is connected), and so does the peer's ``ready`` key in the
-  KV (`dsm._memory`); either moves the link to ``UP``.
+  KV (`dsm._reconnect`); either moves the link to ``UP``.
 
 Every replacement bumps the peer's *link number*.  A message is stamped with
 the link it arrived on, so a request of a dead incarnation still in the inbox
