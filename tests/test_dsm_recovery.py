@@ -51,7 +51,8 @@ def _value(victims: list[int], page: int, rounds: int) -> int:
     return value
 
 
-def _recovery_rounds(protocol: str, victims: list[int]) -> None:
+def _recovery_rounds(protocol: str, victims: list[int], in_flight: bool = False) -> None:
+    """Each round's victim fails and comes back; `in_flight`: the survivors' requests reach it before it dies."""
     job = RecoveryJob(SIZE, {"dsm_protocol": protocol})
     memories: dict[int, dsm.Memory] = {}
     job.finalizers.append(lambda: [memory.close() for memory in memories.values()])
@@ -76,7 +77,7 @@ def _recovery_rounds(protocol: str, victims: list[int]) -> None:
             mem.barrier()
             if me == victim:
                 mem, pages, marks, count, locks = _die_and_come_back(
-                    job, proc, memories, dead[k], (pages, marks, count, locks)
+                    job, proc, memories, k, (pages, marks, count, locks)
                 )
                 links[k] = {
                     r: (m.client.state[victim], m.server.state[victim], m.client.link[victim])
@@ -84,7 +85,8 @@ def _recovery_rounds(protocol: str, victims: list[int]) -> None:
                 }
             else:
                 imaged.wait()
-                dead[k].wait()
+                if not in_flight:
+                    dead[k].wait()
                 if me == (victim + 1) % SIZE:
                     fetched[k] = pages[victim * WORDS : (victim + 1) * WORDS]  # its home is dead: waits
                 else:
@@ -97,19 +99,32 @@ def _recovery_rounds(protocol: str, victims: list[int]) -> None:
             mem.barrier()
         return np.asarray(pages[...]), np.asarray(marks[...]), int(count[0])
 
+    def _landed(rank: int, victim: int, k: int) -> bool:
+        """Has `rank`'s work of round `k` reached `victim` (a request its HCA acknowledged, or READs done)?"""
+        if protocol == "onesided" and rank == (victim + 1) % SIZE:
+            return k in fetched  # one-sided READs need no handler: they completed
+        client = memories[rank].client
+        sent = [dst == victim and link == client.link[victim] for dst, _, link in list(memories[rank].pending.values())]
+        return any(sent) and len(client.free[victim]) == client.nsend
+
     def _die_and_come_back(
-        job: RecoveryJob, proc: RankProcess, memories: dict[int, dsm.Memory], dead: threading.Event, state: Any
+        job: RecoveryJob, proc: RankProcess, memories: dict[int, dsm.Memory], k: int, state: Any
     ) -> Any:
         mem = memories[proc.rank]
         mem._halt()  # quiesced, as at a checkpoint: nothing of the image changes while it is pickled
         image = proc.snapshot((mem, *state))
-        mem._start()
-        imaged.wait()
-        mem._halt()  # kill -9: the handler stops serving and every verbs resource vanishes
-        proc.kill()
-        dead.set()
         survivors = [other for other in job.ranks if other is not proc]
-        for other in survivors:  # their pending work found the link dead by itself
+        if in_flight:  # the handler stays stopped: the survivors' requests land here and are never answered
+            imaged.wait()
+            for other in survivors:
+                wait_for(lambda other=other: _landed(other.rank, proc.rank, k), FAILS_WITHIN, "a request in flight")
+        else:
+            mem._start()
+            imaged.wait()
+            mem._halt()
+        proc.kill()  # kill -9: the handler stops serving (above) and every verbs resource vanishes
+        dead[k].set()
+        for other in survivors if not in_flight else []:  # their pending work found the link dead by itself
             link = memories[other.rank].client
 
             def failed(link: Any = link) -> bool:
@@ -153,6 +168,10 @@ def test_a_rank_respawned_alone_is_reconnected_and_the_survivors_pending_work_co
     protocol: str, victims: list[int]
 ) -> None:
     _recovery_rounds(protocol, victims)
+
+
+def test_requests_in_flight_when_their_home_dies_are_sent_again_to_its_next_incarnation(protocol: str) -> None:
+    _recovery_rounds(protocol, [2, 0], in_flight=True)  # no traffic after the death: only the hook tells
 
 
 @pytest.mark.stress
