@@ -13,7 +13,18 @@ their notices; when all have come, everyone gets the union and the
 element-wise maximum of the vector timestamps).
 
 The program thread of the same rank touches none of this state except through
-`prune`, under the handler's mutex.
+`prune`, under the handler's mutex; the runtime thread that runs the recovery
+hooks only through `forget` and `forget_queues`, under the same mutex.
+
+After a peer fails (single-rank recovery, `dsm._reconnect`), nothing is owed to
+its dead incarnation: `forget` drops its queued lock requests, its waiting
+page requests and its barrier arrival (a reply to them would reach its next
+incarnation, whose request ids mean other things).  A lock it held stays held
+by that rank: its next incarnation, restored from an image, either releases
+it or, re-executing, asks for it again -- which the home grants at once,
+since the requester already holds it.  A rank that was itself restored from
+its image clears every queue (`forget_queues`): the survivors send again
+whatever they still wait for.
 """
 
 from __future__ import annotations
@@ -110,7 +121,26 @@ class Handler:
             self.reply(src, ErrorReply(rid, f"rank {self.mem.rank}: {what}"), "error")
 
     def reply(self, dst: int, msg: Message, name: str) -> None:
-        self.counters.count(name, self.mem.server.send(dst, msg))
+        sent = self.mem.server.send(dst, msg)
+        if sent is not None:  # else `dst` failed: the reply was owed to its dead incarnation
+            self.counters.count(name, sent)
+
+    # ------------------------------------------------------------------ recovery
+    def forget(self, rank: int) -> None:
+        """`rank` failed: drop every request of its dead incarnation that waits here."""
+        with self.mutex:
+            for state in self.locks.values():
+                state.queue = deque(entry for entry in state.queue if entry[0] != rank)
+            self.waiting = [entry for entry in self.waiting if entry[0] != rank]
+            self.arrivals = [entry for entry in self.arrivals if entry[0] != rank]
+
+    def forget_queues(self) -> None:
+        """This rank was restored from its image: forget the requests it held then (they are sent again)."""
+        with self.mutex:
+            for state in self.locks.values():
+                state.queue.clear()
+            self.waiting = []
+            self.arrivals = []
 
     # ------------------------------------------------------------------ pages
     def _home(self, src: int, rid: int, gid: int) -> None:
@@ -156,7 +186,8 @@ class Handler:
 
     def _acquire(self, src: int, rid: int, lock: int, vt: list[int]) -> None:
         state = self._lock(lock)
-        if state.holder < 0:
+        # a holder asking again is its next incarnation (a rank never re-acquires a lock it holds)
+        if state.holder < 0 or state.holder == src:
             self._grant(state, src, rid, vt)
         else:
             state.queue.append((src, rid, vt))

@@ -36,6 +36,10 @@ Checkpoints: the DSM is ordinary program state (numpy arrays, verbs objects)
 pickled with the program; the handler thread stops at DRAIN (every program
 thread is parked at a step boundary, so no request is unanswered) and starts
 again at RESUME, after the verbs plugin has rebuilt the queue pairs.
+
+Single-rank recovery (FT-KDSM §5): a failed rank's links fail instead of
+the rank, its requests stay pending and are re-sent once its next incarnation
+is connected (`dsm._reconnect`, `dsm._net`).
 """
 
 from __future__ import annotations
@@ -50,9 +54,9 @@ import numpy as np
 
 import ckpt
 from ckpt import verbs
-from ckpt.plugin import PluginCalls
+from ckpt.plugin import PluginCalls, Runtime
 
-from . import hookspecs
+from . import _reconnect, hookspecs
 from ._diff import Diff, diff_size, diff_unit, make_diff
 from ._errors import DsmError
 from ._handler import Handler
@@ -75,7 +79,7 @@ from ._messages import (
     Request,
     decode_reply,
 )
-from ._net import ACCESS, Endpoint, atomic, rdma
+from ._net import ACCESS, UP, Endpoint, atomic, rdma
 from ._region import DIRTY, INVALID, META, VALID, Region, gid_of, split_gid
 from ._stats import Counters, Statistics
 
@@ -124,11 +128,17 @@ class Memory:
         self.rid = 0
         self.seq = [0]
         self.replies: dict[int, Reply] = {}
+        # requests sent and not answered: rid -> (destination, request, link it went out on; -1: not sent)
+        self.pending: dict[int, tuple[int, Request, int]] = {}
+        self.reconnections_seen = 0
         self.counters = Counters()
         self.handler = Handler(self)
         self._live()
         me = {"lid": self.ctx.query_port(1).lid, "client": self.client.address(), "server": self.server.address()}
+        if self.rank == 0:  # names this memory in the job's KV keys (a job may attach several)
+            me["memory"] = rt.allocate_global("dsm.memory")
         peers = rt.allgather(me)
+        self.mid = int(peers[0]["memory"])
         self.client.connect(peers, self.rank, "server")
         self.server.connect(peers, self.rank, "client")
         self._start()
@@ -252,14 +262,12 @@ class Memory:
             home = int(self._request(owner, lookup, HomeReply, f"the home of page {gid:#x}").home)
         else:
             land = self.scratch_mr.buf + (len(self.scratch) - 2) * 8
-            wr = atomic(
-                verbs.IBV_WR_ATOMIC_CMP_AND_SWP,
-                (land, self.scratch_mr.lkey),
-                *region.remote_table(owner, page),
-                0,
-                self.rank + 1,
-            )
-            self.client.run(owner, [wr], self.seq)
+
+            def claim() -> list[verbs.SendWR]:
+                cas = verbs.IBV_WR_ATOMIC_CMP_AND_SWP
+                return [atomic(cas, (land, self.scratch_mr.lkey), *region.remote_table(owner, page), 0, self.rank + 1)]
+
+            self.client.run(owner, claim, self.seq)
             self.counters.count("cas", 8)
             old = int(self.scratch[-2])
             home = self.rank if old == 0 else old - 1
@@ -286,15 +294,18 @@ class Memory:
         """RDMA READ meta, page, meta until both metadata reads agree, show no diff in progress and suffice."""
         n = META + self.size
         base, lkey = self.scratch_mr.buf, self.scratch_mr.lkey
-        meta = region.remote_meta(home, page)
         deadline = time.monotonic() + FETCH_TIMEOUT
-        while True:
-            wrs = [
+
+        def reads() -> list[verbs.SendWR]:  # the home's addresses as of this issue (they change if it is recovered)
+            meta = region.remote_meta(home, page)
+            return [
                 rdma(verbs.IBV_WR_RDMA_READ, (base, n * 8, lkey), *meta),
                 rdma(verbs.IBV_WR_RDMA_READ, region.local_page(page), *region.remote_page(home, page)),
                 rdma(verbs.IBV_WR_RDMA_READ, (base + n * 8, n * 8, lkey), *meta),
             ]
-            self.client.run(home, wrs, self.seq)
+
+        while True:
+            self.client.run(home, reads, self.seq)
             self.counters.count("rdma_read", 2 * n * 8 + self.page_size)
             before, after = self.scratch[:n], self.scratch[n : 2 * n]
             if before[0] == before[1] and np.array_equal(before, after) and np.all(before[META:] >= need):
@@ -428,17 +439,23 @@ class Memory:
         rids: list[int] = []
         what_of: dict[int, str] = {}
         in_flight: dict[int, list[int]] = {}
-        for dst, msg, what in requests:
-            mine = in_flight.setdefault(dst, [])
-            while len(mine) >= WINDOW:
-                self._await(mine[:1], what_of[mine[0]], timeout)
-                mine[:] = [r for r in mine if r not in self.replies]
-            self.counters.count(NAMES[msg.kind], self.client.send(dst, msg))
-            rids.append(msg.rid)
-            what_of[msg.rid] = what
-            mine.append(msg.rid)
-        for rid in rids:
-            self._await([rid], what_of[rid], timeout)
+        try:
+            for dst, msg, what in requests:
+                mine = in_flight.setdefault(dst, [])
+                while len(mine) >= WINDOW:
+                    self._await(mine[:1], what_of[mine[0]], timeout)
+                    mine[:] = [r for r in mine if r not in self.replies]
+                self._send_request(dst, msg)
+                rids.append(msg.rid)
+                what_of[msg.rid] = what
+                mine.append(msg.rid)
+            for rid in rids:
+                self._await([rid], what_of[rid], timeout)
+        except BaseException:
+            for rid in rids:  # given up: never sent again after a reconnection, nor kept if answered
+                self.pending.pop(rid, None)
+                self.replies.pop(rid, None)
+            raise
         replies = [self.replies.pop(rid) for rid in rids]
         for reply in replies:
             if isinstance(reply, ErrorReply):
@@ -450,16 +467,36 @@ class Memory:
             checked.append(reply)
         return checked
 
+    def _send_request(self, dst: int, msg: Request) -> None:
+        """Send a request and keep it pending until its reply: a link that fails under it gets it again."""
+        link = self.client.link[dst]
+        sent = self.client.send(dst, msg)
+        self.pending[msg.rid] = (dst, msg, link if sent is not None else -1)
+        if sent is not None:
+            self.counters.count(NAMES[msg.kind], sent)
+
     def _await(self, rids: list[int], what: str, timeout: float) -> None:
         def done() -> bool:
-            for _, raw, _ in self.client.inbox:
+            for _, raw, _, _ in self.client.inbox:
                 msg = decode_reply(raw)
-                self.replies[msg.rid] = msg
+                # a reply nobody waits for answered a request that was sent again after a reconnection
+                if self.pending.pop(msg.rid, None) is not None:
+                    self.replies[msg.rid] = msg
             self.client.inbox.clear()
             self._check()
+            if self.client.reconnections != self.reconnections_seen:
+                self._resend()
             return all(rid in self.replies for rid in rids)
 
         self.client.wait(done, what, timeout=timeout)
+
+    def _resend(self) -> None:
+        """Send again every pending request whose link was replaced since (now that it is up)."""
+        self.reconnections_seen = self.client.reconnections
+        for rid, (dst, msg, link) in list(self.pending.items()):
+            if link != self.client.link[dst] and self.client.state[dst] == UP:
+                self._send_request(dst, msg)
+                log.info("rank %d: request %d re-sent to rank %d after its recovery", self.rank, rid, dst)
 
     # ------------------------------------------------------------------ hooks and the handler thread
     def hook(self, name: str, **kwargs: Any) -> None:
@@ -505,8 +542,9 @@ class Memory:
         try:
             while server.wait(lambda: bool(server.inbox), "requests", math.inf, self._stop.is_set):
                 while server.inbox:
-                    peer, msg, _ = server.inbox.pop(0)
-                    self.handler.serve(peer, msg)
+                    peer, msg, _, link = server.inbox.pop(0)
+                    if link == server.link[peer]:  # else a request of an incarnation that died since
+                        self.handler.serve(peer, msg)
         except BaseException as exc:  # reported on the program thread at its next DSM call
             self._failure = exc
             log.error("rank %d: the DSM protocol handler failed: %s", self.rank, exc)
@@ -527,6 +565,25 @@ class Memory:
     @ckpt.hookimpl(trylast=True)
     def ckpt_resume(self) -> None:
         self._start()  # after the verbs plugin refilled / rebuilt the queues
+
+    # ------------------------------------------------------------------ single-rank recovery (dsm._reconnect)
+    @ckpt.hookimpl
+    def ckpt_rank_failed(self, rank: int, incarnation: int) -> None:
+        """A survivor: stop using the links to `rank`; what the handler owed it is dropped."""
+        _reconnect.peer_failed(self, rank, incarnation)
+
+    # trylast: after ckpt_ib (below it) has dropped its translations of the recovered rank's IDs
+    @ckpt.hookimpl(trylast=True)
+    def ckpt_rank_recovered(self, rank: int, incarnation: int) -> None:
+        """A survivor: connect to `rank`'s new incarnation; pending requests go again once it is up."""
+        _reconnect.peer_recovered(self, rank, incarnation)
+
+    # trylast: after ckpt_ib rebuilt this process's verbs objects (why REFRESH: dsm._reconnect)
+    @ckpt.hookimpl(trylast=True)
+    def ckpt_refresh(self, rt: Runtime) -> None:
+        """The process that replaced a failed rank: rebuild every link, to every rank, on fresh QPs."""
+        if getattr(rt, "recovered", False):
+            _reconnect.recovered(self, int(rt.incarnation))
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)

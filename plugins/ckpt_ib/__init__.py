@@ -24,6 +24,16 @@
 # live elsewhere after a restart), virtual IDs come from the coordinator in
 # every generation (they can never collide), and completion-channel events
 # and armed notifications survive.
+#
+# Single-rank recovery (FT-KDSM, _recovery.py): a rank respawned alone
+# rebuilds its objects but leaves its connections to other ranks in ERROR
+# for their owner to replace; the survivors drop their cached translations of
+# its IDs when it is back.  The plugin cannot replace a program's connections
+# itself, so it refuses `--on-failure recover` unless a plugin above it (one
+# that owns the connections, e.g. remote logging for the DSM) answers for it.
+#
+# The hooks are methods of `IbPlugin`, one per process (the module's hook
+# functions call it); tests run one per thread-rank.
 
 from __future__ import annotations
 
@@ -37,83 +47,147 @@ import ckpt
 from ckpt import verbs
 from ckpt_ib._drain import drain
 from ckpt_ib._rebuild import rebuild, reconnect, repost_sends
+from ckpt_ib._recovery import forget_rank, publish_ids
 from ckpt_ib._virtual import Virtualizer
 
+__all__ = ["IbPlugin", "drain", "rebuild", "reconnect", "repost_sends"]
 __version__ = "0.1.0"
 CKPT_PLUGIN_API = 2
 #: When set, each rank writes the real IDs of each generation to <dir>/ib.<rank>.<generation>.json (for tests).
 TRACE_ENV = "CKPT_IB_TRACE_DIR"
+#: What `ckpt launch --on-failure recover` is told when no plugin above this one answers for the connections.
+NO_SINGLE_RANK_RECOVERY = (
+    "ckpt_ib cannot rebuild a verbs program's connections to a rank respawned alone "
+    "(--on-failure recover needs a plugin that owns them, such as remote logging for DSM programs)"
+)
 
 log = logging.getLogger(__name__)
-_vz: Virtualizer | None = None
-_restarted = False
 
 
-def _virtualizer(rt: Any) -> Virtualizer:
-    global _vz
-    if _vz is None:
-        _vz = Virtualizer(rt)
-    return _vz
+class IbPlugin:
+    """The plugin's rank-side hooks over one process's `Virtualizer`."""
+
+    def __init__(self) -> None:
+        self.vz: Virtualizer | None = None
+        self.restarted = False  # between RESTART and RESUME of a restart with an image of ours
+
+    def virtualizer(self, rt: Any) -> Virtualizer:
+        if self.vz is None:
+            self.vz = Virtualizer(rt)
+        return self.vz
+
+    @ckpt.hookimpl
+    def ckpt_init(self, rt: ckpt.Runtime) -> None:
+        self.virtualizer(rt)
+
+    @ckpt.hookimpl
+    def ckpt_wrap_verbs(self, rt: ckpt.Runtime, ops: verbs.VerbsOps) -> None:
+        vz = self.virtualizer(rt)
+        if vz.inner is not None:
+            log.warning("ckpt_ib virtualizes one provider per process; %s is left as it is", ops.provider)
+            return
+        vz.install(ops)
+
+    @ckpt.hookimpl
+    def ckpt_drain(self, rt: ckpt.Runtime) -> None:
+        vz = self.virtualizer(rt)
+        if vz.inner is not None:
+            rounds = drain(vz, rt)
+            log.debug("verbs drained in %d round(s)", rounds)
+
+    @ckpt.hookimpl
+    def ckpt_precheckpoint(self, rt: ckpt.Runtime, image: Any) -> None:
+        image.add("ib", self.virtualizer(rt).registry)
+
+    @ckpt.hookimpl
+    def ckpt_restart(self, rt: ckpt.Runtime, image: Any) -> None:
+        registry = image.get("ib")
+        vz = self.virtualizer(rt)
+        if registry is not None and vz.inner is not None:
+            vz.registry = registry
+            rebuild(vz)
+            if getattr(rt, "recovered", False):
+                publish_ids(vz, rt)
+            self.restarted = True
+
+    @ckpt.hookimpl
+    def ckpt_refresh(self, rt: ckpt.Runtime) -> None:
+        if self.restarted and self.vz is not None:
+            reconnect(self.vz, recovered=bool(getattr(rt, "recovered", False)))
+
+    @ckpt.hookimpl
+    def ckpt_resume(self, rt: ckpt.Runtime, restarted: bool, aborted: bool) -> None:
+        vz = self.virtualizer(rt)
+        if restarted and self.restarted:
+            self.restarted = False
+            reposted = repost_sends(vz)
+            log.debug("restart: %d send WR(s) that had not landed re-posted", reposted)
+        _trace(rt, vz)
+
+    @ckpt.hookimpl
+    def ckpt_rank_recovered(self, rt: ckpt.Runtime, rank: int, incarnation: int) -> None:
+        vz = self.virtualizer(rt)
+        if vz.inner is not None:
+            forget_rank(vz, rt, rank, incarnation)
+
+    @ckpt.hookimpl
+    def ckpt_exit(self, rt: ckpt.Runtime) -> None:
+        _trace(rt, self.virtualizer(rt))
+
+
+_plugin = IbPlugin()
+
+
+# The module is the plugin the entry point names: its hooks are the process's IbPlugin's.
+@ckpt.hookimpl
+def ckpt_single_rank_recovery(job: Any) -> str:
+    # up order: a plugin above this one that owns the connections answers first, and decides
+    return NO_SINGLE_RANK_RECOVERY
 
 
 @ckpt.hookimpl
 def ckpt_init(rt: ckpt.Runtime) -> None:
-    _virtualizer(rt)
+    _plugin.ckpt_init(rt)
 
 
 @ckpt.hookimpl
 def ckpt_wrap_verbs(rt: ckpt.Runtime, ops: verbs.VerbsOps) -> None:
-    vz = _virtualizer(rt)
-    if vz.inner is not None:
-        log.warning("ckpt_ib virtualizes one provider per process; %s is left as it is", ops.provider)
-        return
-    vz.install(ops)
+    _plugin.ckpt_wrap_verbs(rt, ops)
 
 
 @ckpt.hookimpl
 def ckpt_drain(rt: ckpt.Runtime) -> None:
-    vz = _virtualizer(rt)
-    if vz.inner is not None:
-        rounds = drain(vz, rt)
-        log.debug("verbs drained in %d round(s)", rounds)
+    _plugin.ckpt_drain(rt)
 
 
 @ckpt.hookimpl
 def ckpt_precheckpoint(rt: ckpt.Runtime, image: Any) -> None:
-    image.add("ib", _virtualizer(rt).registry)
+    _plugin.ckpt_precheckpoint(rt, image)
 
 
 @ckpt.hookimpl
 def ckpt_restart(rt: ckpt.Runtime, image: Any) -> None:
-    global _restarted
-    registry = image.get("ib")
-    vz = _virtualizer(rt)
-    if registry is not None and vz.inner is not None:
-        vz.registry = registry
-        rebuild(vz)
-        _restarted = True
+    _plugin.ckpt_restart(rt, image)
 
 
 @ckpt.hookimpl
 def ckpt_refresh(rt: ckpt.Runtime) -> None:
-    if _restarted and _vz is not None:
-        reconnect(_vz)
+    _plugin.ckpt_refresh(rt)
 
 
 @ckpt.hookimpl
 def ckpt_resume(rt: ckpt.Runtime, restarted: bool, aborted: bool) -> None:
-    global _restarted
-    vz = _virtualizer(rt)
-    if restarted and _restarted:
-        _restarted = False
-        reposted = repost_sends(vz)
-        log.debug("restart: %d send WR(s) that had not landed re-posted", reposted)
-    _trace(rt, vz)
+    _plugin.ckpt_resume(rt, restarted, aborted)
+
+
+@ckpt.hookimpl
+def ckpt_rank_recovered(rt: ckpt.Runtime, rank: int, incarnation: int) -> None:
+    _plugin.ckpt_rank_recovered(rt, rank, incarnation)
 
 
 @ckpt.hookimpl
 def ckpt_exit(rt: ckpt.Runtime) -> None:
-    _trace(rt, _virtualizer(rt))
+    _plugin.ckpt_exit(rt)
 
 
 def _trace(rt: ckpt.Runtime, vz: Virtualizer) -> None:

@@ -11,7 +11,8 @@
 #   modify history with the peers' new qp_nums and LIDs (RESET -> INIT -> RTR
 #   -> RTS, and anything after), so both ends of a connection start again from
 #   the PSNs they were set up with; re-post the receives that had not
-#   completed.
+#   completed.  A rank recovered alone (`recovered`) replays only its
+#   connections within itself and leaves the others in ERROR (_recovery.py).
 # * RESUME (`repost_sends`), after every rank has its receives posted again:
 #   re-post the send WRs that had not landed at DRAIN -- exactly those.
 
@@ -21,6 +22,7 @@ from typing import Any
 
 from ckpt import verbs as v
 from ckpt.verbs import SGE, SrqAttr
+from ckpt_ib._recovery import connects_elsewhere, leave_in_error
 from ckpt_ib._shadows import SendEntry, ShadowQP
 from ckpt_ib._virtual import Virtualizer
 
@@ -50,10 +52,15 @@ def rebuild(vz: Virtualizer) -> None:
         ah.real = vz.inner.create_ah(ah.pd.real, ah.attr)
 
 
-def reconnect(vz: Virtualizer) -> None:
+def reconnect(vz: Virtualizer, recovered: bool = False) -> None:
+    """Replay every QP's modify history and re-post its receives; `recovered`: only QPs within this rank."""
+    own = {qp.qp_num for qp in vz.registry.qps}
     for qp in vz.registry.qps:
-        for attr, mask in list(qp.modifies):
-            vz.apply_modify(qp, attr, mask, record=False)
+        if recovered and connects_elsewhere(qp, own):
+            leave_in_error(vz, qp)
+        else:
+            for attr, mask in list(qp.modifies):
+                vz.apply_modify(qp, attr, mask, record=False)
         if qp.recvs and qp.state != int(v.IBV_QPS_RESET):
             vz.inner.post_recv(qp.real, vz.real_recv_chain(list(qp.recvs.values())))
     for srq in vz.registry.srqs:

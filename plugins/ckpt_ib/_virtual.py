@@ -13,6 +13,12 @@
 #     ib/lid/<vlid>   -> real LID
 #     ib/rkey/<vrkey> -> [real rkey, real address - virtual address]
 #
+# Lookups of peers' IDs are cached.  A rank recovered alone (single-rank
+# recovery, _recovery.py) publishes its objects again under the same virtual
+# IDs in the same generation -- the keys are overwritten -- so its peers drop
+# their cached translations of its IDs (_recovery.forget_rank), and a look-up
+# that raced with that drop is not cached (`cache_epoch`).
+#
 # Addresses are virtual too: MR.buf is the address of the first registration;
 # after a restart the same buffer lives elsewhere, so local SGE addresses are
 # translated by lkey and remote addresses by rkey (docs/ib.md).
@@ -72,6 +78,7 @@ class Virtualizer:
         self.registry = Registry()
         self.inner: Any = None  # the provider's table as it was before wrapping (a plain namespace of entries)
         self.provider = ""  # its name
+        self.cache_epoch = 0  # bumped when peers' IDs are dropped: a look-up that spans it is used, not cached
         self.reset_translations()
 
     def reset_translations(self) -> None:
@@ -94,10 +101,13 @@ class Virtualizer:
     def _lookup(self, cache: dict[int, Any], kind: str, virtual: int) -> Any:
         real = cache.get(virtual)
         if real is None:
+            epoch = self.cache_epoch
             real = self.rt.kv.get(NS, f"{kind}/{virtual}")
             if real is None:
                 return None  # unknown: the caller passes something invalid, as hardware would see it
-            cache[virtual] = real = tuple(real) if isinstance(real, list) else real
+            real = tuple(real) if isinstance(real, list) else real
+            if epoch == self.cache_epoch:  # else a peer was recovered meanwhile: the value may be its old one
+                cache[virtual] = real
         return real
 
     # An unknown virtual ID becomes 0 (never a real qp_num or unicast LID): the connection then
