@@ -53,6 +53,7 @@ class JobOptions:
     host: str = "127.0.0.1"
     port: int = 0
     interval: float | None = None
+    rank_interval: float | None = None  # --rank-interval: independent checkpoints of each rank, staggered
     keep: int = 0
     with_plugins: list[str] = field(default_factory=list)
     disabled: list[str] = field(default_factory=list)
@@ -244,6 +245,7 @@ class _Job:
                     host=opts.host,
                     port=opts.port,
                     interval=opts.interval,
+                    rank_interval=opts.rank_interval,
                     keep=opts.keep,
                     phase_timeout=opts.phase_timeout,
                     job_id=self.job_id,
