@@ -32,9 +32,10 @@
 #      manifest, whose rank has not checkpointed since -- so an image always
 #      keeps a manifest of its number (`remove_uncommitted` relies on that).
 # Every other manifest is deleted, then its own images, except those a kept
-# manifest names.  So "rank" manifests older than the newest go as soon as
-# their rank checkpoints again, and no image some rank's recovery needs is
-# ever deleted.  A whole-job restart from checkpoint J drops the "rank"
+# manifest names (they go at a later prune, once none does: an image older
+# than the newest manifest with no manifest of its number is such a one).  So
+# "rank" manifests older than the newest go as soon as their rank checkpoints
+# again, and no image some rank's recovery needs is ever deleted.  A whole-job restart from checkpoint J drops the "rank"
 # manifests numbered above J (`abandon_after`): they are of the rolled-back run.
 
 from __future__ import annotations
@@ -225,10 +226,16 @@ def prune(ckpt_dir: str | os.PathLike[str], program: str, keep: int) -> list[Pat
     # a manifest whose own images are still needed stays, so those images keep a manifest of their number
     kept |= {n for n, (_, files) in committed.items() if any(_number_of(program, f) == n for f in files & needed)}
     named = {file for n in kept for file in committed[n][1]}
+    gone = set(committed) - kept
     deleted: list[Path] = []
-    for number in sorted(set(committed) - kept):
+    for number in sorted(gone):
         deleted += _unlink(directory / manifest_name(program, number))
-        deleted += _unlink(*(path for path in _image_files(directory, program, number) if path.name not in named))
+    # the images of those, and of manifests deleted before while a kept one still named some of their images
+    pattern = re.compile(rf"ckpt_{re.escape(_checked(program))}_\d+_(\d+)\.ckpt")
+    for match in _matches(directory, pattern):
+        number = int(match[1])
+        if match[0] not in named and (number in gone or (number not in found and number < newest)):
+            deleted += _unlink(directory / match[0])
     return deleted
 
 
@@ -283,14 +290,20 @@ def _complete(directory: Path, program: str, number: int) -> bool:
 
 
 def _summary(directory: Path, program: str, number: int) -> tuple[str, set[str]] | None:
-    """(kind, image files named) of the manifest of checkpoint ``number``; None unless it is committed."""
-    if not _complete(directory, program, number):
-        return None
+    """(kind, image files named) of the manifest of checkpoint ``number``; None unless it is committed.
+
+    Committed: its own images (those numbered like it) are all there -- what a "rank" manifest names
+    of other checkpoints may have been pruned since, once no longer any rank's latest.
+    """
     try:
         raw = json.loads((directory / manifest_name(program, number)).read_bytes())
-        return str(raw.get("kind", "job")), {str(entry["file"]) for entry in raw["ranks"]}
+        kind, files = str(raw.get("kind", "job")), {str(entry["file"]) for entry in raw["ranks"]}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
+    own = [file for file in files if _number_of(program, file) == number]
+    if not own or not all((directory / file).is_file() for file in own):
+        return None
+    return kind, files
 
 
 def _kind(directory: Path, program: str, number: int) -> str | None:

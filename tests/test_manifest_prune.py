@@ -6,10 +6,10 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from test_manifest import TOKEN, checkpoint, make_manifest
 
 from ckpt._manifest import abandon_after, image_name, latest_manifest, manifest_name, prune, rank_image, write_manifest
 from ckpt._schemas import Manifest, RankEntry
-from test_manifest import TOKEN, checkpoint, make_manifest
 
 SIZE = 3
 
@@ -147,3 +147,25 @@ def test_a_restart_abandons_the_independent_checkpoints_after_its_checkpoint(d: 
     deleted = {p.name for p in abandon_after(d.path, "heat", 1)}
     assert deleted == {manifest_name("heat", 2), image_name("heat", 0, 2)}
     assert {manifest_name("heat", n) for n in (1, 3)} <= d.files()
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_pruning_after_every_commit_leaves_nothing_behind_and_every_rank_recoverable(d: Directory, seed: int) -> None:
+    """What the coordinator does (prune after each commit), over a random mix of checkpoints: no image stays that
+    no manifest names, no manifest stays that nothing needs, and every rank's latest image is there."""
+    import json
+    import random
+
+    rng = random.Random(seed)
+    d.coordinated()
+    for _ in range(40):
+        if rng.random() < 0.2:
+            d.coordinated()
+        else:
+            d.independent(rng.randrange(SIZE))
+        prune(d.path, "heat", keep=1)
+        d.assert_recoverable()
+        manifests_left = list(d.path.glob("ckpt_heat_*.json"))
+        named = {e["file"] for p in manifests_left for e in json.loads(p.read_text())["ranks"]}
+        assert {p.name for p in d.path.glob("ckpt_heat_*.ckpt")} <= named
+        assert len(manifests_left) <= 1 + SIZE + 1  # the latest coordinated one, one per rank, the newest
