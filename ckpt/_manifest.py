@@ -35,8 +35,9 @@
 # manifest names (they go at a later prune, once none does: an image older
 # than the newest manifest with no manifest of its number is such a one).  So
 # "rank" manifests older than the newest go as soon as their rank checkpoints
-# again, and no image some rank's recovery needs is ever deleted.  A whole-job restart from checkpoint J drops the "rank"
-# manifests numbered above J (`abandon_after`): they are of the rolled-back run.
+# again, and no image some rank's recovery needs is ever deleted.  A whole-job
+# restart from checkpoint J drops the "rank" manifests numbered above J
+# (`abandon_after`): they are of the rolled-back run.
 
 from __future__ import annotations
 

@@ -126,6 +126,10 @@ def test_independent_then_coordinated_checkpoints_restart_to_the_uninterrupted_r
     assert "latest image 2" in shown.stdout, shown.stdout
     assert "checkpoint 3 written" in take(ckpt_dir, "--kill")
     assert job.wait() == 0, job.stderr
+    rank_manifest_path = str(ckpt_dir / "ckpt_counter_2.json")
+    one_error_line(run("restart", rank_manifest_path), "ckpt_counter_2.json is an independent checkpoint's")
+    inspected = run("inspect", rank_manifest_path)
+    assert inspected.returncode == 0 and inspected.stdout.count("  ok") == 3, inspected.stdout + inspected.stderr
     again = start_job("restart", "--ckpt-dir", str(ckpt_dir))
     again.finishes_with(expected_counter)
 
