@@ -9,7 +9,9 @@ still end with the uninterrupted result.
 from __future__ import annotations
 
 import json
+import os
 import random
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -244,3 +246,45 @@ def test_bad_independent_checkpoint_requests_are_one_line(start_job: Callable[..
         run("launch", "--rank-interval", "0.001", "--ckpt-dir", str(tmp_path / "x"), str(PROGRAMS / "solo.py")),
         "--rank-interval 0.001: at least 0.01 s",
     )
+
+
+def test_a_rank_asks_for_another_ranks_independent_checkpoint(start_job: Callable[..., Job], tmp_path: Path) -> None:
+    """rt.checkpoint_rank: what a plugin calls when a log ring fills up."""
+    ckpt_dir = tmp_path / "ckpt"
+    job = start_job("launch", "-n", "3", "--ckpt-dir", str(ckpt_dir), str(PROGRAMS / "selfrank.py"))
+    assert job.wait() == 0, job.stderr
+    first = results(job.stdout)[0]
+    assert "['1', 'there is no rank 3: the job has ranks 0..2']" in first, first
+    written = manifest(ckpt_dir, "selfrank", 1)
+    assert written["kind"] == "rank" and [e["rank"] for e in written["ranks"]] == [2]
+
+
+def test_a_rank_killed_during_its_independent_checkpoint_leaves_the_previous_checkpoint(
+    start_job: Callable[..., Job], tmp_path: Path, expected_counter: dict[int, str]
+) -> None:
+    """kill -9 of rank 1 held in the drain of its own checkpoint: that checkpoint is aborted and its image removed;
+    the job fails (--on-failure abort), and checkpoint 1 restarts to the uninterrupted result."""
+    ckpt_dir, gate = tmp_path / "ckpt", tmp_path / "gate"
+    env = {"CKPT_TEST_HOLD_RANK": "1", "CKPT_TEST_GATE": str(gate)}
+    argv = ["launch", "-n", "3", "--ckpt-dir", str(ckpt_dir), "--with-plugin", "ckpt_holdrank", *COUNTER]
+    job = start_job(*argv, extra_env=env)
+    job.wait_step(10)
+    assert "checkpoint 1 written" in take(ckpt_dir, "--wait")
+    waiting = start_job("checkpoint", "--rank", "1", "--wait", "--ckpt-dir", str(ckpt_dir), ckpt_dir=ckpt_dir)
+
+    def held() -> dict[str, Any] | None:
+        state = job.poll_status()
+        return state if state and state["ranks"][1]["state"] == "drain" else None
+
+    pid = wait_for(held, 60, "rank 1 held in its independent checkpoint")["ranks"][1]["pid"]
+    job.seen_pids.add(pid)
+    os.kill(pid, signal.SIGKILL)
+    assert waiting.wait() == 1
+    assert "checkpoint 2 of rank 1 aborted" in waiting.stderr and "Traceback" not in waiting.stderr, waiting.stderr
+    assert job.wait() == 1
+    assert "rank 1" in job.stderr.strip().splitlines()[-1] and "the latest checkpoint is 1" in job.stderr
+    assert not (ckpt_dir / "ckpt_counter_2.json").exists() and not list(ckpt_dir.glob("ckpt_counter_1_2.ckpt*"))
+    assert (ckpt_dir / manifests.LATEST).read_text().strip() == "ckpt_counter_1.json"
+    gate.touch()
+    again = start_job("restart", "--ckpt-dir", str(ckpt_dir), "--with-plugin", "ckpt_holdrank")
+    again.finishes_with(expected_counter)
