@@ -113,7 +113,7 @@ def checkpoint(wait: bool, kill: bool, rank: int | None, coordinator: str | None
             f"({last['bytes']} bytes, {last['seconds']:.2f} s){'; job killed' if kill else ''}"
         )
     elif answer.get("queued"):
-        click.echo("checkpoint requested (it starts once every rank has joined the job)")
+        click.echo("checkpoint requested (it starts once every rank has joined and no other checkpoint runs)")
     else:
         click.echo(f"checkpoint {answer['number']} requested")
 
@@ -126,7 +126,10 @@ def _say_rank_checkpoint(rank: int, answer: dict[str, Any]) -> None:
             f"({last['bytes']} bytes, {last['seconds']:.2f} s)"
         )
     elif answer.get("queued"):
-        click.echo(f"independent checkpoint of rank {rank} requested (it starts once the job can take it)")
+        click.echo(
+            f"independent checkpoint of rank {rank} requested "
+            "(it starts once every rank has joined and no other checkpoint runs)"
+        )
     else:
         click.echo(f"independent checkpoint {answer['number']} of rank {rank} requested")
 

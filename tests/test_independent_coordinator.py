@@ -305,3 +305,47 @@ def test_rank_interval_checkpoints_each_rank_in_turn(make_coordinator: Callable[
     finally:
         for r in ranks:
             r.close()
+
+
+def test_a_restarted_job_starts_from_its_checkpoints_images_and_drops_later_rank_manifests(
+    make_coordinator: Callable[..., Coordinator], tmp_path: Path
+) -> None:
+    first = make_coordinator()
+    ranks = [Rank(first.address, r, 2) for r in range(2)]
+    client = control(first.address, TOKEN)
+    try:
+        assert ask(client) == (1, False)
+        coordinated(ranks, 1)
+        touch_images(tmp_path, 1, 0, 1)
+        assert ask(client, rank=0) == (2, False)
+        walk_alone(ranks[0], 2)
+        touch_images(tmp_path, 2, 0)
+        job = first.job.job_id
+    finally:
+        client.close()
+        for r in ranks:
+            r.close()
+    first.stop()
+    assert (tmp_path / "ckpt_p_2.json").exists()
+    again = make_coordinator()
+    restart = {"job": job, "generation": 0, "number": 1, "id_counters": {}}
+    ranks = [Rank(again.address, r, 2, restart=restart) for r in range(2)]
+    try:
+        for phase in ("RESTART", "REFRESH", "RESUME"):
+            all_at(ranks, f"gen1:{phase}")
+        # checkpoint 2 was of the rolled-back run: rank 0's latest image is checkpoint 1's again
+        assert not (tmp_path / "ckpt_p_2.json").exists() and not (tmp_path / "ckpt_p_0_2.ckpt").exists()
+        assert [r["latest_image"] for r in again.status()["ranks"]] == [1, 1]
+        client = control(again.address, TOKEN)
+        try:
+            assert ask(client, rank=1) == (3, False)  # numbers go on past the abandoned one
+        finally:
+            client.close()
+        walk_alone(ranks[1], 3)
+        assert [(e["file"], e.get("number")) for e in manifest(tmp_path, 3)["ranks"]] == [
+            ("ckpt_p_0_1.ckpt", 1),
+            ("ckpt_p_1_3.ckpt", None),
+        ]
+    finally:
+        for r in ranks:
+            r.close()
