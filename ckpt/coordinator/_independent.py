@@ -407,5 +407,10 @@ class IndependentCheckpoints(JobMembership):
         return state
 
 
+def is_rank_checkpoint(scope: str) -> bool:
+    """Is `scope` an independent checkpoint's (``rankR.ckptN``, not a single-rank restart's ``rankR.incK``)?"""
+    return Phase.rank_of_scope(scope) is not None and scope.partition(".")[2].startswith("ckpt")
+
+
 def _stage(ckpt: RankCheckpoint) -> str:
     return ckpt.stage.value.lower() if ckpt.stage is not None else "done"

@@ -39,7 +39,7 @@ from ckpt import _manifest as manifests
 from ckpt._errors import CkptError, ImageError
 from ckpt._schemas import RankEntry
 from ckpt.coordinator import protocol
-from ckpt.coordinator._independent import IndependentCheckpoints
+from ckpt.coordinator._independent import IndependentCheckpoints, is_rank_checkpoint
 from ckpt.coordinator._membership import STATES, Checkpoint, JobSettings, Push, RankInfo, log
 from ckpt.coordinator._scheduler import Timer
 from ckpt.coordinator.kvstore import Reply
@@ -62,7 +62,7 @@ class Job(IndependentCheckpoints):
                 info.state = phase.next.state
             else:
                 info.state = "finished" if info.finished else "running"
-        if Phase.rank_of_scope(scope) is not None:
+        if is_rank_checkpoint(scope):
             return self._rank_barrier_complete(scope, phase, values)
         ckpt = self._ckpt
         if ckpt is None or scope != f"ckpt{ckpt.number}":
@@ -101,7 +101,7 @@ class Job(IndependentCheckpoints):
             self._maybe_done()
             self._start_queued()
             return
-        if phase is not None and Phase.rank_of_scope(scope) is not None:
+        if phase is not None and is_rank_checkpoint(scope):
             self._after_rank_barrier(scope, phase)
             return
         if ckpt is None or scope != f"ckpt{ckpt.number}":
