@@ -81,6 +81,8 @@ def test_the_others_keep_stepping_while_one_rank_checkpoints_alone(
 
     state = held_at = wait_for(held, 60, "rank 1 held in the drain of its independent checkpoint")
     assert state["independent_in_progress"] == {"rank": 1, "number": 1, "stage": "drain"}
+    shown = run("status", "--ckpt-dir", str(ckpt_dir)).stdout
+    assert "independent checkpoint 1 of rank 1 in progress (drain)" in shown, shown
     before = {r["rank"]: r["step"] for r in held_at["ranks"]}
 
     def stepped() -> dict[str, Any] | None:
@@ -155,12 +157,11 @@ def test_a_verbs_ring_checkpointed_rank_by_rank_then_killed_restarts_exactly(
     again.finishes_with(expected_ring(4, steps))
 
 
-@pytest.mark.parametrize("protocol", ["async", "onesided"])
-def test_a_dsm_job_checkpointed_rank_by_rank_while_it_runs(
-    protocol: str, start_job: Callable[..., Job], tmp_path: Path
+def _dsm_rank_by_rank(
+    name: str, protocol: str, independent: int, start_job: Callable[..., Job], tmp_path: Path
 ) -> None:
-    """TSP (locks, requests to the parked rank): independent checkpoints at random moments, then a coordinated
-    --kill and a restart; the answer is the uninterrupted one."""
+    """DSM program `name`: `independent` checkpoints of random ranks at random moments (a coordinated one it
+    resumes from after every third), then a coordinated --kill and a restart; the answer is the uninterrupted one."""
     from dsm_cases import CASES
     from test_e2e_dsm import PROGRAM_ENV
     from test_e2e_dsm import uninterrupted as dsm_uninterrupted
@@ -168,21 +169,40 @@ def test_a_dsm_job_checkpointed_rank_by_rank_while_it_runs(
     seed = random_seed()
     print(f"seed {seed}")  # CKPT_TEST_SEED=<seed> replays the same moments
     rng = random.Random(seed)
-    case = next(c for c in CASES if c.name == "tsp")
+    case = next(c for c in CASES if c.name == name)
     ckpt_dir, hold = tmp_path / "ckpt", Hold(tmp_path)
     env = {PROGRAM_ENV: case.name, **hold.env}
     argv = ["launch", "-n", "4", "--ckpt-dir", str(ckpt_dir), "--dsm-protocol", protocol]
     job = start_job(*argv, str(PROGRAMS / "dsm_held.py"), *case.long, ckpt_dir=ckpt_dir, extra_env=env)
     job.wait_step(2)
-    for rank in rng.sample(range(4), 2):
+    for i in range(independent):
         time.sleep(rng.uniform(0.0, 0.3))  # a random moment, on purpose: what is in flight differs every time
-        assert "written" in take(ckpt_dir, "--rank", str(rank), "--wait")
+        assert "written" in take(ckpt_dir, "--rank", str(rng.randrange(4)), "--wait")
+        if i % 3 == 2:
+            assert "written" in take(ckpt_dir, "--wait")
     take(ckpt_dir, "--kill")
     assert job.wait() == 0, job.stderr
     again = start_job("restart", "--ckpt-dir", str(ckpt_dir), ckpt_dir=ckpt_dir, extra_env=env)
     again.wait_step(1)
     hold.release()
     again.finishes_with(dsm_uninterrupted(case, protocol), timeout=240)
+
+
+@pytest.mark.parametrize("protocol", ["async", "onesided"])
+def test_a_dsm_job_checkpointed_rank_by_rank_while_it_runs(
+    protocol: str, start_job: Callable[..., Job], tmp_path: Path
+) -> None:
+    """TSP: locks and their requests reach a rank parked in its own checkpoint, which serves them after."""
+    _dsm_rank_by_rank("tsp", protocol, 2, start_job, tmp_path)
+
+
+@pytest.mark.stress
+@pytest.mark.parametrize("name", ["tsp", "sor", "water", "isort"])
+@pytest.mark.parametrize("protocol", ["async", "onesided"])
+def test_many_independent_checkpoints_of_dsm_jobs(
+    name: str, protocol: str, start_job: Callable[..., Job], tmp_path: Path
+) -> None:
+    _dsm_rank_by_rank(name, protocol, 9, start_job, tmp_path)
 
 
 def test_rank_interval_runs_a_job_to_the_end_with_an_image_of_every_rank(
