@@ -221,6 +221,22 @@ def test_rank_interval_runs_a_job_to_the_end_with_an_image_of_every_rank(
     assert_every_rank_recoverable(ckpt_dir, "counter", 3)
 
 
+def test_a_restart_reuses_the_recorded_rank_interval(
+    start_job: Callable[..., Job], tmp_path: Path, expected_counter: dict[int, str]
+) -> None:
+    ckpt_dir = tmp_path / "ckpt"
+    job = start_job("launch", "-n", "3", "--rank-interval", "0.4", "--ckpt-dir", str(ckpt_dir), *COUNTER)
+    job.wait_step(60)
+    killed = int(take(ckpt_dir, "--kill").split()[1])  # "checkpoint N written: ..."
+    assert job.wait() == 0, job.stderr
+    again = start_job("restart", "--ckpt-dir", str(ckpt_dir))
+    again.finishes_with(expected_counter)
+    later = [manifest(ckpt_dir, "counter", int(p.stem.rsplit("_", 1)[1])) for p in ckpt_dir.glob("ckpt_counter_*.json")]
+    later = [m for m in later if m["number"] > killed]
+    assert later and all(m["kind"] == "rank" and m["generation"] == 1 for m in later), later
+    assert all(m["settings"]["rank_interval"] == 0.4 for m in later)
+
+
 def test_keep_never_deletes_an_image_a_rank_still_needs(start_job: Callable[..., Job], tmp_path: Path) -> None:
     ckpt_dir = tmp_path / "ckpt"
     argv = ["launch", "-n", "3", "--interval", "1.5", "--rank-interval", "0.45", "--keep", "1"]
