@@ -28,6 +28,8 @@ from harness import PROGRAMS
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
 COUNTER = [str(PROGRAMS / "counter.py"), "400", "0.004"]
+#: Long enough (12 s at least) that a job is still running when a test is done checkpointing it.
+LONG_COUNTER = [str(PROGRAMS / "counter.py"), "3000", "0.004"]
 
 
 def solo_result(rank: int, steps: int) -> str:
@@ -62,6 +64,11 @@ def assert_every_rank_recoverable(ckpt_dir: Path, program: str, size: int) -> di
 @pytest.fixture(scope="module")
 def expected_counter(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
     return uninterrupted(tmp_path_factory.mktemp("plain") / "ckpt", 3, *COUNTER)
+
+
+@pytest.fixture(scope="module")
+def expected_long(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
+    return uninterrupted(tmp_path_factory.mktemp("plain") / "ckpt", 3, *LONG_COUNTER)
 
 
 def test_the_others_keep_stepping_while_one_rank_checkpoints_alone(
@@ -108,10 +115,10 @@ def test_the_others_keep_stepping_while_one_rank_checkpoints_alone(
 
 
 def test_independent_then_coordinated_checkpoints_restart_to_the_uninterrupted_result(
-    start_job: Callable[..., Job], tmp_path: Path, expected_counter: dict[int, str]
+    start_job: Callable[..., Job], tmp_path: Path, expected_long: dict[int, str]
 ) -> None:
     ckpt_dir = tmp_path / "ckpt"
-    job = start_job("launch", "-n", "3", "--ckpt-dir", str(ckpt_dir), *COUNTER)
+    job = start_job("launch", "-n", "3", "--ckpt-dir", str(ckpt_dir), *LONG_COUNTER)
     job.wait_step(20)
     assert "checkpoint 1 written" in take(ckpt_dir, "--wait")
     assert "independent checkpoint 2 of rank 1 written" in take(ckpt_dir, "--rank", "1", "--wait")
@@ -135,7 +142,7 @@ def test_independent_then_coordinated_checkpoints_restart_to_the_uninterrupted_r
     inspected = run("inspect", rank_manifest_path)
     assert inspected.returncode == 0 and inspected.stdout.count("  ok") == 3, inspected.stdout + inspected.stderr
     again = start_job("restart", "--ckpt-dir", str(ckpt_dir))
-    again.finishes_with(expected_counter)
+    again.finishes_with(expected_long)
 
 
 def test_a_verbs_ring_checkpointed_rank_by_rank_then_killed_restarts_exactly(
@@ -222,15 +229,15 @@ def test_rank_interval_runs_a_job_to_the_end_with_an_image_of_every_rank(
 
 
 def test_a_restart_reuses_the_recorded_rank_interval(
-    start_job: Callable[..., Job], tmp_path: Path, expected_counter: dict[int, str]
+    start_job: Callable[..., Job], tmp_path: Path, expected_long: dict[int, str]
 ) -> None:
     ckpt_dir = tmp_path / "ckpt"
-    job = start_job("launch", "-n", "3", "--rank-interval", "0.4", "--ckpt-dir", str(ckpt_dir), *COUNTER)
+    job = start_job("launch", "-n", "3", "--rank-interval", "0.4", "--ckpt-dir", str(ckpt_dir), *LONG_COUNTER)
     job.wait_step(60)
     killed = int(take(ckpt_dir, "--kill").split()[1])  # "checkpoint N written: ..."
     assert job.wait() == 0, job.stderr
     again = start_job("restart", "--ckpt-dir", str(ckpt_dir))
-    again.finishes_with(expected_counter)
+    again.finishes_with(expected_long)
     later = [manifest(ckpt_dir, "counter", int(p.stem.rsplit("_", 1)[1])) for p in ckpt_dir.glob("ckpt_counter_*.json")]
     later = [m for m in later if m["number"] > killed]
     assert later and all(m["kind"] == "rank" and m["generation"] == 1 for m in later), later
