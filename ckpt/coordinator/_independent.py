@@ -124,6 +124,7 @@ class IndependentCheckpoints(JobMembership):
             and self._queued is None  # a coordinated one asked for first goes first
             and self.outcome is None
             and self.all_joined()
+            and all(info.connected for info in self.ranks.values())  # not while a lost rank is dealt with
             and not self.restarting
         )
 

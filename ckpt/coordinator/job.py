@@ -19,10 +19,10 @@
 # barriers), so it aborts the checkpoint with a message naming the ranks, their
 # steps and the collective, and the job goes on.
 #
-# Invariants: at most one checkpoint (of either kind) is in progress; a checkpoint exists only
-# once its manifest is written (the CHECKPOINT barrier writes it before anyone
-# is released); an aborted checkpoint leaves no files behind; a lost rank fails
-# the job (the previous checkpoint stays the latest).
+# Invariants: at most one checkpoint (of either kind) is in progress; a
+# checkpoint exists only once its manifest is written (the CHECKPOINT barrier
+# writes it before anyone is released); an aborted checkpoint leaves no files
+# behind; a lost rank fails the job (the previous checkpoint stays the latest).
 #
 # The membership, collectives and named barriers this runs on: _membership.py;
 # independent checkpoints of one rank (scope rankR.ckptN) and each rank's
