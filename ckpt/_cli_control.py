@@ -84,14 +84,26 @@ def _wait_for_the_end(ckpt_dir: Path, claim: str | None) -> None:
 @click.command()
 @click.option("--wait", is_flag=True, help="Block until the checkpoint is written (or aborted).")
 @click.option("--kill", is_flag=True, help="Kill the job once the checkpoint is written (waits for it, as --wait).")
+@click.option(
+    "--rank",
+    type=click.IntRange(min=0),
+    metavar="R",
+    help="Checkpoint rank R alone, at its next step boundary, while the others keep running (an image for "
+    "its single-rank recovery; `latest` stays the last coordinated checkpoint).",
+)
 @coordinator_option
 @ckpt_dir_option
-def checkpoint(wait: bool, kill: bool, coordinator: str | None, ckpt_dir: Path) -> None:
-    """Request a checkpoint of the running job."""
+def checkpoint(wait: bool, kill: bool, rank: int | None, coordinator: str | None, ckpt_dir: Path) -> None:
+    """Request a checkpoint of the running job (of one rank alone with --rank)."""
+    if rank is not None and kill:
+        raise CkptError("--kill cannot go with --rank: only a coordinated checkpoint can end the job")
     ckpt_dir = ckpt_dir.resolve()
     conn, claim = _control(coordinator, ckpt_dir)
-    answer = conn.call("checkpoint", wait=wait or kill, kill=kill)
+    answer = conn.call("checkpoint", wait=wait or kill, kill=kill, **({} if rank is None else {"rank": rank}))
     conn.close()
+    if rank is not None:
+        _say_rank_checkpoint(rank, answer)
+        return
     if kill and "checkpoint" in answer:
         _wait_for_the_end(ckpt_dir, claim)
     if "checkpoint" in answer:
@@ -101,9 +113,25 @@ def checkpoint(wait: bool, kill: bool, coordinator: str | None, ckpt_dir: Path) 
             f"({last['bytes']} bytes, {last['seconds']:.2f} s){'; job killed' if kill else ''}"
         )
     elif answer.get("queued"):
-        click.echo("checkpoint requested (it starts once every rank has joined the job)")
+        click.echo("checkpoint requested (it starts once every rank has joined and no other checkpoint runs)")
     else:
         click.echo(f"checkpoint {answer['number']} requested")
+
+
+def _say_rank_checkpoint(rank: int, answer: dict[str, Any]) -> None:
+    if "checkpoint" in answer:
+        last = answer["checkpoint"]
+        click.echo(
+            f"independent checkpoint {last['number']} of rank {rank} written: {last['manifest']} "
+            f"({last['bytes']} bytes, {last['seconds']:.2f} s)"
+        )
+    elif answer.get("queued"):
+        click.echo(
+            f"independent checkpoint of rank {rank} requested "
+            "(it starts once every rank has joined and no other checkpoint runs)"
+        )
+    else:
+        click.echo(f"independent checkpoint {answer['number']} of rank {rank} requested")
 
 
 def _starting_status(ckpt_dir: Path, holder: dict[str, Any] | None) -> dict[str, Any]:
@@ -117,6 +145,9 @@ def _starting_status(ckpt_dir: Path, holder: dict[str, Any] | None) -> dict[str,
         "ranks": [],
         "last_checkpoint": None,
         "checkpoint_in_progress": None,
+        "independent_in_progress": None,
+        "independent_queued": [],
+        "last_rank_checkpoint": None,
         "message": "the launcher holds the directory; its coordinator is not up yet",
         "coordinator": None,
         "ckpt_dir": str(ckpt_dir),
@@ -157,7 +188,15 @@ def _print_status(state: dict[str, Any]) -> None:
         f"{'' if state['unanimous'] else ' (not unanimous)'}  coordinator {state['coordinator'] or '-'}"
     )
     for r in state["ranks"]:
-        click.echo(f"  rank {r['rank']:>3}  {r['state']:<11} step {r['step']:<8} pid {r['pid']:<8} {r['host']}")
+        latest = r.get("latest_image")
+        image = f"  latest image {latest}" if latest is not None else ""
+        click.echo(f"  rank {r['rank']:>3}  {r['state']:<11} step {r['step']:<8} pid {r['pid']:<8} {r['host']}{image}")
+    independent = state.get("independent_in_progress")
+    if independent:
+        click.echo(
+            f"independent checkpoint {independent['number']} of rank {independent['rank']} in progress "
+            f"({independent['stage']})"
+        )
     last = state["last_checkpoint"]
     if last:
         click.echo(
@@ -190,6 +229,11 @@ def kill(coordinator: str | None, ckpt_dir: Path) -> None:
 )
 @click.option("--keep", type=click.IntRange(min=0), default=0, show_default=True, help="Keep the newest K (0 = all).")
 @click.option(
+    "--rank-interval",
+    type=click.FloatRange(min=0.01),
+    help="Checkpoint each rank alone every SECONDS, staggered  [default: never]",
+)
+@click.option(
     "--phase-timeout",
     type=click.FloatRange(min=0.01),
     default=300.0,
@@ -198,7 +242,13 @@ def kill(coordinator: str | None, ckpt_dir: Path) -> None:
 )
 @ckpt_dir_option
 def coordinator_cmd(
-    host: str, port: int, interval: float | None, keep: int, phase_timeout: float, ckpt_dir: Path
+    host: str,
+    port: int,
+    interval: float | None,
+    keep: int,
+    rank_interval: float | None,
+    phase_timeout: float,
+    ckpt_dir: Path,
 ) -> None:
     """Run a standalone coordinator in the foreground (for ranks started by mpiexec / srun)."""
     from ckpt.coordinator.server import Coordinator
@@ -215,6 +265,7 @@ def coordinator_cmd(
         interval=interval,
         keep=keep,
         phase_timeout=phase_timeout,
+        rank_interval=rank_interval,
         serve_forever=True,
     ).start()
 

@@ -53,6 +53,7 @@ class JobOptions:
     host: str = "127.0.0.1"
     port: int = 0
     interval: float | None = None
+    rank_interval: float | None = None  # --rank-interval: independent checkpoints of each rank, staggered
     keep: int = 0
     with_plugins: list[str] = field(default_factory=list)
     disabled: list[str] = field(default_factory=list)
@@ -161,6 +162,8 @@ def prepare_restart(manifest_path: Path | None, directory: Path, token: str | No
     if token is None:
         raise ImageError(f"no token to authenticate {path}: set CKPT_TOKEN (or keep coordinator.json beside it)")
     manifest = manifests.read_manifest(path, token=wire.token_bytes(token))
+    if manifest.kind != "job":  # its images are of different moments: no whole-job restart point
+        raise ImageError(f"{path.name} is an independent checkpoint's (of one rank): restart a coordinated one")
     program = manifest.program
     if not Path(program.path).is_file():
         raise ImageError(f"the checkpointed program {program.path} no longer exists")
@@ -182,10 +185,10 @@ def check_image(image: Path, entry: RankEntry, manifest: Manifest, manifest_name
             f"image {image} belongs to program {header.program!r} (job {header.job}), "
             f"not to {program.name!r} (job {manifest.job}) of manifest {manifest_name}"
         )
-    if (header.rank, header.number) != (entry.rank, manifest.number):
+    if (header.rank, header.number) != (entry.rank, entry.image_number(manifest.number)):
         raise ImageError(
             f"image {image} is rank {header.rank} of checkpoint {header.number}, "
-            f"the manifest expects rank {entry.rank} of checkpoint {manifest.number}"
+            f"the manifest expects rank {entry.rank} of checkpoint {entry.image_number(manifest.number)}"
         )
     if entry.step is not None and header.step != entry.step:
         raise ImageError(
@@ -244,6 +247,7 @@ class _Job:
                     host=opts.host,
                     port=opts.port,
                     interval=opts.interval,
+                    rank_interval=opts.rank_interval,
                     keep=opts.keep,
                     phase_timeout=opts.phase_timeout,
                     job_id=self.job_id,

@@ -19,6 +19,25 @@
 # others' from earlier checkpoints, `RankEntry.number`); `latest` keeps
 # pointing at the newest coordinated one, the only kind a whole-job restart
 # can use.  `rank_image` finds a rank's latest image in the newest manifest.
+# Checkpoint numbers come from one counter and the coordinator runs one
+# checkpoint at a time, so the newest manifest (by number) of any kind always
+# names every rank's latest image.
+#
+# Pruning (`--keep K`, after each commit) keeps, of the committed manifests:
+#   1. the newest K "job" manifests, and the one `latest` names;
+#   2. the newest manifest of any kind: the images it names are *needed* (a
+#      single-rank recovery of any rank would load one of them now);
+#   3. every manifest whose own images (those numbered like it) include a
+#      needed image -- an older coordinated checkpoint, or a superseded "rank"
+#      manifest, whose rank has not checkpointed since -- so an image always
+#      keeps a manifest of its number (`remove_uncommitted` relies on that).
+# Every other manifest is deleted, then its own images, except those a kept
+# manifest names (they go at a later prune, once none does: an image older
+# than the newest manifest with no manifest of its number is such a one).  So
+# "rank" manifests older than the newest go as soon as their rank checkpoints
+# again, and no image some rank's recovery needs is ever deleted.  A whole-job
+# restart from checkpoint J drops the "rank" manifests numbered above J
+# (`abandon_after`): they are of the rolled-back run.
 
 from __future__ import annotations
 
@@ -37,6 +56,7 @@ from ckpt._schemas import MANIFEST_FORMAT, MANIFEST_MINOR, Manifest, SchemaError
 __all__ = [
     "LATEST",
     "MANIFEST_VERSION",
+    "abandon_after",
     "image_name",
     "latest_manifest",
     "manifest_name",
@@ -183,28 +203,57 @@ def next_number(ckpt_dir: str | os.PathLike[str], program: str) -> int:
 
 
 def prune(ckpt_dir: str | os.PathLike[str], program: str, keep: int) -> list[Path]:
-    """Keep the newest ``keep`` checkpoints of ``program`` (0 keeps all); delete the older ones.
+    """Keep the newest ``keep`` coordinated checkpoints of ``program`` (0 keeps all) and what single-rank
+    recovery still needs; delete the rest.  The rule is in this module's rationale comment.
 
     Only committed checkpoints count: a manifest whose images are not all there
     (a damaged directory) is neither counted nor deleted.  A checkpoint's
     manifest goes first, so a crash mid-prune leaves orphan images, never a
-    manifest without its images.  The checkpoint ``latest`` points to is never
-    deleted.  Returns the deleted paths.
+    manifest without its images.  Returns the deleted paths.
     """
     if keep < 0:
         raise ValueError(f"keep must be 0 or more, not {keep}")
     directory = Path(ckpt_dir)
-    numbers = sorted(n for n in _manifest_numbers(directory, program) if _complete(directory, program, n))
-    if keep == 0 or len(numbers) <= keep:
+    found = {n: _summary(directory, program, n) for n in _manifest_numbers(directory, program)}
+    committed = {n: summary for n, summary in found.items() if summary is not None}
+    jobs = sorted(n for n, (kind, _) in committed.items() if kind == "job")
+    if keep == 0 or not committed:
         return []
+    newest = max(committed)
+    needed = committed[newest][1]  # the images some rank's recovery would use now
+    kept = {newest, *jobs[-keep:]}
     protected = _latest_name(directory)
+    kept |= {n for n in committed if manifest_name(program, n) == protected}
+    # a manifest whose own images are still needed stays, so those images keep a manifest of their number
+    kept |= {n for n, (_, files) in committed.items() if any(_number_of(program, f) == n for f in files & needed)}
+    named = {file for n in kept for file in committed[n][1]}
+    gone = set(committed) - kept
     deleted: list[Path] = []
-    for number in numbers[:-keep]:
-        name = manifest_name(program, number)
-        if name == protected:
-            continue
-        deleted += _unlink(directory / name)
-        deleted += _unlink(*_image_files(directory, program, number))
+    for number in sorted(gone):
+        deleted += _unlink(directory / manifest_name(program, number))
+    # the images of those, and of manifests deleted before while a kept one still named some of their images
+    pattern = re.compile(rf"ckpt_{re.escape(_checked(program))}_\d+_(\d+)\.ckpt")
+    for match in _matches(directory, pattern):
+        number = int(match[1])
+        if match[0] not in named and (number in gone or (number not in found and number < newest)):
+            deleted += _unlink(directory / match[0])
+    return deleted
+
+
+def abandon_after(ckpt_dir: str | os.PathLike[str], program: str, number: int) -> list[Path]:
+    """A whole-job restart from checkpoint ``number``: delete the independent checkpoints taken after it.
+
+    They belong to the run that is rolled back, and the newest manifest must name each rank's image
+    of the restarted run, so "rank" manifests numbered above ``number`` go, with the images no
+    remaining manifest of their number names.  Coordinated ("job") manifests stay whatever their
+    number (a user may restart from an older one on purpose).  Returns the deleted paths.
+    """
+    directory = Path(ckpt_dir)
+    later = [n for n in _manifest_numbers(directory, program) if n > number and _kind(directory, program, n) == "rank"]
+    deleted: list[Path] = []
+    for n in sorted(later):
+        deleted += _unlink(directory / manifest_name(program, n))
+        deleted += _unlink(*_image_files(directory, program, n))
     return deleted
 
 
@@ -239,6 +288,37 @@ def _complete(directory: Path, program: str, number: int) -> bool:
         return all((directory / str(entry["file"])).is_file() for entry in ranks)
     except (OSError, ValueError, KeyError, TypeError):
         return False
+
+
+def _summary(directory: Path, program: str, number: int) -> tuple[str, set[str]] | None:
+    """(kind, image files named) of the manifest of checkpoint ``number``; None unless it is committed.
+
+    Committed: its own images (those numbered like it) are all there -- what a "rank" manifest names
+    of other checkpoints may have been pruned since, once no longer any rank's latest.
+    """
+    try:
+        raw = json.loads((directory / manifest_name(program, number)).read_bytes())
+        kind, files = str(raw.get("kind", "job")), {str(entry["file"]) for entry in raw["ranks"]}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    own = [file for file in files if _number_of(program, file) == number]
+    if not own or not all((directory / file).is_file() for file in own):
+        return None
+    return kind, files
+
+
+def _kind(directory: Path, program: str, number: int) -> str | None:
+    """The kind of the manifest of checkpoint ``number``, committed or not; None if it cannot be read."""
+    try:
+        return str(json.loads((directory / manifest_name(program, number)).read_bytes()).get("kind", "job"))
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _number_of(program: str, image: str) -> int | None:
+    """The checkpoint number in an image's file name (``ckpt_<program>_<rank>_<n>.ckpt``)."""
+    match = re.fullmatch(rf"ckpt_{re.escape(_checked(program))}_\d+_(\d+)\.ckpt", image)
+    return int(match[1]) if match else None
 
 
 def _checked(program: str) -> str:

@@ -126,6 +126,15 @@ class Runtime:
         """
         return self._engine.request_checkpoint()
 
+    def checkpoint_rank(self, rank: int) -> int:
+        """Ask for an independent checkpoint of rank `rank` alone, taken at its next step boundary while
+        the other ranks keep running (a plugin's way to ask for one, e.g. when a log fills up).
+
+        Returns its number, or 0 when it is queued (behind another checkpoint, or until every rank
+        has joined; also under ``--native``).  CoordinatorError if there is no such rank.
+        """
+        return self._engine.request_checkpoint(rank)
+
     def coordinator_barrier(self, name: str, value: Any = None) -> list[Any]:
         """A named global barrier for plugin hooks; returns every rank's `value` in rank order.
 

@@ -70,6 +70,8 @@ class JobRecord(msgspec.Struct, frozen=True, kw_only=True):
     interval: float | None = None
     keep: int = 0
     phase_timeout: float = 300.0
+    #: ``--rank-interval``: independent checkpoints of each rank, staggered (minor 1).
+    rank_interval: float | None = None
 
 
 @final

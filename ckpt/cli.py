@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 #: A restart under --debug waits at RESUME this long (seconds) for the debugged rank: practically for ever.
 DEBUG_PHASE_TIMEOUT = 7 * 24 * 3600.0
 #: Job settings a restart takes from the checkpoint's manifest unless its command line gives them.
-_RECORDED_SETTINGS = ("interval", "keep", "phase_timeout")
+_RECORDED_SETTINGS = ("interval", "keep", "phase_timeout", "rank_interval")
 
 
 class _Group(click.Group):
@@ -67,6 +67,12 @@ def _job_options(f: Any) -> Any:
         "--interval",
         type=click.FloatRange(min=0),
         help="Checkpoint every SECONDS (0: never)  [default: only on request; restart: the checkpoint's]",
+    )(f)
+    f = click.option(
+        "--rank-interval",
+        type=click.FloatRange(min=0),
+        help="Checkpoint each rank alone every SECONDS, staggered over the ranks, while the others run on "
+        "(0: never)  [default: never; restart: the checkpoint's]",
     )(f)
     f = click.option(
         "--keep",
@@ -213,10 +219,10 @@ def _recorded_plugins(manifest: dict[str, Any], disabled: tuple[str, ...]) -> li
     return [m for m in manifest.get("with_plugins", []) if names.get(m, m.rpartition(".")[2]) not in disabled]
 
 
-def _interval(seconds: float | None) -> float | None:
-    """--interval: 0 turns interval checkpoints off (a restart's way to drop the recorded one)."""
+def _interval(seconds: float | None, flag: str = "--interval") -> float | None:
+    """--interval, --rank-interval: 0 turns interval checkpoints off (a restart's way to drop the recorded one)."""
     if seconds is not None and 0 < seconds < 0.01:
-        raise CkptError(f"--interval {seconds:g}: at least 0.01 s (or 0: no interval checkpoints)")
+        raise CkptError(f"{flag} {seconds:g}: at least 0.01 s (or 0: no interval checkpoints)")
     return seconds or None
 
 
@@ -267,6 +273,7 @@ def launch(
     claim = jobdir.claim(ckpt_dir) if coordinator is None else None
     load_program(program)  # one clear error here rather than one per rank
     job["interval"] = _interval(job["interval"])
+    job["rank_interval"] = _interval(job["rank_interval"], "--rank-interval")
     options = _plugin_values(job)
     with_plugins = tuple(dict.fromkeys(with_plugins))
     transport = resolve_transport(with_plugins, disabled, job.pop("transport"), native=native)
@@ -364,6 +371,7 @@ def restart(
         if name not in given and recorded is not None:
             job[name] = recorded
     job["interval"] = _interval(job["interval"])
+    job["rank_interval"] = _interval(job["rank_interval"], "--rank-interval")
     transport = resolve_transport(
         with_plugins, disabled, job.pop("transport") or manifest.get("transport") or None, native=False
     )

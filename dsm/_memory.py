@@ -35,7 +35,9 @@ and barriers use the handler under both.
 Checkpoints: the DSM is ordinary program state (numpy arrays, verbs objects)
 pickled with the program; the handler thread stops at DRAIN (every program
 thread is parked at a step boundary, so no request is unanswered) and starts
-again at RESUME, after the verbs plugin has rebuilt the queue pairs.
+again at RESUME, after the verbs plugin has rebuilt the queue pairs.  In an
+independent checkpoint of one rank the others run on: their requests to it
+wait (in its receive queues or its inbox) until it resumes.
 
 Single-rank recovery (FT-KDSM §5): a failed rank's links fail instead of
 the rank, its requests stay pending and are re-sent once its next incarnation
@@ -540,8 +542,12 @@ class Memory:
     def _serve(self) -> None:
         server = self.server
         try:
-            while server.wait(lambda: bool(server.inbox), "requests", math.inf, self._stop.is_set):
-                while server.inbox:
+            while not self._stop.is_set() and server.wait(
+                lambda: bool(server.inbox), "requests", math.inf, self._stop.is_set
+            ):
+                # stop between requests: in an independent checkpoint the peers run on and may keep
+                # the inbox full; what is left waits there (it is pickled) until RESUME
+                while server.inbox and not self._stop.is_set():
                     peer, msg, _, link = server.inbox.pop(0)
                     if link == server.link[peer]:  # else a request of an incarnation that died since
                         self.handler.serve(peer, msg)

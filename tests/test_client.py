@@ -215,8 +215,8 @@ def test_status_shape(coordinator: Coordinator, ranks: Callable[..., list[Coordi
     assert st["unanimous"] is True
     assert st["last_checkpoint"] is None
     assert st["ranks"] == [
-        {"rank": 0, "state": "running", "step": 0, "host": "h", "pid": 1000, "incarnation": 0},
-        {"rank": 1, "state": "running", "step": 0, "host": "h", "pid": 1001, "incarnation": 0},
+        {"rank": 0, "state": "running", "step": 0, "host": "h", "pid": 1000, "incarnation": 0, "latest_image": None},
+        {"rank": 1, "state": "running", "step": 0, "host": "h", "pid": 1001, "incarnation": 0, "latest_image": None},
     ]
 
 

@@ -114,6 +114,15 @@ def test_thread_ranks_share_collectives_kv_and_ids() -> None:
     assert [o[4] for o in out] == [[0, 1, 2]] * 3
 
 
+def test_the_doubles_record_independent_checkpoint_requests_and_refuse_a_rank_out_of_range() -> None:
+    rt = FakeRuntime()
+    assert rt.checkpoint_rank(0) == 0 and rt.rank_checkpoints_requested == [0]
+    with pytest.raises(ckpt.CoordinatorError, match="there is no rank 1"):
+        rt.checkpoint_rank(1)
+    out = run_threads(2, lambda t: (t.checkpoint_rank(1 - t.rank), t.rank_checkpoints_requested))
+    assert out == [(0, [1]), (0, [0])]
+
+
 def test_a_failing_rank_fails_the_run_with_its_own_error_and_finalizers_run_after_all() -> None:
     finished: list[int] = []
     finalized: list[list[int]] = []

@@ -93,6 +93,8 @@ class JobSettings:
     interval: float | None = None
     keep: int = 0
     phase_timeout: float = 300.0
+    #: independent checkpoints of each rank every so many seconds, staggered (--rank-interval)
+    rank_interval: float | None = None
     address: str = ""
     job_id: str = ""  # known before any rank joins when a launcher runs the coordinator
     #: the phase timeout a manifest records when it differs from the one in force (a --debug restart's)
@@ -101,7 +103,9 @@ class JobSettings:
     def recorded(self) -> JobRecord:
         """The settings a manifest records, for a restart to reuse."""
         phase_timeout = self.phase_timeout if self.recorded_phase_timeout is None else self.recorded_phase_timeout
-        return JobRecord(interval=self.interval, keep=self.keep, phase_timeout=phase_timeout)
+        return JobRecord(
+            interval=self.interval, keep=self.keep, phase_timeout=phase_timeout, rank_interval=self.rank_interval
+        )
 
 
 class JobMembership(abc.ABC):
@@ -354,7 +358,7 @@ class JobMembership(abc.ABC):
 
     def barrier(self, rank: int, name: str, value: Any, reply: Reply) -> None:
         """A named global barrier (runtime phases and plugins); a name mismatch is reported, not hung on."""
-        prefix = name.partition(":")[0]
+        prefix = name.partition(":")[0].rpartition(".")[2]  # "ckptN" of a job's or of one rank's checkpoint
         if prefix.startswith("ckpt") and prefix[4:].isdigit() and int(prefix[4:]) in self._aborted:
             reply({"abort": f"checkpoint {prefix[4:]} was aborted"})  # a latecomer: do not wait for anyone
             return

@@ -19,12 +19,14 @@
 # barriers), so it aborts the checkpoint with a message naming the ranks, their
 # steps and the collective, and the job goes on.
 #
-# Invariants: at most one checkpoint is in progress; a checkpoint exists only
-# once its manifest is written (the CHECKPOINT barrier writes it before anyone
-# is released); an aborted checkpoint leaves no files behind; a lost rank fails
-# the job (the previous checkpoint stays the latest).
+# Invariants: at most one checkpoint (of either kind) is in progress; a
+# checkpoint exists only once its manifest is written (the CHECKPOINT barrier
+# writes it before anyone is released); an aborted checkpoint leaves no files
+# behind; a lost rank fails the job (the previous checkpoint stays the latest).
 #
-# The membership, collectives and named barriers this runs on: _membership.py.
+# The membership, collectives and named barriers this runs on: _membership.py;
+# independent checkpoints of one rank (scope rankR.ckptN) and each rank's
+# latest image: _independent.py.
 
 from __future__ import annotations
 
@@ -35,9 +37,10 @@ import msgspec
 
 from ckpt import _manifest as manifests
 from ckpt._errors import CkptError, ImageError
-from ckpt._schemas import Manifest, RankEntry
+from ckpt._schemas import RankEntry
 from ckpt.coordinator import protocol
-from ckpt.coordinator._membership import STATES, Checkpoint, JobMembership, JobSettings, Push, RankInfo, log
+from ckpt.coordinator._independent import IndependentCheckpoints, is_rank_checkpoint
+from ckpt.coordinator._membership import STATES, Checkpoint, JobSettings, Push, RankInfo, log
 from ckpt.coordinator._scheduler import Timer
 from ckpt.coordinator.kvstore import Reply
 from ckpt.plugin import Phase
@@ -45,8 +48,8 @@ from ckpt.plugin import Phase
 __all__ = ["STATES", "Job", "JobSettings", "Push", "RankInfo"]
 
 
-class Job(JobMembership):
-    """One job: its membership (`JobMembership`) and its checkpoints and restarts."""
+class Job(IndependentCheckpoints):
+    """One job: its membership (`JobMembership`), its independent checkpoints and its checkpoints and restarts."""
 
     # ----------------------------------------------------------- phase barriers
     def _barrier_complete(self, name: str, values: list[Any]) -> dict[str, Any]:
@@ -59,6 +62,8 @@ class Job(JobMembership):
                 info.state = phase.next.state
             else:
                 info.state = "finished" if info.finished else "running"
+        if is_rank_checkpoint(scope):
+            return self._rank_barrier_complete(scope, phase, values)
         ckpt = self._ckpt
         if ckpt is None or scope != f"ckpt{ckpt.number}":
             return {}
@@ -92,8 +97,12 @@ class Job(JobMembership):
                 self._restart_timer.cancel()
             self.message = f"restarted as generation {self.generation}"
             self._arm_interval()
+            self._arm_rank_interval()
             self._maybe_done()
             self._start_queued()
+            return
+        if phase is not None and is_rank_checkpoint(scope):
+            self._after_rank_barrier(scope, phase)
             return
         if ckpt is None or scope != f"ckpt{ckpt.number}":
             return
@@ -123,7 +132,7 @@ class Job(JobMembership):
         target = self._ckpt or self._queued
         if target is None:
             target = Checkpoint(0, kill, time.time())
-            if self.all_joined() and not self.restarting:
+            if self.all_joined() and not self.restarting and self._rank_ckpt is None:
                 self._start(target)
             else:
                 self._queued = target
@@ -136,17 +145,21 @@ class Job(JobMembership):
         """A rank cannot complete checkpoint `number` (a plugin failed): abort it for everyone."""
         if self._ckpt is not None and self._ckpt.number == number:
             self._abort(reason)
+        else:
+            self.abort_rank_checkpoint(number, reason)
 
     def _start_queued(self) -> None:
         if (
             self._queued is not None
             and self._ckpt is None
+            and self._rank_ckpt is None  # an independent checkpoint in progress ends first
             and self.outcome is None
             and self.all_joined()
             and not self.restarting
         ):
             queued, self._queued = self._queued, None
             self._start(queued)
+        self._start_queued_rank()
 
     def _start(self, ckpt: Checkpoint) -> None:
         ckpt.number = self._next_number
@@ -231,6 +244,7 @@ class Job(JobMembership):
             waiter({"checkpoint": self.last_checkpoint} if committed else {"error": message})
         self._arm_interval()
         if not self._ending:
+            self._start_queued_rank()
             self._maybe_done()
 
     def _remove_images(self, number: int) -> None:
@@ -262,7 +276,7 @@ class Job(JobMembership):
         self._maybe_done()
 
     def _take_waiters(self) -> list[Reply]:
-        waiters: list[Reply] = []
+        waiters: list[Reply] = self._take_rank_waiters()
         for ckpt in (self._ckpt, self._queued):
             if ckpt is not None:
                 waiters += ckpt.waiters
@@ -279,32 +293,10 @@ class Job(JobMembership):
                 ranks.append(msgspec.convert({"rank": rank, "host": info.host, "pid": info.pid, **image}, RankEntry))
             except (msgspec.ValidationError, TypeError) as exc:
                 raise CkptError(f"rank {rank}'s image report does not fit the manifest: {exc}") from None
-        assert self.program is not None  # a rank has joined
-        manifest = Manifest(
-            job=self.job_id,
-            program=self.program,
-            argv=self.argv,
-            size=self.size,
-            number=ckpt.number,
-            generation=self.generation,
-            created=time.time(),
-            seconds=seconds,
-            transport=self.transport,
-            plugins=self.ranks[0].plugins if self.ranks else [],
-            with_plugins=self.with_plugins,
-            options=self.options,
-            settings=self.settings.recorded(),
-            coordinator=self.settings.address,
-            id_counters=dict(self.kv.id_counters),
-            ranks=ranks,
-        )
-        token = self.settings.token.encode()
-        path = manifests.write_manifest(self.settings.ckpt_dir, manifest, token=token)
-        total = manifest.image_bytes()
-        self.last_checkpoint = {"number": ckpt.number, "manifest": str(path), "bytes": total, "seconds": seconds}
-        if self.settings.keep:
-            manifests.prune(self.settings.ckpt_dir, self.program.name, self.settings.keep)
-        return str(path)
+        path = self._commit(self._manifest(ckpt.number, "job", ranks, seconds))
+        total = sum(entry.bytes for entry in ranks)
+        self.last_checkpoint = {"number": ckpt.number, "manifest": path, "bytes": total, "seconds": seconds}
+        return path
 
     def _arm_restart_timer(self, phase: Phase) -> None:
         """A restart that does not reach `phase` within the phase timeout fails (it cannot be aborted)."""
@@ -339,6 +331,7 @@ class Job(JobMembership):
     # ----------------------------------------------------------- the job ends
     def _end_checkpoint(self, reason: str) -> None:
         """The job ends with a checkpoint in progress: abort it, unless its manifest is already written."""
+        self._end_rank_checkpoint(reason)
         ckpt = self._ckpt
         if ckpt is None:
             return

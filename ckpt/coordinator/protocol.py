@@ -150,11 +150,16 @@ class Status(Request, tag=Op.STATUS.value, frozen=True):
 
 
 class Checkpoint(Request, tag=Op.CHECKPOINT.value, frozen=True):
-    """Checkpoint now; with `wait`, reply once it is written; with `kill`, end the job after it."""
+    """Checkpoint now; with `wait`, reply once it is written; with `kill`, end the job after it.
+
+    With `rank`, an independent checkpoint of that rank alone (the others keep running); `kill`
+    cannot go with it (the job's coordinated checkpoints are the only whole-job restart points).
+    """
 
     control: ClassVar[bool] = True
     wait: bool = False
     kill: bool = False
+    rank: Annotated[int, msgspec.Meta(ge=0)] | None = None
 
 
 class Kill(Request, tag=Op.KILL.value, frozen=True):
@@ -220,9 +225,14 @@ class Push(msgspec.Struct, tag_field="op", kw_only=True, frozen=True):
 
 
 class Suspend(Push, tag="suspend", frozen=True):
-    """Checkpoint `number` has started: the rank's checkpoint thread walks its phases."""
+    """Checkpoint `number` has started: the rank's checkpoint thread walks its phases.
+
+    `independent`: checkpoint `number` is this rank's alone (its barriers are in the scope
+    ``Phase.rank_scope(rank, f"ckpt{number}")``, its target boundary its own reach).
+    """
 
     number: int
+    independent: bool = False
 
 
 class Abort(Push, tag="abort", frozen=True):

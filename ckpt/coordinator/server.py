@@ -64,6 +64,7 @@ class Coordinator(Server[_Connection]):
         interval: float | None = None,
         keep: int = 0,
         phase_timeout: float = 300.0,
+        rank_interval: float | None = None,
         serve_forever: bool = False,
         job_id: str = "",
         recorded_phase_timeout: float | None = None,
@@ -92,6 +93,7 @@ class Coordinator(Server[_Connection]):
             interval=interval,
             keep=keep,
             phase_timeout=phase_timeout,
+            rank_interval=rank_interval,
             address=self.address,
             job_id=job_id,
             recorded_phase_timeout=recorded_phase_timeout,
@@ -213,7 +215,13 @@ class Coordinator(Server[_Connection]):
         reply({"status": self.job.status()})
 
     def _op_checkpoint(self, conn: _Connection, request: protocol.Checkpoint, reply: Reply) -> None:
-        answer = self.job.request_checkpoint(kill=request.kill, waiter=reply if request.wait else None)
+        waiter = reply if request.wait else None
+        if request.rank is None:
+            answer = self.job.request_checkpoint(kill=request.kill, waiter=waiter)
+        elif request.kill:
+            answer = {"error": "--kill cannot go with --rank: only a coordinated checkpoint can end the job"}
+        else:
+            answer = self.job.request_rank_checkpoint(request.rank, waiter=waiter)
         if not request.wait or "error" in answer:
             reply(answer)
 

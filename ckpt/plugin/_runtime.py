@@ -118,6 +118,14 @@ class Runtime(Protocol):
         """Ask for a checkpoint at the next boundary every rank can reach; its number (0: queued / native)."""
         ...
 
+    def checkpoint_rank(self, rank: int) -> int:
+        """Ask for an independent checkpoint of rank ``rank`` alone, at its next step boundary, while the
+        others keep running (``ckpt checkpoint --rank``): what a plugin calls when, say, a log ring it
+        fills is full.  Its hooks get ``independent=True``.  Returns its number, or 0 when it is queued
+        (one checkpoint runs at a time: behind the one in progress, or until every rank has joined;
+        also under ``--native``).  CoordinatorError if there is no rank ``rank``."""
+        ...
+
     def coordinator_barrier(self, name: str, value: Any = None) -> list[Any]:
         """A named global barrier for hooks; every rank's `value` in rank order (CheckpointAborted if aborted)."""
         ...

@@ -8,6 +8,8 @@
 # Everything the checkpoint needs from the program thread happens while it is
 # parked, so program state is never pickled while it changes.  A rank that has
 # finished counts as parked at its final boundary and keeps taking part.
+# An independent checkpoint (this rank alone, DESIGN.md §8) walks the same phases
+# in scope `rankR.ckptN` to its own reach as the target: the other ranks run on.
 
 from __future__ import annotations
 
@@ -106,9 +108,10 @@ class RankEngine:
         self._in_setup = False
         self._aborted: set[int] = set()
         self._done = threading.Event()
-        self._suspends: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self._suspends: queue.SimpleQueue[tuple[int, bool]] = queue.SimpleQueue()  # (number, independent)
         self._last_step_report = 0.0
-        #: what the phase in progress is part of: "ckptN" during checkpoint N, "genG" during a restart
+        #: what the phase in progress is part of: "ckptN" during checkpoint N, "genG" during a restart,
+        #: "rankR.ckptN" during independent checkpoint N of this rank
         self.barrier_scope = "job"
         # The active transport (the launcher always names one): Context(name=None) opens it, and an
         # image's verbs tables of any transport come back as its table (`ckpt restart --transport`),
@@ -189,8 +192,8 @@ class RankEngine:
     # ----------------------------------------------------------- coordinator pushes
     def _on_push(self, message: dict[str, Any]) -> None:
         match protocol.parse_push(message):
-            case protocol.Suspend(number=number):
-                self._suspends.put(number)
+            case protocol.Suspend(number=number, independent=independent):
+                self._suspends.put((number, independent))
             case protocol.Abort(number=number):
                 with self._cv:
                     self._aborted.add(number)
@@ -306,11 +309,12 @@ class RankEngine:
             return []
         return [cloudpickle.loads(value) for value in answer["values"]]
 
-    def request_checkpoint(self) -> int:
+    def request_checkpoint(self, rank: int | None = None) -> int:
+        """A coordinated checkpoint, or with `rank` an independent one of that rank; its number (0: queued)."""
         if self.native:
-            log.info("rt.checkpoint() ignored: checkpoints are disabled under --native")
+            log.info("checkpoint request ignored: checkpoints are disabled under --native")
             return 0
-        return int(self.client.call("checkpoint")["number"])
+        return int(self.client.call("checkpoint", **({} if rank is None else {"rank": rank}))["number"])
 
     def _fatal(self, message: str, traceback_text: str = "") -> NoReturn:
         """Report why this rank cannot go on, and exit.  Under `ckpt launch` the launcher prints it, once
@@ -417,30 +421,30 @@ class RankEngine:
     # ----------------------------------------------------------- checkpoint thread
     def _checkpoint_loop(self) -> None:
         while True:
-            self._checkpoint(self._suspends.get())
+            self._checkpoint(*self._suspends.get())
 
-    def _checkpoint(self, number: int) -> None:
+    def _checkpoint(self, number: int, independent: bool = False) -> None:
         """Walk one checkpoint's phases; every way out releases the program thread."""
         assert self.plugins is not None
         suspended = written = False
-        scope = self.barrier_scope = f"ckpt{number}"
+        scope = self.barrier_scope = Phase.rank_scope(self.rank, f"ckpt{number}") if independent else f"ckpt{number}"
         image = self.ckpt_dir / manifest.image_name(self.program_info["name"], self.rank, number)
         try:
-            self._park(number)
+            self._park(number, scope)
             suspended = True
-            self._hook(Phase.PRESUSPEND, independent=False)
+            self._hook(Phase.PRESUSPEND, independent=independent)
             self._phase(Phase.PRESUSPEND, scope, {"step": self.step})
-            self._hook(Phase.DRAIN, independent=False)
+            self._hook(Phase.DRAIN, independent=independent)
             self._phase(Phase.DRAIN, scope)
             contents = ImageContents()
-            self._hook(Phase.CHECKPOINT, image=contents, independent=False)
+            self._hook(Phase.CHECKPOINT, image=contents, independent=independent)
             answer = self._phase(Phase.CHECKPOINT, scope, self._write_image(number, contents))
             written = True
-            info = {"number": number, "manifest": answer["manifest"], "independent": False}
+            info = {"number": number, "manifest": answer["manifest"], "independent": independent}
             self.plugins.call("ckpt_checkpointed", rt=self.rt, info=info)
             if answer.get("kill"):
                 self._exit_after_checkpoint(number)
-            self._hook(Phase.RESUME, restarted=False, aborted=False, independent=False)
+            self._hook(Phase.RESUME, restarted=False, aborted=False, independent=independent)
             self._phase(Phase.RESUME, scope)
         except (CheckpointAborted, CoordinatorError, PluginError) as exc:
             if written:  # the checkpoint exists; a rank whose plugins failed after it cannot go on safely
@@ -453,17 +457,18 @@ class RankEngine:
                     pass
             image.unlink(missing_ok=True)  # written before the abort reached this rank
             if suspended:
-                self._resume_after_abort()
+                self._resume_after_abort(independent)
         finally:
             self.barrier_scope = "job"
             self._release()
 
-    def _park(self, number: int) -> None:
+    def _park(self, number: int, scope: str = "") -> None:
         """Agree on the target boundary, then wait until the program thread is parked there."""
         with self._cv:
             self._hold = True
             reach, finished = self._reach(), self.finished
-        answer = self._phase(Phase.REACH, f"ckpt{number}", {"reach": reach, "finished": finished, "step": self.step})
+        value = {"reach": reach, "finished": finished, "step": self.step}
+        answer = self._phase(Phase.REACH, scope or f"ckpt{number}", value)
         reaches = [v["reach"] for v in answer["values"] if v and not v["finished"]]
         with self._cv:
             self._target = max(reaches, default=reach)
@@ -482,10 +487,10 @@ class RankEngine:
             log.warning("%s", exc)
         _exit(0)
 
-    def _resume_after_abort(self) -> None:
+    def _resume_after_abort(self, independent: bool) -> None:
         assert self.plugins is not None
         try:
-            self._hook(Phase.RESUME, restarted=False, aborted=True, independent=False)
+            self._hook(Phase.RESUME, restarted=False, aborted=True, independent=independent)
         except PluginError as exc:
             self._fatal(f"could not resume after an aborted checkpoint: {exc}")
 
@@ -519,6 +524,7 @@ class RankEngine:
                 "finished": self.finished,
                 "result": self.result,
                 "coll_seq": self._coll_seq,
+                "incarnation": self.rt.incarnation,
             },
             "plugins": contents.items,
         }
@@ -537,6 +543,7 @@ class RankEngine:
             "sha256": info.sha256,
             "seconds": info.seconds,
             "step": self.step,
+            "incarnation": self.rt.incarnation,
         }
 
 

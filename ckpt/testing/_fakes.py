@@ -102,10 +102,19 @@ class RuntimeDouble:
         self.log = logging.getLogger(f"ckpt.testing.rank{rank}")
         self.plugins = plugins
         self.steps = 0
+        #: the ranks `checkpoint_rank` was asked for, in order (nothing is taken)
+        self.rank_checkpoints_requested: list[int] = []
 
     @property
     def step(self) -> int:
         return self.steps
+
+    def checkpoint_rank(self, rank: int) -> int:
+        """Record the request and return 0 (queued), as under ``--native``; a rank out of range is refused."""
+        if not 0 <= rank < self.size:
+            raise CoordinatorError(f"there is no rank {rank}: the job has ranks 0..{self.size - 1}")
+        self.rank_checkpoints_requested.append(rank)
+        return 0
 
     @property
     def coordinator(self) -> str:
@@ -118,8 +127,9 @@ class FakeRuntime(RuntimeDouble):
     Enough to drive a plugin's hooks by hand: `kv` is a `FakeKeyValue` that `new_generation` (a
     restart) replaces with an empty one, while `allocate_global`'s counters go on across
     generations as the coordinator's do; `coordinator_barrier` and `allgather` return this one
-    rank's value; `checkpoint` only counts the requests.  What the plugin asked for is kept for
-    assertions: `allocated` (every ID handed out, by namespace) and `barriers` (their names).
+    rank's value; `checkpoint` only counts the requests, `checkpoint_rank` records them.  What the
+    plugin asked for is kept for assertions: `allocated` (every ID handed out, by namespace) and
+    `barriers` (their names).
     """
 
     def __init__(

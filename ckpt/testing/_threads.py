@@ -51,10 +51,11 @@ class ThreadRuntime(RuntimeDouble):
     """Stands for ``rt`` (`ckpt.plugin.Runtime`) of one thread-rank of a `ThreadGroup`.
 
     Collectives (`allgather`, `barrier`, `coordinator_barrier`) meet the group's other threads;
-    `kv` and `allocate_global` are the group's.  There are no checkpoints: `checkpoint` returns 0,
-    as under ``--native``.  Device names are ``<device><first_device + rank>``, so each rank
-    opens an HCA of its own.  `at_end(fn)` runs `fn` once every rank has finished (to close
-    what a rank must keep serving while the others still run, e.g. a DSM memory).
+    `kv` and `allocate_global` are the group's.  There are no checkpoints: `checkpoint` and
+    `checkpoint_rank` return 0, as under ``--native`` (`checkpoint_rank` records the rank).
+    Device names are ``<device><first_device + rank>``, so each rank opens an HCA of its own.
+    `at_end(fn)` runs `fn` once every rank has finished (to close what a rank must keep serving
+    while the others still run, e.g. a DSM memory).
     """
 
     def __init__(

@@ -14,7 +14,8 @@
 #    without signaling what the program did not.
 # 4. At DRAIN, drain every CQ into a private queue (_drain.py) -- and, beyond
 #    the paper, keep draining until every message sent has landed or is known
-#    not to have (PSN counts exchanged through the coordinator).
+#    not to have (PSN counts exchanged through the coordinator).  An
+#    independent checkpoint of one rank only takes its CQs: its peers run on.
 # 5. After resume or restart the program's polls are served from that queue
 #    first (_virtual.py poll_cq).
 # 6. What had not landed is re-posted after a restart -- exactly that, so
@@ -45,7 +46,7 @@ from typing import Any
 
 import ckpt
 from ckpt import verbs
-from ckpt_ib._drain import drain
+from ckpt_ib._drain import collect, drain
 from ckpt_ib._rebuild import rebuild, reconnect, repost_sends
 from ckpt_ib._recovery import forget_rank, publish_ids
 from ckpt_ib._virtual import Virtualizer
@@ -89,11 +90,20 @@ class IbPlugin:
         vz.install(ops)
 
     @ckpt.hookimpl
-    def ckpt_drain(self, rt: ckpt.Runtime) -> None:
+    def ckpt_drain(self, rt: ckpt.Runtime, independent: bool) -> None:
         vz = self.virtualizer(rt)
-        if vz.inner is not None:
-            rounds = drain(vz, rt)
-            log.debug("verbs drained in %d round(s)", rounds)
+        if vz.inner is None:
+            return
+        if independent:
+            # The peers keep running: nothing to agree on with them.  Take what has completed into the
+            # private queues and keep the send logs whole (nothing is forgotten as landed): the image
+            # is this rank's alone, for its single-rank recovery, where its peers rebuild their QPs to
+            # it; a later coordinated checkpoint drains exactly, from this state, as ever.
+            found = collect(vz)
+            log.debug("independent checkpoint: %d completion(s) and event(s) taken, send logs kept", found)
+            return
+        rounds = drain(vz, rt)
+        log.debug("verbs drained in %d round(s)", rounds)
 
     @ckpt.hookimpl
     def ckpt_precheckpoint(self, rt: ckpt.Runtime, image: Any) -> None:
@@ -156,8 +166,8 @@ def ckpt_wrap_verbs(rt: ckpt.Runtime, ops: verbs.VerbsOps) -> None:
 
 
 @ckpt.hookimpl
-def ckpt_drain(rt: ckpt.Runtime) -> None:
-    _plugin.ckpt_drain(rt)
+def ckpt_drain(rt: ckpt.Runtime, independent: bool) -> None:
+    _plugin.ckpt_drain(rt, independent)
 
 
 @ckpt.hookimpl
