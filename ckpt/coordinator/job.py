@@ -22,7 +22,9 @@
 # Invariants: at most one checkpoint is in progress; a checkpoint exists only
 # once its manifest is written (the CHECKPOINT barrier writes it before anyone
 # is released); an aborted checkpoint leaves no files behind; a lost rank fails
-# the job (the previous checkpoint stays the latest).
+# the job (the previous checkpoint stays the latest) -- under --on-failure
+# recover it is respawned instead, and checkpoints wait until it is back
+# (_recovery.py).
 #
 # The membership, collectives and named barriers this runs on: _membership.py.
 
@@ -123,7 +125,7 @@ class Job(JobMembership):
         target = self._ckpt or self._queued
         if target is None:
             target = Checkpoint(0, kill, time.time())
-            if self.all_joined() and not self.restarting:
+            if self.all_joined() and not self.restarting and not self.recovery.busy():
                 self._start(target)
             else:
                 self._queued = target
@@ -144,6 +146,7 @@ class Job(JobMembership):
             and self.outcome is None
             and self.all_joined()
             and not self.restarting
+            and not self.recovery.busy()
         ):
             queued, self._queued = self._queued, None
             self._start(queued)
@@ -293,13 +296,14 @@ class Job(JobMembership):
             plugins=self.ranks[0].plugins if self.ranks else [],
             with_plugins=self.with_plugins,
             options=self.options,
-            settings=self.settings.recorded(),
+            settings=msgspec.structs.replace(self.settings.recorded(), on_failure=self.recovery.policy),
             coordinator=self.settings.address,
             id_counters=dict(self.kv.id_counters),
             ranks=ranks,
         )
         token = self.settings.token.encode()
         path = manifests.write_manifest(self.settings.ckpt_dir, manifest, token=token)
+        self.recovery.committed(ckpt.number, dict(enumerate(images)))
         total = manifest.image_bytes()
         self.last_checkpoint = {"number": ckpt.number, "manifest": str(path), "bytes": total, "seconds": seconds}
         if self.settings.keep:

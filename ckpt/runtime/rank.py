@@ -8,6 +8,14 @@
 # Everything the checkpoint needs from the program thread happens while it is
 # parked, so program state is never pickled while it changes.  A rank that has
 # finished counts as parked at its final boundary and keeps taking part.
+#
+# Under --on-failure recover a process may replace a failed rank (spec "recover":
+# its incarnation): it loads its own image and walks RESTART / REFRESH / RESUME
+# alone in scope rankR.incK while the others run on; the collectives it
+# re-executes are answered from the coordinator's record.  On the survivors, the
+# coordinator's RankFailed / RankRecovered pushes run ckpt_rank_failed /
+# ckpt_rank_recovered on one thread of their own, in arrival order: never on the
+# link's reader (a hook may call the coordinator) nor the program thread.
 
 from __future__ import annotations
 
@@ -107,6 +115,7 @@ class RankEngine:
         self._aborted: set[int] = set()
         self._done = threading.Event()
         self._suspends: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self._rank_events: queue.SimpleQueue[tuple[str, int, int]] = queue.SimpleQueue()
         self._last_step_report = 0.0
         #: what the phase in progress is part of: "ckptN" during checkpoint N, "genG" during a restart
         self.barrier_scope = "job"
@@ -125,6 +134,12 @@ class RankEngine:
         if restart:
             self.image_header = images.read_header(restart["image"])
             self._check_header(self.image_header)
+        #: a single-rank recovery's new incarnation; else a whole-job restart keeps the image's
+        recover = spec.get("recover")
+        self.recovered = recover is not None and self.image_header is not None
+        self.incarnation = self.image_header.incarnation if self.image_header is not None else 0
+        if recover is not None and self.recovered:
+            self.incarnation = int(recover["incarnation"])
         self.client = CoordinatorClient(
             spec["coordinator"], self.token, self._hello(), on_push=self._on_push, on_lost=self._on_lost
         )
@@ -139,6 +154,7 @@ class RankEngine:
             plugins=self.plugins,
         )
         self.rt.generation = int(welcome["generation"])
+        self.rt.incarnation, self.rt.recovered = self.incarnation, self.recovered
         self.rt.job = str(welcome["job"])
         self.ckpt_dir = Path(spec.get("ckpt_dir") or welcome["ckpt_dir"])
         self.rt.ckpt_dir = str(self.ckpt_dir)
@@ -173,7 +189,11 @@ class RankEngine:
             "transport": self.transport,
             "native": self.native,
             "plugins": [p.record() for p in self.plugins.plugins] if self.plugins else [],
+            "on_failure": self.spec.get("on_failure", "abort"),
+            "incarnation": self.incarnation,
         }
+        if self.recovered:
+            hello["recover"] = {"incarnation": self.incarnation}
         if self.image_header is not None:
             restart = self.spec["restart"]
             hello["restart"] = {
@@ -200,6 +220,25 @@ class RankEngine:
             case protocol.KillRank(reason=reason):
                 log.info("killed by the coordinator: %s", reason)
                 _exit(0)
+            case protocol.RankFailed(rank=rank, incarnation=incarnation):
+                self._rank_events.put(("ckpt_rank_failed", rank, incarnation))
+            case protocol.RankRecovered(rank=rank, incarnation=incarnation):
+                self._rank_events.put(("ckpt_rank_recovered", rank, incarnation))
+
+    def _rank_event_loop(self) -> None:
+        """Run the survivors' hooks of single-rank recovery, one at a time, in the order they came.
+
+        A hook that raises fails the job (the plugin is named): the plugin said it can bring a single
+        rank back, and one that could not would leave the program waiting on a peer that never returns.
+        """
+        assert self.plugins is not None
+        while True:
+            hook, rank, incarnation = self._rank_events.get()
+            try:
+                self.plugins.call(hook, rt=self.rt, rank=rank, incarnation=incarnation)
+            except PluginError as exc:
+                log.error("%s", exc)
+                self._fatal(f"{hook} (rank {rank}, incarnation {incarnation}): {exc}")
 
     def _on_lost(self, reason: str) -> None:
         if not self._done.is_set():
@@ -218,6 +257,7 @@ class RankEngine:
                 self.program = self.program_class()
             if not self.native:
                 threading.Thread(target=self._checkpoint_loop, name="ckpt-checkpoint", daemon=True).start()
+                threading.Thread(target=self._rank_event_loop, name="ckpt-rank-events", daemon=True).start()
             if self.image_header is None:
                 with self._cv:
                     self._in_setup = True
@@ -370,7 +410,9 @@ class RankEngine:
         self._coll_seq = state["coll_seq"]
         self.rt.restarted = True
         contents = ImageContents(graph["plugins"])
-        scope = self.barrier_scope = f"gen{self.rt.generation}"
+        # a recovered rank restarts alone, in its own scope; a whole-job restart in the generation's
+        scope = Phase.rank_scope(self.rank, f"inc{self.incarnation}") if self.recovered else f"gen{self.rt.generation}"
+        self.barrier_scope = scope
         self._hook(Phase.RESTART, image=contents)
         self._phase(Phase.RESTART, scope)
         self._hook(Phase.REFRESH)
@@ -511,6 +553,7 @@ class RankEngine:
             step=self.step,
             finished=self.finished,
             result=self.result,
+            incarnation=self.incarnation,
         )
         graph = {
             "program": self.program,
@@ -537,6 +580,8 @@ class RankEngine:
             "sha256": info.sha256,
             "seconds": info.seconds,
             "step": self.step,
+            "incarnation": self.incarnation,
+            "coll_seq": self._coll_seq,  # how far the coordinator's record of collectives must reach back
         }
 
 

@@ -57,6 +57,16 @@ def _virtualizer(rt: Any) -> Virtualizer:
 
 
 @ckpt.hookimpl
+def ckpt_single_rank_recovery(job: Any) -> str:
+    """A rank recovered alone gets new queue pairs, and this plugin cannot reconnect a program's own QPs
+    to them: the program made them, only it (or a layer above that owns them) knows to whom and how."""
+    return (
+        "the verbs plugin alone cannot reconnect a program's queue pairs to a recovered rank "
+        "(a DSM program needs ckpt_remotelog; a program without verbs may run with --disable-plugin ib)"
+    )
+
+
+@ckpt.hookimpl
 def ckpt_init(rt: ckpt.Runtime) -> None:
     _virtualizer(rt)
 
