@@ -429,6 +429,7 @@ def _restart_one_rank(
     from ckpt import _manifest as manifests
     from ckpt import _wire as wire
     from ckpt._cli_control import live_job_status
+    from ckpt._cli_plugins import launcher_host
     from ckpt._launcher import JobOptions, job_services, recovery_spec
     from ckpt.runtime import rank as rank_main
 
@@ -446,6 +447,10 @@ def _restart_one_rank(
     directory = Path(state["ckpt_dir"])
     program = str(state.get("program") or "")
     manifest, _ = manifests.rank_image(directory, program, rank, token=wire.token_bytes(token))
+    # the rank runs with the plugins the job runs with: those its checkpoint recorded, not every one installed
+    modules = list(dict.fromkeys([*manifest.with_plugins, *with_plugins]))
+    recorded = {str(p.get("name")) for p in manifest.plugins}
+    installed = {p.name for p in launcher_host(tuple(modules), ()).plugins}
     opts = JobOptions(
         program=manifest.program.path,
         argv=list(manifest.argv),
@@ -453,8 +458,8 @@ def _restart_one_rank(
         ckpt_dir=directory,
         transport=manifest.transport,
         coordinator=address,
-        with_plugins=list(dict.fromkeys([*manifest.with_plugins, *with_plugins])),
-        disabled=list(disabled),
+        with_plugins=modules,
+        disabled=sorted({*disabled, *(installed - recorded)}),
         options=dict(manifest.options),
         log_level=log_level,
         on_failure="recover",

@@ -1,7 +1,8 @@
 """Runtime collectives only, for single-rank recovery: each step local numpy work, an allgather of a partial
 sum and, every few steps, a barrier.  Deterministic: the results depend on every rank's every step.
 
-argv: [STEPS] [DELAY]: STEPS steps (default 150), each sleeping DELAY seconds (default 0.01) of "work".
+argv: [STEPS] [DELAY] [SETUP]: STEPS steps (default 150), each sleeping DELAY seconds (default 0.01) of
+"work"; setup takes SETUP seconds more (default 0), so a test can kill a rank before the first checkpoint.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ class CollSum(ckpt.Program):
     def setup(self, rt: ckpt.Runtime) -> None:
         self.steps = int(rt.argv[0]) if rt.argv else 150
         self.delay = float(rt.argv[1]) if len(rt.argv) > 1 else 0.01
+        time.sleep(float(rt.argv[2]) if len(rt.argv) > 2 else 0.0)
         seeds = rt.allgather(rt.rank * 7919 + 17)
         self.x = np.random.default_rng(sum(seeds) + rt.rank).integers(0, 1_000_003, 512, dtype=np.int64)
         self.total = 0

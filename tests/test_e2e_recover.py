@@ -1,0 +1,211 @@
+"""End-to-end: `--on-failure recover` -- ranks killed with SIGKILL come back alone while the others run on.
+
+Every run ends with the uninterrupted run's results and exit status 0; the
+ranks that were not killed keep their PIDs from start to end; a killed rank's
+incarnation goes up by one per kill.  Also: what recover refuses, that the
+default (abort) still fails the job, and `ckpt restart --rank R` by hand under a
+standalone coordinator and external-launcher-style ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckpt.testing import Job, one_error_line, results, run, uninterrupted, wait_for
+from harness import PROGRAMS
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+
+STEPS = 240
+COLLSUM = [str(PROGRAMS / "collsum.py"), str(STEPS)]
+RECOVER = ["--on-failure", "recover", "--disable-plugin", "ib"]
+
+
+@pytest.fixture(scope="module")
+def expected(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
+    return uninterrupted(tmp_path_factory.mktemp("plain") / "ckpt", 3, *COLLSUM)
+
+
+def _settled(job: Job) -> dict[str, Any]:
+    """The status once every rank is in the job and none is failed or recovering."""
+
+    def settled() -> dict[str, Any] | None:
+        assert job.process is not None
+        if job.process.poll() is not None:
+            raise AssertionError(f"the job ended early: {job.read()[1]}")
+        state = job.poll_status()
+        if not state or len(state["ranks"]) < 3 or state["state"] in ("waiting", "finished", "failed", "killed"):
+            return None
+        if any(r["state"] in ("failed", "recovering") for r in state["ranks"]):
+            return None
+        return state
+
+    return wait_for(settled, 60, "every rank running, none failed or recovering")  # type: ignore[no-any-return]
+
+
+def _kill_at_random_moments(job: Job, rng: random.Random, kills: int) -> tuple[dict[int, int], dict[int, int]]:
+    """Kill a random rank `kills` times, each at a random step and once the previous one is back.
+
+    Returns ({rank: pid} of the ranks never killed at the start, {rank: times killed}).
+    """
+    first = _settled(job)
+    pids = {r["rank"]: r["pid"] for r in first["ranks"]}
+    killed: dict[int, int] = {}
+    for _ in range(kills):
+        state = _settled(job)
+        target = min(r["step"] for r in state["ranks"]) + rng.randint(1, 30)
+        if target >= STEPS - 20:
+            break  # too near the end to be sure of a kill before it finishes
+        victim = rng.randrange(3)
+
+        def at_target() -> dict[str, Any] | None:
+            now = job.poll_status()
+            return now if now and min(r["step"] for r in now["ranks"]) >= target else None
+
+        now = wait_for(at_target, 60, f"every rank past step {target}")
+        (before,) = [r for r in now["ranks"] if r["rank"] == victim]
+        os.kill(before["pid"], signal.SIGKILL)
+        killed[victim] = killed.get(victim, 0) + 1
+
+        def back() -> bool:
+            later = job.poll_status() or {"ranks": []}
+            return any(r["rank"] == victim and r["incarnation"] > before["incarnation"] for r in later["ranks"])
+
+        wait_for(back, 60, f"rank {victim} back as incarnation {before['incarnation'] + 1}")
+    return {r: pid for r, pid in pids.items() if r not in killed}, killed
+
+
+def _recovering_run(
+    start_job: Callable[..., Job], ckpt_dir: Path, seed: int, kills: int, expected: dict[int, str]
+) -> None:
+    job = start_job("launch", "-n", "3", "--ckpt-dir", str(ckpt_dir), "--interval", "0.4", *RECOVER, *COLLSUM)
+    survivors, killed = _kill_at_random_moments(job, random.Random(seed), kills)
+    final = job.status()
+    assert final is not None
+    now = {r["rank"]: r for r in final["ranks"]}
+    for rank, pid in survivors.items():
+        assert now[rank]["pid"] == pid and now[rank]["incarnation"] == 0, final
+    for rank, times in killed.items():
+        assert now[rank]["incarnation"] == times, final
+    job.finishes_with(expected)
+    assert "respawning it from checkpoint" in job.stderr
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_ranks_killed_at_random_moments_come_back_alone_and_the_job_ends_as_uninterrupted(
+    seed: int, start_job: Callable[..., Job], tmp_path: Path, expected: dict[int, str]
+) -> None:
+    _recovering_run(start_job, tmp_path / "ckpt", seed, 3, expected)
+
+
+@pytest.mark.stress
+@pytest.mark.timeout(3600)
+def test_thirty_runs_with_random_kills(start_job: Callable[..., Job], tmp_path: Path, expected: dict[int, str]) -> None:
+    for seed in range(100, 130):
+        _recovering_run(start_job, tmp_path / f"ckpt{seed}", seed, 4, expected)
+
+
+def test_the_first_checkpoint_is_taken_right_after_setup(start_job: Callable[..., Job], tmp_path: Path) -> None:
+    ckpt_dir = tmp_path / "ckpt"
+    job = start_job("launch", "-n", "3", "--ckpt-dir", str(ckpt_dir), *RECOVER, str(PROGRAMS / "collsum.py"), "400")
+    state = _settled(job)
+    wait_for(lambda: (job.poll_status() or {}).get("last_checkpoint"), 30, "the first checkpoint")
+    manifest = json.loads((ckpt_dir / "ckpt_collsum_1.json").read_text())
+    assert [r["step"] for r in manifest["ranks"]] == [0, 0, 0]  # the first boundary, after setup
+    assert manifest["settings"]["on_failure"] == "recover"
+    assert state["on_failure"] == "recover"
+
+
+def test_a_rank_lost_before_the_first_checkpoint_fails_the_job_in_one_line(
+    start_job: Callable[..., Job], tmp_path: Path
+) -> None:
+    ckpt_dir = tmp_path / "ckpt"
+    slow_setup = [str(PROGRAMS / "collsum.py"), "100", "0.01", "60"]
+    job = start_job("launch", "-n", "3", "--ckpt-dir", str(ckpt_dir), *RECOVER, *slow_setup)
+
+    def joined() -> dict[str, Any] | None:
+        state = job.poll_status()
+        return state if state and len(state["ranks"]) == 3 else None
+
+    pid = wait_for(joined, 60, "every rank joined")["ranks"][1]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    assert job.wait(60) == 1
+    line = job.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: rank 1 (pid") and "before the job's first checkpoint" in line, job.stderr
+    assert "Traceback" not in job.stderr
+
+
+def test_under_abort_a_lost_rank_still_fails_the_job(start_job: Callable[..., Job], tmp_path: Path) -> None:
+    ckpt_dir = tmp_path / "ckpt"
+    job = start_job("launch", "-n", "3", "--ckpt-dir", str(ckpt_dir), "--disable-plugin", "ib", *COLLSUM)
+    pid = job.wait_step(10)["ranks"][2]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    assert job.wait(60) == 1
+    line = job.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: rank 2 (pid") and "there is no checkpoint to restart from" in line, job.stderr
+
+
+def test_recover_with_the_verbs_plugin_loaded_is_refused_naming_it(tmp_path: Path) -> None:
+    done = run("launch", "-n", "2", "--ckpt-dir", str(tmp_path / "ckpt"), "--on-failure", "recover", *COLLSUM)
+    one_error_line(done, "--on-failure recover", "plugin 'ib'", "cannot reconnect", "--disable-plugin ib")
+    assert not (tmp_path / "ckpt" / "coordinator.json").exists()  # refused before anything started
+
+
+def test_recover_under_native_is_refused_in_one_line(tmp_path: Path) -> None:
+    done = run("launch", "--native", "--ckpt-dir", str(tmp_path / "ckpt"), "--on-failure", "recover", *COLLSUM)
+    one_error_line(done, "--on-failure recover", "--native")
+
+
+# ----------------------------------------------------------------- ckpt restart --rank, by hand
+def test_restart_rank_by_hand_under_a_standalone_coordinator(
+    start_job: Callable[..., Job], tmp_path: Path, expected: dict[int, str]
+) -> None:
+    ckpt_dir = tmp_path / "ckpt"
+    token = {"CKPT_TOKEN": "recover-by-hand-token"}
+    start_job("coordinator", "--port", "0", "--ckpt-dir", str(ckpt_dir), extra_env=token)
+    wait_for((ckpt_dir / "coordinator.json").exists, 30, "the coordinator's job file")
+    address = json.loads((ckpt_dir / "coordinator.json").read_text())["address"]
+    where = ["--coordinator", address, "--ckpt-dir", str(ckpt_dir)]
+    ranks = [
+        start_job("launch", *where, *RECOVER, *COLLSUM, ckpt_dir=ckpt_dir,
+                  extra_env={**token, "PMI_RANK": str(r), "PMI_SIZE": "3"})
+        for r in range(3)
+    ]  # fmt: skip
+    ranks[0].wait_step(20)
+    wait_for(lambda: (ranks[0].poll_status() or {}).get("last_checkpoint"), 30, "the first checkpoint")
+    refused = run("restart", "--rank", "1", *where, extra_env=token)
+    one_error_line(refused, "rank 1 of job", "has not failed (it is running)")
+    assert ranks[1].process is not None
+    os.kill(ranks[1].process.pid, signal.SIGKILL)  # under an external launcher the process is the rank
+
+    def failed() -> bool:
+        state = ranks[0].poll_status() or {"ranks": []}
+        return any(r["rank"] == 1 and r["state"] == "failed" for r in state["ranks"])
+
+    wait_for(failed, 30, "rank 1 failed")
+    shown = run("status", *where, extra_env=token)
+    assert "rank 1 failed (incarnation 0 was lost)" in shown.stdout, shown.stdout
+    assert "waiting for `ckpt restart --rank 1`" in shown.stdout, shown.stdout
+    again = start_job("restart", "--rank", "1", *where, ckpt_dir=ckpt_dir, extra_env=token)
+    assert again.wait(120) == 0, again.stderr
+    assert [ranks[r].wait(120) for r in (0, 2)] == [0, 0]
+    printed = {**results(ranks[0].stdout), **results(again.stdout), **results(ranks[2].stdout)}
+    assert printed == expected
+
+
+def test_restart_rank_is_refused_without_a_job_under_recover(start_job: Callable[..., Job], tmp_path: Path) -> None:
+    nothing = run("restart", "--rank", "1", "--ckpt-dir", str(tmp_path / "none"))
+    one_error_line(nothing, "no job in")
+    ckpt_dir = tmp_path / "ckpt"
+    job = start_job("launch", "-n", "3", "--ckpt-dir", str(ckpt_dir), "--disable-plugin", "ib", *COLLSUM)
+    job.wait_step(5)
+    refused = run("restart", "--rank", "1", "--ckpt-dir", str(ckpt_dir))
+    one_error_line(refused, "does not run under --on-failure recover")
