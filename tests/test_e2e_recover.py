@@ -65,22 +65,28 @@ def _kill_at_random_moments(job: Job, rng: random.Random, kills: int) -> tuple[d
         if target >= STEPS - 20:
             break  # too near the end to be sure of a kill before it finishes
         victim = rng.randrange(3)
-
-        def at_target() -> dict[str, Any] | None:
-            now = job.poll_status()
-            return now if now and min(r["step"] for r in now["ranks"]) >= target else None
-
-        now = wait_for(at_target, 60, f"every rank past step {target}")
+        now = _past_step(job, target)
         (before,) = [r for r in now["ranks"] if r["rank"] == victim]
         os.kill(before["pid"], signal.SIGKILL)
         killed[victim] = killed.get(victim, 0) + 1
-
-        def back() -> bool:
-            later = job.poll_status() or {"ranks": []}
-            return any(r["rank"] == victim and r["incarnation"] > before["incarnation"] for r in later["ranks"])
-
-        wait_for(back, 60, f"rank {victim} back as incarnation {before['incarnation'] + 1}")
+        _back(job, victim, before["incarnation"] + 1)
     return {r: pid for r, pid in pids.items() if r not in killed}, killed
+
+
+def _past_step(job: Job, step: int) -> dict[str, Any]:
+    def past() -> dict[str, Any] | None:
+        now = job.poll_status()
+        return now if now and min(r["step"] for r in now["ranks"]) >= step else None
+
+    return wait_for(past, 60, f"every rank past step {step}")  # type: ignore[no-any-return]
+
+
+def _back(job: Job, rank: int, incarnation: int) -> None:
+    def back() -> bool:
+        later = job.poll_status() or {"ranks": []}
+        return any(r["rank"] == rank and r["incarnation"] >= incarnation for r in later["ranks"])
+
+    wait_for(back, 60, f"rank {rank} back as incarnation {incarnation}")
 
 
 def _recovering_run(
