@@ -24,7 +24,7 @@ from harness import PROGRAMS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
-STEPS = 240
+STEPS = 400
 COLLSUM = [str(PROGRAMS / "collsum.py"), str(STEPS)]
 RECOVER = ["--on-failure", "recover", "--disable-plugin", "ib"]
 
@@ -62,7 +62,7 @@ def _kill_at_random_moments(job: Job, rng: random.Random, kills: int) -> tuple[d
     for _ in range(kills):
         state = _settled(job)
         target = min(r["step"] for r in state["ranks"]) + rng.randint(1, 30)
-        if target >= STEPS - 20:
+        if target >= STEPS - 80:
             break  # too near the end to be sure of a kill before it finishes
         victim = rng.randrange(3)
         now = _past_step(job, target)
