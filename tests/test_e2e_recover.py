@@ -26,6 +26,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
 STEPS = 400
 COLLSUM = [str(PROGRAMS / "collsum.py"), str(STEPS)]
+#: The same computation with longer steps (the results do not depend on it): room for several kills.
+COLLSUM_SLOW = [*COLLSUM, "0.02"]
 RECOVER = ["--on-failure", "recover", "--disable-plugin", "ib"]
 
 
@@ -34,18 +36,22 @@ def expected(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
     return uninterrupted(tmp_path_factory.mktemp("plain") / "ckpt", 3, *COLLSUM)
 
 
-def _settled(job: Job) -> dict[str, Any]:
-    """The status once every rank is in the job and none is failed or recovering."""
+def _settled(job: Job, *, may_end: bool = False) -> dict[str, Any]:
+    """The status once every rank is in the job, none is failed or recovering, and there is a checkpoint ({} if
+    `may_end` and the job has ended well meanwhile)."""
 
     def settled() -> dict[str, Any] | None:
         assert job.process is not None
+        if job.process.poll() == 0 and may_end:
+            return {}
         if job.process.poll() is not None:
-            raise AssertionError(f"the job ended early: {job.read()[1]}")
+            out, err = job.read()
+            raise AssertionError(f"the job ended early (exit {job.process.returncode}): {out}{err}")
         state = job.poll_status()
         if not state or len(state["ranks"]) < 3 or state["state"] in ("waiting", "finished", "failed", "killed"):
             return None
-        if any(r["state"] in ("failed", "recovering") for r in state["ranks"]):
-            return None
+        if any(r["state"] in ("failed", "recovering") for r in state["ranks"]) or not state["last_checkpoint"]:
+            return None  # (every rank has an image once the first checkpoint, right after setup, is written)
         return state
 
     return wait_for(settled, 60, "every rank running, none failed or recovering")  # type: ignore[no-any-return]
@@ -60,7 +66,9 @@ def _kill_at_random_moments(job: Job, rng: random.Random, kills: int) -> tuple[d
     pids = {r["rank"]: r["pid"] for r in first["ranks"]}
     killed: dict[int, int] = {}
     for _ in range(kills):
-        state = _settled(job)
+        state = _settled(job, may_end=True)
+        if not state:
+            break  # slow machines: the job ran to its end before every kill
         target = min(r["step"] for r in state["ranks"]) + rng.randint(1, 30)
         if target >= STEPS - 80:
             break  # too near the end to be sure of a kill before it finishes
@@ -70,6 +78,7 @@ def _kill_at_random_moments(job: Job, rng: random.Random, kills: int) -> tuple[d
         os.kill(before["pid"], signal.SIGKILL)
         killed[victim] = killed.get(victim, 0) + 1
         _back(job, victim, before["incarnation"] + 1)
+    assert killed, "no rank was killed"
     return {r: pid for r, pid in pids.items() if r not in killed}, killed
 
 
@@ -92,7 +101,18 @@ def _back(job: Job, rank: int, incarnation: int) -> None:
 def _recovering_run(
     start_job: Callable[..., Job], ckpt_dir: Path, seed: int, kills: int, expected: dict[int, str]
 ) -> None:
-    job = start_job("launch", "-n", "3", "--ckpt-dir", str(ckpt_dir), "--interval", "0.4", *RECOVER, *COLLSUM)
+    job = start_job(
+        "launch",
+        "-n",
+        "3",
+        "--ckpt-dir",
+        str(ckpt_dir),
+        "--interval",
+        "0.4",
+        *RECOVER,
+        *COLLSUM_SLOW,
+        ckpt_dir=ckpt_dir,
+    )
     survivors, killed = _kill_at_random_moments(job, random.Random(seed), kills)
     final = job.status()
     assert final is not None
@@ -215,3 +235,64 @@ def test_restart_rank_is_refused_without_a_job_under_recover(start_job: Callable
     job.wait_step(5)
     refused = run("restart", "--rank", "1", "--ckpt-dir", str(ckpt_dir))
     one_error_line(refused, "does not run under --on-failure recover")
+
+
+# ----------------------------------------------------------------- the survivors' hooks, a restart
+def _events(directory: Path, rank: int) -> list[dict[str, Any]]:
+    path = directory / f"rank{rank}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_survivors_run_their_hooks_on_one_thread_in_order_and_the_recovered_rank_knows_it(
+    start_job: Callable[..., Job], tmp_path: Path, expected: dict[int, str]
+) -> None:
+    events = tmp_path / "events"
+    events.mkdir()
+    ckpt_dir = tmp_path / "ckpt"
+    plugin = ["--with-plugin", "ckpt_rankevents"]
+    job = start_job(
+        "launch", "-n", "3", "--ckpt-dir", str(ckpt_dir), *RECOVER, *plugin, *COLLSUM,
+        extra_env={"CKPT_TEST_RANKEVENTS": str(events)},
+    )  # fmt: skip
+    state = _settled(job)
+    os.kill(state["ranks"][2]["pid"], signal.SIGKILL)
+    _back(job, 2, 1)
+    job.finishes_with(expected)
+    for survivor in (0, 1):
+        seen = [(e["hook"], e["rank"], e["incarnation"], e["thread"]) for e in _events(events, survivor)]
+        assert seen == [("failed", 2, 0, "ckpt-rank-events"), ("recovered", 2, 1, "ckpt-rank-events")], seen
+    restarts = [e for e in _events(events, 2) if e["hook"] == "restart"]
+    assert [(e["recovered"], e["incarnation"]) for e in restarts] == [(True, 1)]
+
+
+def test_a_survivor_hook_that_raises_fails_the_job_naming_the_plugin(
+    start_job: Callable[..., Job], tmp_path: Path
+) -> None:
+    job = start_job(
+        "launch", "-n", "3", "--ckpt-dir", str(tmp_path / "ckpt"), *RECOVER, "--with-plugin", "ckpt_rankevents",
+        *COLLSUM, extra_env={"CKPT_TEST_RANKEVENTS_RAISE": "1"},
+    )  # fmt: skip
+    os.kill(_settled(job)["ranks"][1]["pid"], signal.SIGKILL)
+    assert job.wait(60) == 1
+    line = job.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: rank ") and "plugin 'ckpt_rankevents' failed in ckpt_rank_failed" in line, line
+    assert "cannot live without rank 1" in line
+
+
+def test_a_restarted_job_keeps_its_policy_and_each_ranks_incarnation(
+    start_job: Callable[..., Job], tmp_path: Path, expected: dict[int, str]
+) -> None:
+    ckpt_dir = tmp_path / "ckpt"
+    job = start_job("launch", "-n", "3", "--ckpt-dir", str(ckpt_dir), *RECOVER, *COLLSUM)
+    os.kill(_settled(job)["ranks"][1]["pid"], signal.SIGKILL)
+    _back(job, 1, 1)
+    _settled(job)
+    assert "checkpoint" in run("checkpoint", "--kill", "--ckpt-dir", str(ckpt_dir)).stdout
+    assert job.wait(60) == 0, job.stderr
+    again = start_job("restart", "--ckpt-dir", str(ckpt_dir), "--disable-plugin", "ib")
+    state = _settled(again)
+    assert state["on_failure"] == "recover"  # recorded in the manifest, reused
+    assert [r["incarnation"] for r in state["ranks"]] == [0, 1, 0]
+    os.kill(state["ranks"][0]["pid"], signal.SIGKILL)
+    _back(again, 0, 1)
+    again.finishes_with(expected)

@@ -156,7 +156,7 @@ class RankRecovery:
         if not self.on or job.restarting:
             return False  # a whole-job restart waits for every rank in its own phases: it fails as ever
         why = f" ({cause})" if cause else ""
-        where = f"at step {info.step}"
+        where = f"at step {info.step}" if info.step >= 0 else "during setup"
         if rank in self.recovering:
             where = f"while recovering as incarnation {info.incarnation}"
         lost = f"rank {rank} (pid {info.pid} on {info.host}) was lost {where}{why}"
