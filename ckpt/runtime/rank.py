@@ -8,14 +8,7 @@
 # Everything the checkpoint needs from the program thread happens while it is
 # parked, so program state is never pickled while it changes.  A rank that has
 # finished counts as parked at its final boundary and keeps taking part.
-#
-# Under --on-failure recover a process may replace a failed rank (spec "recover":
-# its incarnation): it loads its own image and walks RESTART / REFRESH / RESUME
-# alone in scope rankR.incK while the others run on; the collectives it
-# re-executes are answered from the coordinator's record.  On the survivors, the
-# coordinator's RankFailed / RankRecovered pushes run ckpt_rank_failed /
-# ckpt_rank_recovered on one thread of their own, in arrival order: never on the
-# link's reader (a hook may call the coordinator) nor the program thread.
+# Single-rank recovery (--on-failure recover), this side of it: _survivor.py.
 
 from __future__ import annotations
 
@@ -46,6 +39,7 @@ from ckpt.coordinator import protocol
 from ckpt.coordinator.client import CoordinatorClient
 from ckpt.plugin import ImageContents, Phase, _vid
 from ckpt.runtime import images
+from ckpt.runtime._survivor import SurvivorHooks, incarnation
 from ckpt.runtime.plugins import PluginHost
 
 log = logging.getLogger(__name__)
@@ -115,7 +109,6 @@ class RankEngine:
         self._aborted: set[int] = set()
         self._done = threading.Event()
         self._suspends: queue.SimpleQueue[int] = queue.SimpleQueue()
-        self._rank_events: queue.SimpleQueue[tuple[str, int, int]] = queue.SimpleQueue()
         self._last_step_report = 0.0
         #: what the phase in progress is part of: "ckptN" during checkpoint N, "genG" during a restart
         self.barrier_scope = "job"
@@ -134,12 +127,8 @@ class RankEngine:
         if restart:
             self.image_header = images.read_header(restart["image"])
             self._check_header(self.image_header)
-        #: a single-rank recovery's new incarnation; else a whole-job restart keeps the image's
-        recover = spec.get("recover")
-        self.recovered = recover is not None and self.image_header is not None
-        self.incarnation = self.image_header.incarnation if self.image_header is not None else 0
-        if recover is not None and self.recovered:
-            self.incarnation = int(recover["incarnation"])
+        self.recovered, self.incarnation = incarnation(spec, self.image_header)
+        self._survivor = SurvivorHooks(self.plugins)  # before the link: it may deliver pushes at once
         self.client = CoordinatorClient(
             spec["coordinator"], self.token, self._hello(), on_push=self._on_push, on_lost=self._on_lost
         )
@@ -220,25 +209,8 @@ class RankEngine:
             case protocol.KillRank(reason=reason):
                 log.info("killed by the coordinator: %s", reason)
                 _exit(0)
-            case protocol.RankFailed(rank=rank, incarnation=incarnation):
-                self._rank_events.put(("ckpt_rank_failed", rank, incarnation))
-            case protocol.RankRecovered(rank=rank, incarnation=incarnation):
-                self._rank_events.put(("ckpt_rank_recovered", rank, incarnation))
-
-    def _rank_event_loop(self) -> None:
-        """Run the survivors' hooks of single-rank recovery, one at a time, in the order they came.
-
-        A hook that raises fails the job (the plugin is named): the plugin said it can bring a single
-        rank back, and one that could not would leave the program waiting on a peer that never returns.
-        """
-        assert self.plugins is not None
-        while True:
-            hook, rank, incarnation = self._rank_events.get()
-            try:
-                self.plugins.call(hook, rt=self.rt, rank=rank, incarnation=incarnation)
-            except PluginError as exc:
-                log.error("%s", exc)
-                self._fatal(f"{hook} (rank {rank}, incarnation {incarnation}): {exc}")
+            case protocol.RankFailed() | protocol.RankRecovered() as push:
+                self._survivor.offer(push)
 
     def _on_lost(self, reason: str) -> None:
         if not self._done.is_set():
@@ -257,7 +229,7 @@ class RankEngine:
                 self.program = self.program_class()
             if not self.native:
                 threading.Thread(target=self._checkpoint_loop, name="ckpt-checkpoint", daemon=True).start()
-                threading.Thread(target=self._rank_event_loop, name="ckpt-rank-events", daemon=True).start()
+                self._survivor.start(self.rt, self._fatal)  # after ckpt_init
             if self.image_header is None:
                 with self._cv:
                     self._in_setup = True
@@ -400,6 +372,7 @@ class RankEngine:
         if self.plugins:
             self.plugins.call("ckpt_init", rt=self.rt)
             self._install_verbs()
+        self._survivor.start(self.rt, self._fatal)  # a recovering rank hears of other failures too
         _, loaded = images.read_image(
             restart["image"], token=self.token.encode(), progress=progress, expected_sha256=restart.get("sha256")
         )
