@@ -139,6 +139,22 @@ def test_thirty_runs_with_random_kills(start_job: Callable[..., Job], tmp_path: 
         _recovering_run(start_job, tmp_path / f"ckpt{seed}", seed, 4, expected)
 
 
+def test_two_ranks_killed_at_once_both_come_back(
+    start_job: Callable[..., Job], tmp_path: Path, expected: dict[int, str]
+) -> None:
+    ckpt_dir = tmp_path / "ckpt"
+    job = start_job("launch", "-n", "3", "--ckpt-dir", str(ckpt_dir), "--interval", "0.3", *RECOVER, *COLLSUM_SLOW)
+    state = _past_step(job, _settled(job)["ranks"][0]["step"] + 20)
+    pids = {r["rank"]: r["pid"] for r in state["ranks"]}
+    for rank in (0, 2):
+        os.kill(pids[rank], signal.SIGKILL)
+    _back(job, 0, 1)
+    _back(job, 2, 1)
+    final = job.status()
+    assert final is not None and [(r["pid"], r["incarnation"]) for r in final["ranks"]][1] == (pids[1], 0)
+    job.finishes_with(expected)
+
+
 def test_the_first_checkpoint_is_taken_right_after_setup(start_job: Callable[..., Job], tmp_path: Path) -> None:
     ckpt_dir = tmp_path / "ckpt"
     job = start_job("launch", "-n", "3", "--ckpt-dir", str(ckpt_dir), *RECOVER, str(PROGRAMS / "collsum.py"), "400")
