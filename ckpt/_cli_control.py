@@ -170,9 +170,10 @@ def _print_status(state: dict[str, Any]) -> None:
     if state["state"] == "waiting":
         joined = f" ({len(state['ranks'])} of {state['size'] or '?'} ranks joined)"
     generation = "" if state["generation"] is None else f"  generation {state['generation']}"
+    policy = "  on failure: recover" if state.get("on_failure") == "recover" else ""
     click.echo(
         f"job {state['job'] or '?'}{generation}  state {state['state']}{joined}"
-        f"{'' if state['unanimous'] else ' (not unanimous)'}  coordinator {state['coordinator'] or '-'}"
+        f"{'' if state['unanimous'] else ' (not unanimous)'}  coordinator {state['coordinator'] or '-'}{policy}"
     )
     for r in state["ranks"]:
         click.echo(

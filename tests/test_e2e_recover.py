@@ -234,6 +234,7 @@ def test_restart_rank_by_hand_under_a_standalone_coordinator(
 
     wait_for(failed, 30, "rank 1 failed")
     shown = run("status", *where, extra_env=token)
+    assert "on failure: recover" in shown.stdout.splitlines()[0], shown.stdout
     assert "rank 1 failed (incarnation 0 was lost)" in shown.stdout, shown.stdout
     assert "waiting for `ckpt restart --rank 1`" in shown.stdout, shown.stdout
     again = start_job("restart", "--rank", "1", *where, ckpt_dir=ckpt_dir, extra_env=token)
