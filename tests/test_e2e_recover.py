@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from ckpt.coordinator._recovery import MAX_RECOVERY_ATTEMPTS
 from ckpt.testing import Job, one_error_line, results, run, uninterrupted, wait_for
 from harness import PROGRAMS
 
@@ -294,6 +295,19 @@ def test_a_survivor_hook_that_raises_fails_the_job_naming_the_plugin(
     line = job.stderr.strip().splitlines()[-1]
     assert line.startswith("error: rank ") and "plugin 'ckpt_rankevents' failed in ckpt_rank_failed" in line, line
     assert "cannot live without rank 1" in line
+
+
+def test_a_crash_loop_ends_the_job_in_one_line(start_job: Callable[..., Job], tmp_path: Path) -> None:
+    job = start_job(
+        "launch", "-n", "3", "--ckpt-dir", str(tmp_path / "ckpt"), *RECOVER, "--with-plugin", "ckpt_rankevents",
+        *COLLSUM, extra_env={"CKPT_TEST_RANKEVENTS_CRASH": "1"},
+    )  # fmt: skip
+    os.kill(_settled(job)["ranks"][1]["pid"], signal.SIGKILL)
+    assert job.wait(120) == 1
+    line = job.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: rank 1 (pid") and "while recovering as incarnation 3" in line, job.stderr
+    assert f"its recovery failed {MAX_RECOVERY_ATTEMPTS} times in a row" in line, line
+    assert "Traceback" not in job.stderr
 
 
 def test_a_restarted_job_keeps_its_policy_and_each_ranks_incarnation(

@@ -2,13 +2,15 @@
 
 Each rank appends one JSON line per hook to $CKPT_TEST_RANKEVENTS/rank<R>.jsonl: the hook, the rank and
 incarnation it names, the thread it ran on.  A recovered rank's ckpt_restart records rt.recovered and
-rt.incarnation.  CKPT_TEST_RANKEVENTS_RAISE=1 makes ckpt_rank_failed raise (a plugin that cannot cope).
+rt.incarnation.  CKPT_TEST_RANKEVENTS_RAISE=1 makes ckpt_rank_failed raise (a plugin that cannot cope);
+CKPT_TEST_RANKEVENTS_CRASH=1 kills every recovered rank in its ckpt_restart (a crash loop).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import threading
 from pathlib import Path
 from typing import Any
@@ -42,3 +44,5 @@ def ckpt_rank_recovered(rt: ckpt.Runtime, rank: int, incarnation: int) -> None:
 @ckpt.hookimpl
 def ckpt_restart(rt: ckpt.Runtime, image: Any) -> None:
     _note(rt, hook="restart", recovered=rt.recovered, incarnation=rt.incarnation)
+    if rt.recovered and os.environ.get("CKPT_TEST_RANKEVENTS_CRASH"):
+        os.kill(os.getpid(), signal.SIGKILL)
