@@ -131,8 +131,12 @@ def started(pool: ThreadPoolExecutor, join: Callable[..., Rank], coordinator: Co
     return ranks
 
 
-def rejoin(join: Callable[..., Rank], rank: int, incarnation: int, size: int = 3) -> Rank:
-    return join(rank, size, recover={"incarnation": incarnation}, restart={"number": 1, "job": "j"})
+def rejoin(
+    coordinator: Coordinator, join: Callable[..., Rank], rank: int, incarnation: int, size: int = 3, job: str = ""
+) -> Rank:
+    """Rank `rank` rejoins as `incarnation` with its image of checkpoint 1 (of `job`: the running one's)."""
+    restart = {"number": 1, "job": job or coordinator.job.job_id}
+    return join(rank, size, recover={"incarnation": incarnation}, restart=restart)
 
 
 def lose(coordinator: Coordinator, rank: Rank) -> None:
@@ -191,13 +195,15 @@ def test_only_the_next_incarnation_of_a_failed_rank_may_rejoin(
 ) -> None:
     _, r1, _ = started(pool, join, coordinator)
     with pytest.raises(CoordinatorError, match=r"rank 0 of job \w+ has not failed"):
-        rejoin(join, 0, 1)
+        rejoin(coordinator, join, 0, 1)
     lose(coordinator, r1)
     with pytest.raises(CoordinatorError, match="rank 1 rejoins as incarnation 2; its next incarnation is 1"):
-        rejoin(join, 1, 2)
+        rejoin(coordinator, join, 1, 2)
+    with pytest.raises(CoordinatorError, match="with an image of job 0123456789ab"):
+        rejoin(coordinator, join, 1, 1, job="0123456789ab")
     with pytest.raises(CoordinatorError, match="has already joined"):
         join(1)  # a launch, not a recovery
-    back = rejoin(join, 1, 1)
+    back = rejoin(coordinator, join, 1, 1)
     st = status(coordinator)
     assert [(r["state"], r["incarnation"]) for r in st["ranks"]][1] == ("recovering", 1)
     assert back.client.welcome["generation"] == 0
@@ -206,7 +212,7 @@ def test_only_the_next_incarnation_of_a_failed_rank_may_rejoin(
 def test_a_job_not_under_recover_refuses_a_rejoin(coordinator: Coordinator, join: Callable[..., Rank]) -> None:
     join(0, size=2, on_failure="abort")
     with pytest.raises(CoordinatorError, match="does not run under --on-failure recover"):
-        rejoin(join, 1, 1, size=2)
+        rejoin(coordinator, join, 1, 1, size=2)
 
 
 def test_a_recovered_rank_walks_its_own_phases_alone_and_the_survivors_hear_of_it(
@@ -217,7 +223,7 @@ def test_a_recovered_rank_walks_its_own_phases_alone_and_the_survivors_hear_of_i
 ) -> None:
     r0, r1, r2 = started(pool, join, coordinator)
     lose(coordinator, r1)
-    back = rejoin(join, 1, respawned.get(timeout=WAIT)[1])
+    back = rejoin(coordinator, join, 1, respawned.get(timeout=WAIT)[1])
     # a checkpoint asked for meanwhile waits until the rank is back
     asked = control(coordinator.address, TOKEN)
     try:
@@ -250,7 +256,7 @@ def test_a_crash_loop_fails_the_job(
     for attempt in range(1, MAX_RECOVERY_ATTEMPTS + 1):
         rank, incarnation = respawned.get(timeout=WAIT)
         assert (rank, incarnation) == (0, attempt)
-        again = rejoin(join, 0, incarnation)
+        again = rejoin(coordinator, join, 0, incarnation)
         again.barrier(Phase.RESTART.barrier(Phase.rank_scope(0, f"inc{incarnation}")))
         again.client.close()  # lost again before its RESUME
     assert coordinator.ended.wait(WAIT)
@@ -266,7 +272,7 @@ def test_collectives_a_recovered_rank_re_executes_are_answered_from_the_record(
     first = [allgather(pool, [r0, r1, r2], seq) for seq in (1, 2, 3)]
     pending: list[Future[dict[str, Any]]] = [pool.submit(r.collective, 4, f"{r.rank}@4") for r in (r0, r1, r2)[::2]]
     lose(coordinator, r1)
-    back = rejoin(join, 1, 1)
+    back = rejoin(coordinator, join, 1, 1)
     # its image was taken at collective 0: 1..3 come from the record at once, without the survivors
     assert [back.collective(seq, "ignored")["values"] for seq in (1, 2, 3)] == first
     with pytest.raises(CoordinatorError, match="re-executes collective #2 as barrier; it was allgather"):
@@ -292,7 +298,7 @@ def test_the_record_keeps_only_what_a_latest_image_may_re_execute(
     walk_checkpoint(pool, ranks, 2, 2)  # every image is past collective 2
     assert coordinator.job.recovery.recorded() == 1
     lose(coordinator, ranks[1])
-    back = rejoin(join, 1, 1)
+    back = rejoin(coordinator, join, 1, 1)
     with pytest.raises(CoordinatorError, match="re-executes allgather #2, older than every rank's latest image"):
         back.collective(2, "x")
     assert back.collective(3, "x")["values"] == ["0@3", "1@3", "2@3"]

@@ -132,13 +132,16 @@ class RankRecovery:
         following = self.failed[rank] + 1
         if wanted != following:
             raise CkptError(f"rank {rank} rejoins as incarnation {wanted!r}; its next incarnation is {following}")
-        if not hello.get("restart"):
+        restart = hello.get("restart") or {}
+        if not restart:
             raise CkptError(f"rank {rank} rejoins without an image to restart from")
+        if restart.get("job") != job.job_id:
+            raise CkptError(f"rank {rank} rejoins job {job.job_id} with an image of job {restart.get('job')}")
         del self.failed[rank]
         self.recovering[rank] = following
         info.incarnation, info.state = following, "restart"
         job.ranks[rank] = info
-        number = int(hello["restart"]["number"])
+        number = int(restart["number"])
         job.message = (
             f"rank {rank} rejoined as incarnation {following} (pid {info.pid} on {info.host}), "
             f"restarting from checkpoint {number} at step {info.step}"
@@ -157,6 +160,8 @@ class RankRecovery:
             return False  # a whole-job restart waits for every rank in its own phases: it fails as ever
         why = f" ({cause})" if cause else ""
         where = f"at step {info.step}" if info.step >= 0 else "during setup"
+        if job._ckpt is not None:
+            where = f"during checkpoint {job._ckpt.number} ({job._ckpt.stage_name})"
         if rank in self.recovering:
             where = f"while recovering as incarnation {info.incarnation}"
         lost = f"rank {rank} (pid {info.pid} on {info.host}) was lost {where}{why}"
