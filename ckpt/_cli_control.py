@@ -74,6 +74,24 @@ def _control(
     return conn, (str(record.get("claim") or "") or None) if ends_with_its_job else None
 
 
+def live_job_status(coordinator: str | None, ckpt_dir: Path) -> tuple[dict[str, Any], str, str]:
+    """(status, address, token) of the job running in `ckpt_dir` (or at --coordinator): one clear line if none."""
+    token = os.environ.get("CKPT_TOKEN")
+    if coordinator:
+        address, token = coord_client.locate(coordinator, ckpt_dir, token)
+    else:
+        record = _live_job(ckpt_dir, wait=0.0)
+        address, token = str(record["address"]), token or str(record["token"])
+    conn = coord_client.control(address, token)
+    try:
+        state: dict[str, Any] = conn.call("status")["status"]
+    finally:
+        conn.close()
+    if state.get("job") is None or state["state"] in ("finished", "failed", "killed"):
+        raise CkptError(f"the job at {address} has ended ({state['state']}): {state.get('message', '')}")
+    return state, address, token
+
+
 def _wait_for_the_end(ckpt_dir: Path, claim: str | None) -> None:
     """After a kill: return once the job's launcher has let go of the directory (its ranks reaped), so
     that a `ckpt restart` typed next finds it free."""
@@ -113,7 +131,10 @@ def checkpoint(wait: bool, kill: bool, rank: int | None, coordinator: str | None
             f"({last['bytes']} bytes, {last['seconds']:.2f} s){'; job killed' if kill else ''}"
         )
     elif answer.get("queued"):
-        click.echo("checkpoint requested (it starts once every rank has joined and no other checkpoint runs)")
+        click.echo(
+            "checkpoint requested (it starts once every rank has joined the job or is back from a failure, "
+            "and no other checkpoint runs)"
+        )
     else:
         click.echo(f"checkpoint {answer['number']} requested")
 
@@ -183,14 +204,24 @@ def _print_status(state: dict[str, Any]) -> None:
     if state["state"] == "waiting":
         joined = f" ({len(state['ranks'])} of {state['size'] or '?'} ranks joined)"
     generation = "" if state["generation"] is None else f"  generation {state['generation']}"
+    policy = "  on failure: recover" if state.get("on_failure") == "recover" else ""
     click.echo(
         f"job {state['job'] or '?'}{generation}  state {state['state']}{joined}"
-        f"{'' if state['unanimous'] else ' (not unanimous)'}  coordinator {state['coordinator'] or '-'}"
+        f"{'' if state['unanimous'] else ' (not unanimous)'}  coordinator {state['coordinator'] or '-'}{policy}"
     )
     for r in state["ranks"]:
         latest = r.get("latest_image")
         image = f"  latest image {latest}" if latest is not None else ""
-        click.echo(f"  rank {r['rank']:>3}  {r['state']:<11} step {r['step']:<8} pid {r['pid']:<8} {r['host']}{image}")
+        click.echo(
+            f"  rank {r['rank']:>3}  {r['state']:<11} step {r['step']:<8} pid {r['pid']:<8} "
+            f"incarnation {r.get('incarnation', 0):<3} {r['host']}{image}"
+        )
+    for r in state["ranks"]:
+        if r["state"] == "failed" and state["state"] not in ("failed", "killed", "finished"):
+            click.echo(
+                f"rank {r['rank']} failed (incarnation {r.get('incarnation', 0)} was lost); its next incarnation "
+                f"is {r.get('incarnation', 0) + 1} (ckpt restart --rank {r['rank']}, if no launcher respawns it)"
+            )
     independent = state.get("independent_in_progress")
     if independent:
         click.echo(

@@ -124,6 +124,28 @@ def contributions(host: PluginHost) -> dict[str, dict[str, list[str]]]:
     return found
 
 
+# ------------------------------------------------------------------ single-rank recovery
+def check_single_rank_recovery(host: PluginHost, job: JobInfo) -> None:
+    """``--on-failure recover`` is for jobs whose plugins can bring one rank back among live peers.
+
+    The first plugin, in ckpt_single_rank_recovery's order (up: the highest layer speaks for those below
+    it), whose answer is not None decides: True accepts, a string refuses in one line naming the plugin.
+    No answer at all accepts: no plugin keeps state across ranks.
+    """
+    for impl in host.ordered_impls("ckpt_single_rank_recovery"):
+        answer = _call(impl, "ckpt_single_rank_recovery", job=job)
+        if answer is None:
+            continue
+        if answer is True:
+            return
+        if isinstance(answer, str) and answer.strip():
+            raise CkptError(f"--on-failure recover: plugin {impl.plugin_name!r} cannot recover a single rank: {answer}")
+        raise PluginError(
+            f"plugin {impl.plugin_name!r}: ckpt_single_rank_recovery returned {answer!r}, "
+            "not True, a one-line reason or None"
+        )
+
+
 # ------------------------------------------------------------------ commands
 def plugin_commands(taken: Collection[str]) -> dict[str, click.Command]:
     """The commands installed plugins add to `ckpt` (ckpt_cli_commands); a name already taken is refused."""

@@ -1,10 +1,18 @@
 """Starting a job: plugins' services, the embedded coordinator, one process per rank, waiting, results."""
 
+# Under --on-failure recover a rank process that dies is not the job's end: the
+# coordinator decides (it marks a joined rank failed, or fails the job), and its
+# respawn callback hands (rank, incarnation) to this launcher's respawner
+# thread, which starts a process for that rank from its latest image
+# (`recovery_spec`).  A process that dies before it has joined is the job's end
+# as ever: the coordinator never heard of it.
+
 from __future__ import annotations
 
 import json
 import logging
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -18,7 +26,7 @@ from typing import Any
 from ckpt import _jobdir as jobdir
 from ckpt import _manifest as manifests
 from ckpt import _wire as wire
-from ckpt._cli_plugins import JobServices, launcher_host
+from ckpt._cli_plugins import JobServices, check_single_rank_recovery, launcher_host
 from ckpt._errors import CkptError, CoordinatorError, ImageError, ProtocolError
 from ckpt._jobdir import read_job_file, write_job_file
 from ckpt._schemas import Manifest, RankEntry, to_dict
@@ -66,6 +74,7 @@ class JobOptions:
     debug: int | None = None  # restart: this rank stops in pdb before its next step (stdin is its)
     claim: jobdir.DirectoryClaim | None = None  # the CLI's claim on ckpt_dir, taken before anything else
     recorded_phase_timeout: float | None = None  # what manifests record when --debug overrides phase_timeout
+    on_failure: str = "abort"  # "recover": a lost rank is respawned from its latest image (_recovery.py)
 
 
 def external_rank() -> tuple[int, int | None] | None:
@@ -90,7 +99,10 @@ def job_services(opts: JobOptions, job: str, external_rank: int | None = None) -
         owns_coordinator=opts.coordinator is None,
         external_rank=external_rank,
     )
-    return JobServices(launcher_host(tuple(opts.with_plugins), tuple(opts.disabled)), info)
+    host = launcher_host(tuple(opts.with_plugins), tuple(opts.disabled))
+    if opts.on_failure == "recover":  # before anything starts: every plugin with cross-rank state must agree
+        check_single_rank_recovery(host, info)
+    return JobServices(host, info)
 
 
 def rank_spec(opts: JobOptions, rank: int, address: str, token: str, job: str) -> dict[str, Any]:
@@ -109,6 +121,7 @@ def rank_spec(opts: JobOptions, rank: int, address: str, token: str, job: str) -
         "transport": opts.transport,
         "options": opts.options,
         "log_level": opts.log_level,
+        "on_failure": opts.on_failure,
     }
     if opts.restart is not None:
         m = opts.restart
@@ -122,6 +135,26 @@ def rank_spec(opts: JobOptions, rank: int, address: str, token: str, job: str) -
             "last_checkpoint": last_checkpoint(m, opts.ckpt_dir),
         }
         spec["debug"] = opts.debug == rank
+    return spec
+
+
+def recovery_spec(opts: JobOptions, rank: int, incarnation: int, address: str, token: str, job: str) -> dict[str, Any]:
+    """The spec of a process that replaces failed rank `rank` as `incarnation`, from its latest image."""
+    program = Path(opts.program).stem
+    manifest, number = manifests.rank_image(opts.ckpt_dir, program, rank, token=wire.token_bytes(token))
+    entry = next(e for e in manifest.ranks if e.rank == rank)  # rank_image found it
+    spec = rank_spec(opts, rank, address, token, job)
+    spec["restart"] = {
+        "image": str(opts.ckpt_dir / entry.file),
+        "sha256": entry.sha256 or None,
+        "job": manifest.job,
+        "generation": manifest.generation,
+        "number": number,
+        "id_counters": {},
+        "last_checkpoint": None,
+    }
+    spec["recover"] = {"incarnation": incarnation}
+    spec["debug"] = False
     return spec
 
 
@@ -212,7 +245,10 @@ class _Job:
         self.opts = opts
         self.changed = threading.Condition()
         self.processes: list[subprocess.Popen[bytes]] = []
+        #: each rank's current process (a respawned rank's replaces its lost one) and its exit status
+        self.current: dict[int, subprocess.Popen[bytes]] = {}
         self.exited: dict[int, int] = {}
+        self._respawns: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
         restart = opts.restart
         # One token per checkpoint directory: a new job launched into it keeps the token, so the
         # checkpoints already there stay restartable (their HMACs are keyed with it).
@@ -259,6 +295,9 @@ class _Job:
                 raise
             self.address = self.coordinator.address
             threading.Thread(target=self._watch_coordinator, daemon=True).start()
+            if opts.on_failure == "recover":
+                self.coordinator.set_respawn(lambda rank, incarnation: self._respawns.put((rank, incarnation)))
+                threading.Thread(target=self._respawner, name="ckpt-respawner", daemon=True).start()
             self._write_job_file()
             log.info("coordinator of job %s listening on %s", self.job_id, self.address)
         else:
@@ -272,25 +311,57 @@ class _Job:
 
     def spawn(self) -> None:
         for rank in range(self.opts.ranks):
-            spec = rank_spec(self.opts, rank, self.address, self.token, self.job_id)
-            spec["print_result"] = self.coordinator is None
-            # The ranks heartbeat as the coordinator expects them to (and watch it with the same timeout).
-            heartbeat = {
-                wire.ENV_HEARTBEAT_INTERVAL: repr(self.heartbeat.interval),
-                wire.ENV_HEARTBEAT_TIMEOUT: repr(self.heartbeat.timeout),
-            }
-            env = dict(os.environ, **self.services_env, **heartbeat, **{SPEC_ENV: json.dumps(spec)})
-            # Under --debug only the debugged rank reads the terminal; the others must not take its input.
-            stdin = subprocess.DEVNULL if self.opts.debug is not None and self.opts.debug != rank else None
-            process = subprocess.Popen([sys.executable, "-P", "-m", "ckpt.runtime.rank"], env=env, stdin=stdin)
-            self.processes.append(process)
-            threading.Thread(target=self._reap, args=(rank, process), daemon=True).start()
+            self._start_rank(rank, rank_spec(self.opts, rank, self.address, self.token, self.job_id))
+
+    def _start_rank(self, rank: int, spec: dict[str, Any]) -> None:
+        spec["print_result"] = self.coordinator is None
+        # The ranks heartbeat as the coordinator expects them to (and watch it with the same timeout).
+        heartbeat = {
+            wire.ENV_HEARTBEAT_INTERVAL: repr(self.heartbeat.interval),
+            wire.ENV_HEARTBEAT_TIMEOUT: repr(self.heartbeat.timeout),
+        }
+        env = dict(os.environ, **self.services_env, **heartbeat, **{SPEC_ENV: json.dumps(spec)})
+        # Under --debug only the debugged rank reads the terminal; the others must not take its input.
+        stdin = subprocess.DEVNULL if self.opts.debug is not None and self.opts.debug != rank else None
+        process = subprocess.Popen([sys.executable, "-P", "-m", "ckpt.runtime.rank"], env=env, stdin=stdin)
+        self.processes.append(process)
+        self.current[rank] = process
+        threading.Thread(target=self._reap, args=(rank, process), daemon=True).start()
 
     def _reap(self, rank: int, process: subprocess.Popen[bytes]) -> None:
         code = process.wait()
         with self.changed:
-            self.exited[rank] = code
+            if self.current.get(rank) is process:  # a lost incarnation's exit is not its rank's
+                self.exited[rank] = code
             self.changed.notify_all()
+
+    def _respawner(self) -> None:
+        """Start the processes the coordinator asks for (its callback only queues them: it holds its lock)."""
+        assert self.coordinator is not None
+        while True:
+            rank, incarnation = self._respawns.get()
+            try:
+                spec = recovery_spec(self.opts, rank, incarnation, self.address, self.token, self.job_id)
+            except CkptError as exc:
+                self.coordinator.fail(f"cannot respawn rank {rank}: {exc}")
+                continue
+            with self.changed:
+                if self.outcome() is not None:
+                    continue
+                lost = self.current.get(rank)
+                if lost is not None and lost.poll() is None:
+                    lost.kill()  # silent rather than dead: the coordinator gave up on it (its reaper reaps it)
+                self.exited.pop(rank, None)
+                log.info("respawning rank %d as incarnation %d", rank, incarnation)
+                self._start_rank(rank, spec)
+                self.changed.notify_all()
+
+    def _joined_then_died(self, failed: dict[int, int]) -> bool:
+        """Under recover: did every rank process that died join the job? Then the coordinator handles it."""
+        assert self.coordinator is not None
+        if self.opts.on_failure != "recover":
+            return False
+        return all(self.coordinator.rank_pid(rank) == self.current[rank].pid for rank in failed)
 
     def outcome(self) -> dict[str, Any] | None:
         return self.coordinator.outcome if self.coordinator else None
@@ -303,9 +374,13 @@ class _Job:
                 if outcome is not None:
                     return outcome
                 failed = {r: c for r, c in self.exited.items() if c != 0}
-                if failed or len(self.exited) == len(self.processes):
+                if failed or len(self.exited) == len(self.current):
                     if self.coordinator is None:
                         return _external_outcome(self.exited)
+                    if failed and self._joined_then_died(failed):
+                        # it marks them failed and its respawn replaces them, or it ends the job
+                        self.changed.wait(timeout=1.0)
+                        continue
                     # the coordinator hears of a lost rank over its socket; give it a moment to say so
                     self.changed.wait_for(lambda: self.outcome() is not None, timeout=2.0)
                     outcome = self.outcome()

@@ -42,7 +42,7 @@ MANIFEST_FORMAT: Final[int] = 1
 MANIFEST_MINOR: Final[int] = 1
 #: Format of an image (its layout and its header) this ckpt writes and reads, and the header's minor.
 IMAGE_FORMAT: Final[int] = 1
-IMAGE_MINOR: Final[int] = 0
+IMAGE_MINOR: Final[int] = 1
 
 
 class SchemaError(ValueError):
@@ -72,6 +72,9 @@ class JobRecord(msgspec.Struct, frozen=True, kw_only=True):
     phase_timeout: float = 300.0
     #: ``--rank-interval``: independent checkpoints of each rank, staggered (minor 1).
     rank_interval: float | None = None
+    #: What a lost rank does to the job (minor 1): "abort" (the job fails) or "recover" (the rank is
+    #: respawned from its own latest image while the others run on).
+    on_failure: str = "abort"
 
 
 @final
@@ -164,6 +167,8 @@ class ImageHeader(msgspec.Struct, frozen=True, kw_only=True):
     step: int = 0
     finished: bool = False
     result: str | None = None
+    #: The rank's incarnation (minor 1; see ``Runtime.incarnation``): a whole-job restart keeps it.
+    incarnation: int = 0
     format_version: int = IMAGE_FORMAT
     format_minor: int = IMAGE_MINOR
     #: Set when the image is written: when, and its largest objects (see ``describe_objects``).

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 #: A restart under --debug waits at RESUME this long (seconds) for the debugged rank: practically for ever.
 DEBUG_PHASE_TIMEOUT = 7 * 24 * 3600.0
 #: Job settings a restart takes from the checkpoint's manifest unless its command line gives them.
-_RECORDED_SETTINGS = ("interval", "keep", "phase_timeout", "rank_interval")
+_RECORDED_SETTINGS = ("interval", "keep", "phase_timeout", "rank_interval", "on_failure")
 
 
 class _Group(click.Group):
@@ -95,6 +95,15 @@ def _job_options(f: Any) -> Any:
         default=300.0,
         show_default=True,
         help="Abort a checkpoint whose phase takes longer (seconds) [restart: the checkpoint's].",
+    )(f)
+    f = click.option(
+        "--on-failure",
+        type=click.Choice(["abort", "recover"]),
+        default="abort",
+        show_default=True,
+        help="What a lost rank does: abort (the job fails) or recover (it is respawned from its own latest "
+        "image while the others run on; every plugin with cross-rank state must support it) [restart: the "
+        "checkpoint's].",
     )(f)
     f = click.option(
         "--log-level",
@@ -270,6 +279,8 @@ def launch(
     coordinator = None if new_coordinator else coordinator
     outside = external_rank()
     _refuse_split_launch(outside, coordinator)
+    if native and job["on_failure"] == "recover":
+        raise CkptError("--on-failure recover needs the checkpoint thread, and --native runs without one")
     claim = jobdir.claim(ckpt_dir) if coordinator is None else None
     load_program(program)  # one clear error here rather than one per rank
     job["interval"] = _interval(job["interval"])
@@ -332,6 +343,14 @@ def _run_one_rank(opts: JobOptions, rank: int, size: int | None) -> None:
     metavar="RANK",
     help="Stop RANK in pdb before its next step (it reads this terminal); the others wait until it continues.",
 )
+@click.option(
+    "--rank",
+    "recover_rank",
+    type=click.IntRange(min=0),
+    metavar="R",
+    help="Restart failed rank R alone, in this process, from its latest image, into the running job "
+    "(--on-failure recover; found through --ckpt-dir or --coordinator); it prints its own result.",
+)
 def restart(
     target: str | None,
     ckpt_dir: Path,
@@ -339,17 +358,20 @@ def restart(
     with_plugins: tuple[str, ...],
     disabled: tuple[str, ...],
     debug: int | None,
+    recover_rank: int | None,
     **job: Any,
 ) -> None:
     """Restart the latest checkpoint in the ckpt dir (or TARGET: a manifest or a directory).
 
     The job runs again with the plugins, plugin options and settings its manifest recorded; options given
-    here override them.
+    here override them.  With --rank R, only failed rank R of the running job starts again.
     """
     from ckpt._cli_plugins import resolve_transport
     from ckpt._launcher import JobOptions, external_rank, prepare_restart, restart_directory, run_job
 
     _configure_logging(job["log_level"])
+    if recover_rank is not None:
+        _restart_one_rank(recover_rank, ckpt_dir.resolve(), coordinator, with_plugins, disabled, job["log_level"])
     directory, manifest_path = restart_directory(target, ckpt_dir)
     outside = external_rank()
     _refuse_split_launch(outside, coordinator)
@@ -401,6 +423,63 @@ def restart(
             raise CkptError(f"the checkpoint has {opts.ranks} ranks; the launcher started {outside[1]}")
         _run_one_rank(opts, *outside)
     sys.exit(run_job(opts))
+
+
+def _restart_one_rank(
+    rank: int,
+    ckpt_dir: Path,
+    coordinator: str | None,
+    with_plugins: tuple[str, ...],
+    disabled: tuple[str, ...],
+    log_level: str,
+) -> None:
+    """`ckpt restart --rank R`: run failed rank R's next incarnation in this process, from its latest image."""
+    from ckpt import _manifest as manifests
+    from ckpt import _wire as wire
+    from ckpt._cli_control import live_job_status
+    from ckpt._cli_plugins import launcher_host
+    from ckpt._launcher import JobOptions, job_services, recovery_spec
+    from ckpt.runtime import rank as rank_main
+
+    state, address, token = live_job_status(coordinator, ckpt_dir)
+    if state.get("on_failure") != "recover":
+        raise CkptError(
+            f"job {state['job']} does not run under --on-failure recover: its ranks cannot be restarted alone "
+            "(ckpt restart without --rank restarts the whole job from its latest checkpoint once it has ended)"
+        )
+    ranks = {int(r["rank"]): r for r in state["ranks"]}
+    if rank not in ranks:
+        raise CkptError(f"job {state['job']} has no rank {rank} (it has ranks 0..{int(state['size']) - 1})")
+    if ranks[rank]["state"] != "failed":
+        raise CkptError(f"rank {rank} of job {state['job']} has not failed (it is {ranks[rank]['state']})")
+    directory = Path(state["ckpt_dir"])
+    program = str(state.get("program") or "")
+    manifest, _ = manifests.rank_image(directory, program, rank, token=wire.token_bytes(token))
+    # the rank runs with the plugins the job runs with: those its checkpoint recorded, not every one installed
+    modules = list(dict.fromkeys([*manifest.with_plugins, *with_plugins]))
+    recorded = {str(p.get("name")) for p in manifest.plugins}
+    installed = {p.name for p in launcher_host(tuple(modules), ()).plugins}
+    opts = JobOptions(
+        program=manifest.program.path,
+        argv=list(manifest.argv),
+        ranks=manifest.size,
+        ckpt_dir=directory,
+        transport=manifest.transport,
+        coordinator=address,
+        with_plugins=modules,
+        disabled=sorted({*disabled, *(installed - recorded)}),
+        options=dict(manifest.options),
+        log_level=log_level,
+        on_failure="recover",
+    )
+    spec = recovery_spec(opts, rank, int(ranks[rank]["incarnation"]) + 1, address, token, str(state["job"]))
+    spec["print_result"] = True  # no launcher prints it: as a rank under an external launcher does
+    services = job_services(opts, job=str(state["job"]), external_rank=rank)
+    os.environ.update(services.start())
+    try:
+        rank_main.main(spec)
+    finally:
+        services.stop()
 
 
 def _check_restart_plugins(manifest: dict[str, Any], with_plugins: list[str], disabled: list[str]) -> None:

@@ -171,7 +171,13 @@ def test_a_restart_reuses_the_plugins_options_and_settings_of_the_checkpoint(
     assert hint.endswith(f"restart with: ckpt restart --ckpt-dir {ckpt_dir}"), hint
     manifest = json.loads((ckpt_dir / "ckpt_heat_1.json").read_text())
     assert manifest["with_plugins"] == ["ckpt_initprobe"]
-    assert manifest["settings"] == {"interval": None, "keep": 1, "phase_timeout": 77.0, "rank_interval": None}
+    assert manifest["settings"] == {
+        "interval": None,
+        "keep": 1,
+        "phase_timeout": 77.0,
+        "rank_interval": None,
+        "on_failure": "abort",
+    }
     step = manifest["ranks"][0]["step"]
     # the hint, literally: no --with-plugin, and ckpt_init sees the restarted rank at its image's step
     again = start_job("restart", "--ckpt-dir", str(ckpt_dir), extra_env={"CKPT_TEST_INIT_LOG": str(log)})

@@ -305,3 +305,41 @@ def test_ckpt_plugins_lists_what_each_plugin_contributes() -> None:
         "cmds": {"transports": [], "default_transport": [], "commands": ["hello"]},
     }
     assert not log, "listing contributions starts no service"
+
+
+# ----------------------------------------------------------------- --on-failure recover: may this job run under it?
+class _Answers:
+    """A plugin answering ckpt_single_rank_recovery with `answer`, logging that it was asked."""
+
+    def __init__(self, log: Log, name: str, answer: Any) -> None:
+        self.log, self.name, self.answer = log, name, answer
+
+    @hookimpl
+    def ckpt_single_rank_recovery(self, job: JobInfo) -> Any:
+        self.log.append(self.name)
+        return self.answer
+
+
+def test_the_first_answer_up_the_stack_decides(tmp_path: Path) -> None:
+    log: Log = []
+    # registered low to high; the hook runs up: the highest layer speaks for those below it
+    refusing, silent, accepting = (_Answers(log, "verbs", "no"), _Answers(log, "dsm", None), _Answers(log, "log", True))
+    _cli_plugins.check_single_rank_recovery(_host(refusing, silent, accepting), _job(tmp_path))
+    assert log == ["log"]
+    log.clear()
+    with pytest.raises(CkptError, match="plugin 'verbs' cannot recover a single rank: no") as refused:
+        _cli_plugins.check_single_rank_recovery(_host(refusing, silent), _job(tmp_path))
+    assert log == ["dsm", "verbs"] and "\n" not in str(refused.value)
+    _cli_plugins.check_single_rank_recovery(_host(silent), _job(tmp_path))  # no answer: accepted
+
+
+def test_an_answer_that_is_none_of_the_three_names_the_plugin(tmp_path: Path) -> None:
+    with pytest.raises(PluginError, match=r"plugin 'odd': ckpt_single_rank_recovery returned 1, not True"):
+        _cli_plugins.check_single_rank_recovery(_host(_Answers([], "odd", 1)), _job(tmp_path))
+
+
+def test_the_verbs_plugin_refuses_recover_in_one_line(tmp_path: Path) -> None:
+    import ckpt_ib
+
+    answer = ckpt_ib.ckpt_single_rank_recovery(_job(tmp_path))
+    assert isinstance(answer, str) and "\n" not in answer and "--disable-plugin ib" in answer

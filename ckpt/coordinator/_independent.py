@@ -126,6 +126,7 @@ class IndependentCheckpoints(JobMembership):
             and self.all_joined()
             and all(info.connected for info in self.ranks.values())  # not while a lost rank is dealt with
             and not self.restarting
+            and not self.recovery.busy()  # nor while a failed rank is away or still restarting
         )
 
     def _start_queued_rank(self) -> None:
@@ -193,6 +194,7 @@ class IndependentCheckpoints(JobMembership):
         seconds = time.time() - ckpt.started
         path = self._commit(self._manifest(ckpt.number, "rank", entries, seconds))
         self.latest_images[ckpt.rank] = (ckpt.number, entry)
+        self.recovery.committed(ckpt.number, {ckpt.rank: report})
         self.last_rank_checkpoint = {
             "rank": ckpt.rank,
             "number": ckpt.number,
@@ -219,7 +221,7 @@ class IndependentCheckpoints(JobMembership):
             plugins=self.ranks[0].plugins if self.ranks else [],
             with_plugins=self.with_plugins,
             options=self.options,
-            settings=self.settings.recorded(),
+            settings=msgspec.structs.replace(self.settings.recorded(), on_failure=self.recovery.policy),
             coordinator=self.settings.address,
             id_counters=dict(self.kv.id_counters),
             ranks=ranks,

@@ -23,6 +23,7 @@ from ckpt import _manifest as manifests
 from ckpt._errors import CkptError
 from ckpt._schemas import JobRecord, ProgramInfo
 from ckpt.coordinator import protocol
+from ckpt.coordinator._recovery import RankRecovery
 from ckpt.coordinator._scheduler import Scheduler, Timer
 from ckpt.coordinator.kvstore import KeyValueStore, Reply
 from ckpt.plugin import Phase
@@ -32,7 +33,9 @@ log = logging.getLogger("ckpt.coordinator.job")
 
 #: Rank states of a live job, in the order `ckpt status` takes the minimum over: running, then each
 #: phase's state in the order of a checkpoint and of a restart, then finished.  A rank that is lost is
-#: "failed"; when the job ends, ranks that had not finished are "killed" (by a request, or because
+#: "failed" (under --on-failure recover: until its next incarnation rejoins, "recovering" until that
+#: one's RESUME; neither counts in the job's state, which stays the live ranks'); when the job
+#: ends, ranks that had not finished are "killed" (by a request, or because
 #: another rank failed).  The job's own state is also "waiting" (ranks still joining) or its end.
 STATES = (
     "running",
@@ -55,6 +58,8 @@ class RankInfo:
     result: str | None = None
     connected: bool = True
     plugins: list[dict[str, Any]] = field(default_factory=list)
+    #: 0 at launch, one more per single-rank recovery; a whole-job restart keeps it
+    incarnation: int = 0
 
 
 @dataclass
@@ -145,6 +150,8 @@ class JobMembership(abc.ABC):
         #: rank -> (bytes loaded, bytes total) while a restart loads images
         self.progress: dict[int, tuple[int, int]] = {}
         self.on_end: Callable[[], None] = lambda: None
+        #: --on-failure recover: failed ranks, their rejoins, the record of collectives (_recovery.py)
+        self.recovery = RankRecovery(self)
 
     # ----------------------------------------------------------- membership
     def join(self, hello: dict[str, Any]) -> dict[str, Any]:
@@ -153,27 +160,41 @@ class JobMembership(abc.ABC):
             raise CkptError(f"job {self.job_id} has already ended ({self.outcome['status']})")
         rank, size = int(hello["rank"]), int(hello["size"])
         if not self.ranks:
+            if hello.get("recover") is not None:
+                raise CkptError(f"rank {rank} asks to rejoin a job that has no failed rank (no rank has joined it)")
             self._adopt(hello)
         if size != self.size:
             raise CkptError(f"rank {rank} says the job has {size} ranks, the coordinator has {self.size}")
         if not 0 <= rank < size:
             raise CkptError(f"rank {rank} is out of range for a job of {size} ranks")
-        if rank in self.ranks:
-            raise CkptError(f"rank {rank} has already joined job {self.job_id}")
         assert self.program is not None
         if hello.get("program", {}).get("name") != self.program.name:
             raise CkptError(
                 f"rank {rank} runs program {hello.get('program', {}).get('name')!r}, the job runs {self.program.name!r}"
             )
+        if hello.get("recover") is not None:  # the next incarnation of a failed rank (_recovery.py)
+            self.recovery.rejoin(hello, self._rank_info(hello))
+            return self._welcome_fields()
+        if rank in self.ranks:
+            raise CkptError(f"rank {rank} has already joined job {self.job_id}")
         if bool(hello.get("restart")) != self.restarting:
             raise CkptError(f"rank {rank} {'restarts' if hello.get('restart') else 'launches'} but the job does not")
-        info = RankInfo(rank, int(hello.get("pid", 0)), str(hello.get("host", "")))
+        info = self._rank_info(hello)
+        info.state = "restart" if self.restarting else "finished" if info.finished else "running"
+        self.ranks[rank] = info
+        self.recovery.joined(rank, hello)
+        return self._welcome_fields()
+
+    def _rank_info(self, hello: dict[str, Any]) -> RankInfo:
+        info = RankInfo(int(hello["rank"]), int(hello.get("pid", 0)), str(hello.get("host", "")))
         info.plugins = list(hello.get("plugins", []))
         info.step = int(hello.get("step", 0))
         info.finished = bool(hello.get("finished", False))
         info.result = hello.get("result")
-        info.state = "restart" if self.restarting else "finished" if info.finished else "running"
-        self.ranks[rank] = info
+        info.incarnation = int(hello.get("incarnation", 0))
+        return info
+
+    def _welcome_fields(self) -> dict[str, Any]:
         return {
             "job": self.job_id,
             "generation": self.generation,
@@ -188,6 +209,9 @@ class JobMembership(abc.ABC):
             self.message = f"all {self.size} ranks joined (generation {self.generation})"
             log.info("job %s: %s", self.job_id, self.message)
             if not self.restarting:
+                if self.recovery.on and self.last_checkpoint is None:
+                    # every rank needs an image to be recovered from: one at the first step boundary
+                    self.request_checkpoint(kill=False, waiter=None)
                 self._arm_interval()
                 self._start_queued()
 
@@ -204,6 +228,7 @@ class JobMembership(abc.ABC):
         self.options = dict(hello.get("options", {}))
         self.transport = str(hello.get("transport", ""))
         self.native = bool(hello.get("native", False))
+        self.recovery.adopt(hello)
         restart = hello.get("restart")
         if restart:
             self.restarting = True
@@ -233,6 +258,8 @@ class JobMembership(abc.ABC):
         info.connected = False
         if self.outcome is not None:
             return  # the job already ended; ranks leaving is expected
+        if self.recovery.lost(rank, info, cause):
+            return  # --on-failure recover: the job runs on without it until its next incarnation
         info.state = "failed"
         where = (
             f"during checkpoint {self._ckpt.number} ({self._ckpt.stage_name})" if self._ckpt else f"at step {info.step}"
@@ -301,6 +328,9 @@ class JobMembership(abc.ABC):
     # ----------------------------------------------------------- collectives
     def collective(self, rank: int, seq: int, kind: str, step: int, data: Any, reply: Reply) -> None:
         """A program collective (allgather / barrier): matched by per-rank sequence number."""
+        if self.recovery.replay(rank, seq, kind, reply):  # a recovering rank re-executes a completed one
+            self.ranks[rank].step = step
+            return
         arrivals = self._collectives.setdefault(seq, {})
         arrivals[rank] = _Arrival(data, reply, kind, step)
         self.ranks[rank].step = step
@@ -312,6 +342,7 @@ class JobMembership(abc.ABC):
         if len(arrivals) == self.size:
             del self._collectives[seq]
             values = [arrivals[r].value for r in range(self.size)]
+            self.recovery.completed(seq, kind, values)
             for arrival in arrivals.values():
                 arrival.reply({"values": values})
             return
@@ -326,8 +357,8 @@ class JobMembership(abc.ABC):
         in a sound job all waiting ranks wait in the same one.  Ranks in different ones have images of
         different moments (or a program whose ranks call collectives a different number of times).
         """
-        if self._ckpt is not None or not self.all_joined():
-            return  # parked ranks are _check_stuck's business
+        if self._ckpt is not None or not self.all_joined() or self.recovery.busy():
+            return  # parked ranks are _check_stuck's business; a failed rank's next incarnation will come
         waiting = {r: (seq, a) for seq, arrivals in self._collectives.items() for r, a in arrivals.items()}
         active = [r for r, info in self.ranks.items() if info.connected and not info.finished]
         if not active or any(r not in waiting for r in active):
@@ -354,7 +385,13 @@ class JobMembership(abc.ABC):
     def participants(self, name: str) -> set[int]:
         """Who barrier ``name`` waits for: one rank in that rank's own scope (``rankR.``), else every rank."""
         rank = Phase.rank_of_scope(name)
-        return {rank} if rank is not None else set(range(self.size))
+        if rank is not None:
+            return {rank}
+        scope = name.partition(":")[0]
+        if scope.startswith("ckpt") and scope[4:].isdigit() and self.recovery.busy():
+            # a failed rank never comes back into a checkpoint's phases (only a committed one's RESUME is left)
+            return set(range(self.size)) - self.recovery.absent()
+        return set(range(self.size))
 
     def barrier(self, rank: int, name: str, value: Any, reply: Reply) -> None:
         """A named global barrier (runtime phases and plugins); a name mismatch is reported, not hung on."""
@@ -385,23 +422,28 @@ class JobMembership(abc.ABC):
         if not participants <= set(arrivals):
             self._check_stuck()  # a rank arriving at PRESUSPEND (or a plugin barrier) may complete the picture
             return
-        del self._barriers[name]
+        self._release_barrier(name)
+
+    def _release_barrier(self, name: str) -> None:
+        """Barrier `name` has every participant: complete it and release them."""
+        arrivals = self._barriers.pop(name)
         values = [arrivals[r].value if r in arrivals else None for r in range(self.size)]
         extra = self._barrier_complete(name, values)
         for arrival in arrivals.values():
             arrival.reply({"values": values, **extra})
         self._after_barrier(name)
+        self.recovery.barrier_released(name)
 
     # ----------------------------------------------------------- status
     def status(self) -> dict[str, Any]:
         ranks = [
             {
                 "rank": r,
-                "state": info.state,
+                "state": self.recovery.state_of(r, info),
                 "step": info.step,
                 "host": info.host,
                 "pid": info.pid,
-                "incarnation": 0,
+                "incarnation": info.incarnation,
             }
             for r, info in sorted(self.ranks.items())
         ]
@@ -426,6 +468,8 @@ class JobMembership(abc.ABC):
             "last_checkpoint": self.last_checkpoint,
             "checkpoint_in_progress": self._ckpt.number if self._ckpt else None,
             "message": self.message,
+            "on_failure": self.recovery.policy,
+            "program": self.program.name if self.program is not None else None,
             "coordinator": self.settings.address,
             "ckpt_dir": str(self.settings.ckpt_dir),
             "pid": os.getpid(),
@@ -463,6 +507,10 @@ class JobMembership(abc.ABC):
     @abc.abstractmethod
     def _arm_interval(self) -> None:
         """(Re)start the timer of periodic checkpoints."""
+
+    @abc.abstractmethod
+    def request_checkpoint(self, *, kill: bool, waiter: Reply | None) -> dict[str, Any]:
+        """Start a checkpoint, or join the one in progress / queued."""
 
     @abc.abstractmethod
     def _start_queued(self) -> None:

@@ -22,7 +22,9 @@
 # Invariants: at most one checkpoint (of either kind) is in progress; a
 # checkpoint exists only once its manifest is written (the CHECKPOINT barrier
 # writes it before anyone is released); an aborted checkpoint leaves no files
-# behind; a lost rank fails the job (the previous checkpoint stays the latest).
+# behind; a lost rank fails the job (the previous checkpoint stays the latest)
+# -- under --on-failure recover it is respawned instead, and checkpoints wait
+# until it is back (_recovery.py).
 #
 # The membership, collectives and named barriers this runs on: _membership.py;
 # independent checkpoints of one rank (scope rankR.ckptN) and each rank's
@@ -132,7 +134,8 @@ class Job(IndependentCheckpoints):
         target = self._ckpt or self._queued
         if target is None:
             target = Checkpoint(0, kill, time.time())
-            if self.all_joined() and not self.restarting and self._rank_ckpt is None:
+            free = self._rank_ckpt is None and not self.recovery.busy()
+            if self.all_joined() and not self.restarting and free:
                 self._start(target)
             else:
                 self._queued = target
@@ -156,6 +159,7 @@ class Job(IndependentCheckpoints):
             and self.outcome is None
             and self.all_joined()
             and not self.restarting
+            and not self.recovery.busy()
         ):
             queued, self._queued = self._queued, None
             self._start(queued)
@@ -294,6 +298,7 @@ class Job(IndependentCheckpoints):
             except (msgspec.ValidationError, TypeError) as exc:
                 raise CkptError(f"rank {rank}'s image report does not fit the manifest: {exc}") from None
         path = self._commit(self._manifest(ckpt.number, "job", ranks, seconds))
+        self.recovery.committed(ckpt.number, dict(enumerate(images)))
         total = sum(entry.bytes for entry in ranks)
         self.last_checkpoint = {"number": ckpt.number, "manifest": path, "bytes": total, "seconds": seconds}
         return path

@@ -12,7 +12,7 @@
 # ckpt.verbs speaks too.
 #
 # The other direction is typed the same way: the pushes the coordinator sends a
-# rank unasked (suspend, abort, kill, done) are Structs too, built by the job
+# rank unasked (suspend, abort, kill, done, rank_failed, rank_recovered) are Structs too, built by the job
 # and decoded by the rank with parse_push().
 #
 # Unknown fields are ignored (a newer client may send more); a missing
@@ -252,6 +252,22 @@ class Done(Push, tag="done", frozen=True):
     """Every rank has finished: the rank runs ckpt_exit and exits."""
 
 
+class RankFailed(Push, tag="rank_failed", frozen=True):
+    """Rank `rank` (its incarnation `incarnation`) was lost and the job runs on (``--on-failure recover``):
+    the survivor runs ckpt_rank_failed."""
+
+    rank: int
+    incarnation: int
+
+
+class RankRecovered(Push, tag="rank_recovered", frozen=True):
+    """Rank `rank`'s new incarnation `incarnation` completed its RESTART phase: the survivor runs
+    ckpt_rank_recovered."""
+
+    rank: int
+    incarnation: int
+
+
 def push_message(push: Push) -> Message:
     """The frame of `push` (its "op" is the Struct's tag)."""
     return msgspec.to_builtins(push)  # type: ignore[no-any-return]
@@ -260,6 +276,6 @@ def push_message(push: Push) -> Message:
 def parse_push(message: Message) -> Push:
     """The typed push in `message`; ProtocolError naming the op if it is none or does not fit."""
     try:
-        return msgspec.convert(message, Suspend | Abort | KillRank | Done, strict=True)
+        return msgspec.convert(message, Suspend | Abort | KillRank | Done | RankFailed | RankRecovered, strict=True)
     except msgspec.ValidationError as exc:
         raise ProtocolError(f"push {message.get('op')!r}: {exc}") from None

@@ -12,7 +12,8 @@
 # on the one connection.  Replies and pushes go through the connection's
 # outbox, so a client that stops reading can never block the coordinator while
 # it holds its lock; a peer silent for the heartbeat timeout is lost, so a
-# stopped or partitioned rank fails the job instead of hanging it.
+# stopped or partitioned rank fails the job instead of hanging it (or, under
+# --on-failure recover, is respawned: `set_respawn`, _recovery.py).
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from ckpt import _wire
 from ckpt._errors import CkptError, CoordinatorError, ProtocolError
 from ckpt._server import PeerConnection, Server
 from ckpt.coordinator import protocol
+from ckpt.coordinator._recovery import Respawn
 from ckpt.coordinator._scheduler import Scheduler, Timer
 from ckpt.coordinator.job import Job, JobSettings
 from ckpt.coordinator.kvstore import Reply
@@ -101,12 +103,26 @@ class Coordinator(Server[_Connection]):
         self._scheduler = Scheduler(lock)
         self._kv_timer: Timer | None = None
         self._ranks: dict[int, _Connection] = {}
+        self._respawn: Respawn | None = None
         self.job = self._new_job()
 
     def _new_job(self) -> Job:
         job = Job(self._settings, self._push, self._scheduler)
         job.on_end = self._job_ended
+        job.recovery.respawn = self._respawn
         return job
+
+    def set_respawn(self, respawn: Respawn | None) -> None:
+        """Under --on-failure recover, call `respawn(rank, incarnation)` (under the coordinator's lock: it must
+        not block) when a lost rank is to be started again; without one, the job waits for `ckpt restart --rank`."""
+        with self._lock:
+            self._respawn = self.job.recovery.respawn = respawn
+
+    def rank_pid(self, rank: int) -> int | None:
+        """The PID rank `rank`'s latest incarnation joined with (None if it has not joined)."""
+        with self._lock:
+            info = self.job.ranks.get(rank)
+            return info.pid if info is not None else None
 
     def start(self) -> Coordinator:
         self._serve_in_background()

@@ -10,6 +10,7 @@
 # finished counts as parked at its final boundary and keeps taking part.
 # An independent checkpoint (this rank alone, DESIGN.md §8) walks the same phases
 # in scope `rankR.ckptN` to its own reach as the target: the other ranks run on.
+# Single-rank recovery (--on-failure recover), this side of it: _survivor.py.
 
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ from ckpt.coordinator import protocol
 from ckpt.coordinator.client import CoordinatorClient
 from ckpt.plugin import ImageContents, Phase, _vid
 from ckpt.runtime import images
+from ckpt.runtime._survivor import SurvivorHooks, incarnation
 from ckpt.runtime.plugins import PluginHost
 
 log = logging.getLogger(__name__)
@@ -128,6 +130,8 @@ class RankEngine:
         if restart:
             self.image_header = images.read_header(restart["image"])
             self._check_header(self.image_header)
+        self.recovered, self.incarnation = incarnation(spec, self.image_header)
+        self._survivor = SurvivorHooks(self.plugins)  # before the link: it may deliver pushes at once
         self.client = CoordinatorClient(
             spec["coordinator"], self.token, self._hello(), on_push=self._on_push, on_lost=self._on_lost
         )
@@ -142,6 +146,7 @@ class RankEngine:
             plugins=self.plugins,
         )
         self.rt.generation = int(welcome["generation"])
+        self.rt.incarnation, self.rt.recovered = self.incarnation, self.recovered
         self.rt.job = str(welcome["job"])
         self.ckpt_dir = Path(spec.get("ckpt_dir") or welcome["ckpt_dir"])
         self.rt.ckpt_dir = str(self.ckpt_dir)
@@ -176,7 +181,11 @@ class RankEngine:
             "transport": self.transport,
             "native": self.native,
             "plugins": [p.record() for p in self.plugins.plugins] if self.plugins else [],
+            "on_failure": self.spec.get("on_failure", "abort"),
+            "incarnation": self.incarnation,
         }
+        if self.recovered:
+            hello["recover"] = {"incarnation": self.incarnation}
         if self.image_header is not None:
             restart = self.spec["restart"]
             hello["restart"] = {
@@ -203,6 +212,8 @@ class RankEngine:
             case protocol.KillRank(reason=reason):
                 log.info("killed by the coordinator: %s", reason)
                 _exit(0)
+            case protocol.RankFailed() | protocol.RankRecovered() as push:
+                self._survivor.offer(push)
 
     def _on_lost(self, reason: str) -> None:
         if not self._done.is_set():
@@ -221,6 +232,7 @@ class RankEngine:
                 self.program = self.program_class()
             if not self.native:
                 threading.Thread(target=self._checkpoint_loop, name="ckpt-checkpoint", daemon=True).start()
+                self._survivor.start(self.rt, self._fatal)  # after ckpt_init
             if self.image_header is None:
                 with self._cv:
                     self._in_setup = True
@@ -364,6 +376,7 @@ class RankEngine:
         if self.plugins:
             self.plugins.call("ckpt_init", rt=self.rt)
             self._install_verbs()
+        self._survivor.start(self.rt, self._fatal)  # a recovering rank hears of other failures too
         _, loaded = images.read_image(
             restart["image"], token=self.token.encode(), progress=progress, expected_sha256=restart.get("sha256")
         )
@@ -374,7 +387,9 @@ class RankEngine:
         self._coll_seq = state["coll_seq"]
         self.rt.restarted = True
         contents = ImageContents(graph["plugins"])
-        scope = self.barrier_scope = f"gen{self.rt.generation}"
+        # a recovered rank restarts alone, in its own scope; a whole-job restart in the generation's
+        scope = Phase.rank_scope(self.rank, f"inc{self.incarnation}") if self.recovered else f"gen{self.rt.generation}"
+        self.barrier_scope = scope
         self._hook(Phase.RESTART, image=contents)
         self._phase(Phase.RESTART, scope)
         self._hook(Phase.REFRESH)
@@ -516,6 +531,7 @@ class RankEngine:
             step=self.step,
             finished=self.finished,
             result=self.result,
+            incarnation=self.incarnation,
         )
         graph = {
             "program": self.program,
@@ -543,7 +559,8 @@ class RankEngine:
             "sha256": info.sha256,
             "seconds": info.seconds,
             "step": self.step,
-            "incarnation": self.rt.incarnation,
+            "incarnation": self.incarnation,
+            "coll_seq": self._coll_seq,  # how far the coordinator's record of collectives must reach back
         }
 
 

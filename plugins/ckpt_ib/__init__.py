@@ -58,8 +58,8 @@ CKPT_PLUGIN_API = 2
 TRACE_ENV = "CKPT_IB_TRACE_DIR"
 #: What `ckpt launch --on-failure recover` is told when no plugin above this one answers for the connections.
 NO_SINGLE_RANK_RECOVERY = (
-    "ckpt_ib cannot rebuild a verbs program's connections to a rank respawned alone "
-    "(--on-failure recover needs a plugin that owns them, such as remote logging for DSM programs)"
+    "the verbs plugin alone cannot reconnect a program's queue pairs to a recovered rank "
+    "(a DSM program needs ckpt_remotelog; a program without verbs may run with --disable-plugin ib)"
 )
 
 log = logging.getLogger(__name__)
@@ -151,7 +151,9 @@ _plugin = IbPlugin()
 # The module is the plugin the entry point names: its hooks are the process's IbPlugin's.
 @ckpt.hookimpl
 def ckpt_single_rank_recovery(job: Any) -> str:
-    # up order: a plugin above this one that owns the connections answers first, and decides
+    """A rank recovered alone gets new queue pairs, and this plugin cannot reconnect a program's own QPs
+    to them: the program made them, only it (or a layer above that owns them) knows to whom and how.
+    Up order: a plugin above this one that owns the connections answers first, and decides."""
     return NO_SINGLE_RANK_RECOVERY
 
 

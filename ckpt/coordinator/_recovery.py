@@ -1,0 +1,273 @@
+"""Single-rank recovery on the coordinator (``--on-failure recover``): failed ranks, rejoins, replayed collectives."""
+
+# Why (DESIGN.md §8; FT-KDSM §5): a coordinated restart makes every rank pay for
+# one rank's failure.  Under `--on-failure recover` a lost rank does not end the
+# job; its slot goes
+#
+#   running --lost--> failed --rejoin as incarnation K = lost + 1--> recovering --its RESUME--> running
+#
+# and the survivors hear of both edges (RankFailed / RankRecovered pushes, and
+# `RANKS_NS` failed/<R>, incarnation/<R> in the key-value store).  The new
+# incarnation loads its own latest image and walks RESTART -> REFRESH -> RESUME
+# alone, in its own scope `rankR.incK` (those barriers complete with it alone).
+#
+# Runtime collectives are what a re-executing rank cannot redo with live peers:
+# the survivors have moved on.  A collective completes only once every rank has
+# entered it, so the coordinator records each completed collective's values by
+# sequence number and answers a re-executed one from the record at once, without
+# asking anyone.  Invariant: the record holds every collective after the oldest
+# `coll_seq` among the ranks' latest images (each image report carries it), which
+# is exactly what a recovery may re-execute; older entries go when a checkpoint
+# commits.  A lost rank's arrival in a collective that has not completed is
+# dropped: its next incarnation enters it again.
+#
+# A rank without an image cannot be recovered, so under recover the job asks for
+# a checkpoint as soon as every rank has joined (taken at the first step
+# boundary, after setup), and a rank lost before that fails the job in one line.
+# Checkpoints are queued while a rank is failed or recovering: a checkpoint needs
+# every rank.  A rank whose new incarnation is lost before its RESUME
+# MAX_RECOVERY_ATTEMPTS times in a row fails the job (a crash loop, not bad luck).
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final
+
+from ckpt._errors import CkptError
+from ckpt.coordinator import protocol
+from ckpt.plugin import RANKS_NS, Phase
+
+if TYPE_CHECKING:
+    from ckpt.coordinator._membership import JobMembership, RankInfo
+    from ckpt.coordinator.kvstore import Reply
+
+# The job's logger (see _membership.py): what users filter on.
+log = logging.getLogger("ckpt.coordinator.job")
+
+#: The job policies of ``--on-failure``: the job fails (today's), or the lost rank is respawned.
+ABORT: Final = "abort"
+RECOVER: Final = "recover"
+POLICIES: Final = (ABORT, RECOVER)
+#: How many times in a row a rank's new incarnation may be lost before its RESUME before the job fails.
+MAX_RECOVERY_ATTEMPTS: Final = 3
+
+#: Called (under the coordinator's lock: it must not block) with (rank, incarnation) when a rank must be
+#: respawned as that incarnation: the launcher's part.  None: wait for ``ckpt restart --rank R``.
+Respawn = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class _Recorded:
+    kind: str
+    values: list[Any]
+
+
+class RankRecovery:
+    """The recovery state of one job; every method is called with the coordinator's lock held."""
+
+    def __init__(self, job: JobMembership) -> None:
+        self.job = job
+        self.policy = ABORT
+        self.respawn: Respawn | None = None
+        #: rank -> the incarnation that was lost, until the next one rejoins
+        self.failed: dict[int, int] = {}
+        #: rank -> the incarnation restarting, from its rejoin until its RESUME
+        self.recovering: dict[int, int] = {}
+        #: rank -> how many of its incarnations in a row were lost before their RESUME
+        self._attempts: dict[int, int] = {}
+        #: rank -> (checkpoint of its latest image, that image's coll_seq; None when not known)
+        self.images: dict[int, tuple[int, int | None]] = {}
+        self._record: dict[int, _Recorded] = {}
+        #: every collective up to this sequence number has left the record
+        self._trimmed = 0
+
+    @property
+    def on(self) -> bool:
+        return self.policy == RECOVER
+
+    def busy(self) -> bool:
+        """Is a rank failed or recovering? (No checkpoint can start, no collective can be called stuck.)"""
+        return bool(self.failed or self.recovering)
+
+    def absent(self) -> set[int]:
+        """Ranks whose live incarnation cannot take part in the job's own barriers."""
+        return set(self.failed) | set(self.recovering)
+
+    # ----------------------------------------------------------- joining
+    def adopt(self, hello: dict[str, Any]) -> None:
+        """The first rank's hello sets the policy (a standalone coordinator learns it there)."""
+        policy = str(hello.get("on_failure") or ABORT)
+        if policy not in POLICIES:
+            raise CkptError(
+                f"rank {hello['rank']} asks for --on-failure {policy!r}; it is one of {', '.join(POLICIES)}"
+            )
+        if policy == RECOVER and hello.get("native"):
+            raise CkptError("--on-failure recover needs the checkpoint thread, and --native ranks run without one")
+        self.policy = policy
+
+    def joined(self, rank: int, hello: dict[str, Any]) -> None:
+        """A rank of a whole-job restart has the image it restarts from (its coll_seq is not known yet)."""
+        restart = hello.get("restart")
+        if restart:
+            self.images[rank] = (int(restart["number"]), None)
+
+    def rejoin(self, hello: dict[str, Any], info: RankInfo) -> None:
+        """Admit `info` as the next incarnation of a failed rank; CkptError (one line) if it is not that."""
+        job = self.job
+        rank, wanted = info.rank, hello["recover"].get("incarnation")
+        if not self.on:
+            raise CkptError(
+                f"rank {rank} asks to rejoin job {job.job_id} alone, but the job does not run under "
+                "--on-failure recover"
+            )
+        if rank not in self.failed:
+            state = (
+                "recovering" if rank in self.recovering else job.ranks[rank].state if rank in job.ranks else "absent"
+            )
+            raise CkptError(
+                f"rank {rank} of job {job.job_id} has not failed (it is {state}): there is nothing to recover"
+            )
+        following = self.failed[rank] + 1
+        if wanted != following:
+            raise CkptError(f"rank {rank} rejoins as incarnation {wanted!r}; its next incarnation is {following}")
+        restart = hello.get("restart") or {}
+        if not restart:
+            raise CkptError(f"rank {rank} rejoins without an image to restart from")
+        if restart.get("job") != job.job_id:
+            raise CkptError(f"rank {rank} rejoins job {job.job_id} with an image of job {restart.get('job')}")
+        del self.failed[rank]
+        self.recovering[rank] = following
+        info.incarnation, info.state = following, "restart"
+        job.ranks[rank] = info
+        number = int(restart["number"])
+        job.message = (
+            f"rank {rank} rejoined as incarnation {following} (pid {info.pid} on {info.host}), "
+            f"restarting from checkpoint {number} at step {info.step}"
+        )
+        log.info("job %s: %s", job.job_id, job.message)
+
+    def state_of(self, rank: int, info: RankInfo) -> str:
+        """The state `ckpt status` shows: "recovering" from a rejoin until the rank's RESUME."""
+        return "recovering" if rank in self.recovering and self.job.outcome is None else info.state
+
+    # ----------------------------------------------------------- losing a rank
+    def lost(self, rank: int, info: RankInfo, cause: str) -> bool:
+        """Rank `rank` was lost (its connection closed or went silent); False when the job is to fail as ever."""
+        job = self.job
+        if not self.on or job.restarting:
+            return False  # a whole-job restart waits for every rank in its own phases: it fails as ever
+        why = f" ({cause})" if cause else ""
+        where = f"at step {info.step}" if info.step >= 0 else "during setup"
+        if job._ckpt is not None:
+            where = f"during checkpoint {job._ckpt.number} ({job._ckpt.stage_name})"
+        if rank in self.recovering:
+            where = f"while recovering as incarnation {info.incarnation}"
+        lost = f"rank {rank} (pid {info.pid} on {info.host}) was lost {where}{why}"
+        if rank not in self.images:
+            job.fail(f"{lost}, before the job's first checkpoint: it has no image to recover from")
+            return True
+        if self.recovering.pop(rank, None) is not None:
+            attempts = self._attempts[rank] = self._attempts.get(rank, 0) + 1
+            if attempts >= MAX_RECOVERY_ATTEMPTS:
+                job.fail(
+                    f"{lost}: its recovery failed {attempts} times in a row "
+                    f"(limit {MAX_RECOVERY_ATTEMPTS}); the latest checkpoint stays restartable"
+                )
+                return True
+        info.state, info.finished = "failed", False  # it runs to its end again
+        self.failed[rank] = info.incarnation
+        job._end_checkpoint(lost)  # a checkpoint in progress is aborted (its files removed) as ever
+        self._drop_arrivals(rank)
+        job.kv.publish(RANKS_NS, f"failed/{rank}", info.incarnation)
+        for other in job._live():
+            job._push(other, protocol.RankFailed(rank=rank, incarnation=info.incarnation))
+        following, number = info.incarnation + 1, self.images[rank][0]
+        if self.respawn is not None:
+            job.message = f"{lost}; respawning it from checkpoint {number} as incarnation {following}"
+            self.respawn(rank, following)
+        else:
+            job.message = (
+                f"{lost}; waiting for `ckpt restart --rank {rank}` (checkpoint {number}, incarnation {following})"
+            )
+        log.warning("job %s: %s", job.job_id, job.message)
+        return True
+
+    def _drop_arrivals(self, rank: int) -> None:
+        """Forget what the lost incarnation waited in: its next one arrives again.  Barriers of a committed
+        checkpoint's RESUME are the exception: that checkpoint is over, and they complete without it."""
+        job = self.job
+        for seq, arrivals in list(job._collectives.items()):
+            arrivals.pop(rank, None)
+            if not arrivals:
+                del job._collectives[seq]
+        for name, arrivals in list(job._barriers.items()):
+            arrivals.pop(rank, None)
+            if not arrivals:
+                del job._barriers[name]
+        for name in list(job._barriers):
+            if name in job._barriers and job.participants(name) <= set(job._barriers[name]):
+                job._release_barrier(name)
+
+    # ----------------------------------------------------------- a recovering rank's own phases
+    def barrier_released(self, name: str) -> None:
+        """Barrier `name` completed: a recovering rank's RESTART or RESUME moves its recovery on."""
+        rank = Phase.rank_of_scope(name)
+        if rank is None or rank not in self.recovering:
+            return
+        job, incarnation = self.job, self.recovering[rank]
+        scope, phase = Phase.of_barrier(name)
+        if scope != Phase.rank_scope(rank, f"inc{incarnation}"):
+            return
+        if phase is Phase.RESTART:  # its new IDs are published: the survivors may reconnect to it
+            job.kv.publish(RANKS_NS, f"incarnation/{rank}", incarnation)
+            for other in job._live():
+                if other != rank:
+                    job._push(other, protocol.RankRecovered(rank=rank, incarnation=incarnation))
+        elif phase is Phase.RESUME:
+            del self.recovering[rank]
+            self._attempts.pop(rank, None)
+            job.message = f"rank {rank} recovered as incarnation {incarnation}"
+            log.info("job %s: %s", job.job_id, job.message)
+            job._arm_interval()
+            job._start_queued()
+            job._maybe_done()
+
+    # ----------------------------------------------------------- collectives
+    def replay(self, rank: int, seq: int, kind: str, reply: Reply) -> bool:
+        """Answer a re-executed collective from the record; False when it is not a completed one."""
+        if not self.on:
+            return False
+        recorded = self._record.get(seq)
+        if recorded is None:
+            if 0 < seq <= self._trimmed:
+                reply({"error": f"rank {rank} re-executes {kind} #{seq}, older than every rank's latest image"})
+                return True
+            return False
+        if recorded.kind != kind:
+            reply({"error": f"rank {rank} re-executes collective #{seq} as {kind}; it was {recorded.kind}"})
+        else:
+            reply({"values": recorded.values})
+        return True
+
+    def completed(self, seq: int, kind: str, values: list[Any]) -> None:
+        if self.on:
+            self._record[seq] = _Recorded(kind, values)
+
+    def committed(self, number: int, reports: dict[int, Any]) -> None:
+        """Checkpoint `number` holds the images `reports` describe ({rank: report}): trim the record."""
+        for rank, report in reports.items():
+            coll_seq = report.get("coll_seq") if isinstance(report, dict) else None
+            self.images[rank] = (number, None if coll_seq is None else int(coll_seq))
+        known = [seq for _, seq in self.images.values()]
+        if len(self.images) < self.job.size or any(seq is None for seq in known):
+            return  # some rank's image's position is unknown: keep everything
+        floor = min(seq for seq in known if seq is not None)
+        for seq in [s for s in self._record if s <= floor]:
+            del self._record[seq]
+        self._trimmed = max(self._trimmed, floor)
+
+    def recorded(self) -> int:
+        """How many collectives the record holds (for tests and status)."""
+        return len(self._record)

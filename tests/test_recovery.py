@@ -1,0 +1,304 @@
+"""Single-rank recovery at the coordinator (ckpt/coordinator/_recovery.py), in-process over loopback TCP.
+
+Ranks are coordinator clients that walk the protocol by hand: the checkpoint
+taken right after every rank joined, a rank lost (its connection closed), its
+next incarnation rejoining and walking its own phases, the record of collectives.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckpt._errors import CoordinatorError
+from ckpt.coordinator import protocol
+from ckpt.coordinator._recovery import MAX_RECOVERY_ATTEMPTS
+from ckpt.coordinator.client import CoordinatorClient, control
+from ckpt.coordinator.server import Coordinator
+from ckpt.plugin import RANKS_NS, Phase
+
+pytestmark = pytest.mark.timeout(60)
+
+TOKEN = "recovery-token-0123456789"
+WAIT = 5.0
+PROGRAM = {"name": "p", "path": "/p.py", "class": "P", "sha256": ""}
+
+
+class Rank:
+    """One rank's client and the pushes it received."""
+
+    def __init__(self, coordinator: Coordinator, rank: int, size: int, **extra: Any) -> None:
+        self.rank = rank
+        self.pushes: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
+        hello = {"role": "rank", "rank": rank, "size": size, "pid": 1000 + rank, "host": "h", "program": PROGRAM}
+        self.client = CoordinatorClient(coordinator.address, TOKEN, {**hello, **extra}, on_push=self.pushes.put)
+
+    def push(self, op: str) -> dict[str, Any]:
+        """The next push of kind `op` (others before it are skipped)."""
+        while True:
+            message = self.pushes.get(timeout=WAIT)
+            if message["op"] == op:
+                return message
+
+    def collective(self, seq: int, data: Any, kind: str = "allgather") -> dict[str, Any]:
+        return self.client.call("collective", reply_timeout=WAIT, seq=seq, kind=kind, step=seq, data=data)
+
+    def barrier(self, name: str, value: Any = None) -> dict[str, Any]:
+        return self.client.call("barrier", reply_timeout=WAIT, name=name, value=value)
+
+
+@pytest.fixture
+def coordinator(tmp_path: Path) -> Iterator[Coordinator]:
+    coord = Coordinator(token=TOKEN, ckpt_dir=tmp_path).start()
+    yield coord
+    coord.stop()
+
+
+@pytest.fixture
+def respawned(coordinator: Coordinator) -> queue.SimpleQueue[tuple[int, int]]:
+    """What the coordinator asks the launcher to respawn: (rank, incarnation)."""
+    asked: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
+    coordinator.set_respawn(lambda rank, incarnation: asked.put((rank, incarnation)))
+    return asked
+
+
+@pytest.fixture
+def pool() -> Iterator[ThreadPoolExecutor]:
+    with ThreadPoolExecutor(8) as executor:
+        yield executor
+
+
+@pytest.fixture
+def join(coordinator: Coordinator) -> Iterator[Callable[..., Rank]]:
+    made: list[Rank] = []
+
+    def make(rank: int, size: int = 3, **extra: Any) -> Rank:
+        made.append(Rank(coordinator, rank, size, **{"on_failure": "recover", **extra}))
+        return made[-1]
+
+    yield make
+    for r in made:
+        r.client.close()
+
+
+def status(coordinator: Coordinator) -> dict[str, Any]:
+    client = control(coordinator.address, TOKEN)
+    try:
+        return client.call("status", reply_timeout=WAIT)["status"]
+    finally:
+        client.close()
+
+
+def walk_checkpoint(pool: ThreadPoolExecutor, ranks: list[Rank], number: int, coll_seq: int) -> None:
+    """Every rank walks checkpoint `number`'s phases, reporting an image taken after collective `coll_seq`."""
+    for rank in ranks:
+        assert rank.push("suspend")["number"] == number
+    for phase in Phase.checkpoint_sequence():
+        values: dict[Phase, Any] = {
+            Phase.REACH: {"reach": coll_seq, "finished": False, "step": coll_seq},
+            Phase.PRESUSPEND: {"step": coll_seq},
+        }
+        futures = []
+        for rank in ranks:
+            value = values.get(phase)
+            if phase is Phase.CHECKPOINT:
+                value = {"file": f"ckpt_p_{rank.rank}_{number}.ckpt", "bytes": 1, "step": coll_seq}
+                value |= {"coll_seq": coll_seq}
+            futures.append(pool.submit(rank.barrier, phase.barrier(f"ckpt{number}"), value))
+        for future in futures:
+            assert "abort" not in future.result(WAIT)
+
+
+def allgather(pool: ThreadPoolExecutor, ranks: list[Rank], seq: int) -> list[Any]:
+    futures = [pool.submit(rank.collective, seq, f"{rank.rank}@{seq}") for rank in ranks]
+    answers = [future.result(WAIT)["values"] for future in futures]
+    assert all(answer == answers[0] for answer in answers)
+    return answers[0]
+
+
+def started(pool: ThreadPoolExecutor, join: Callable[..., Rank], coordinator: Coordinator) -> list[Rank]:
+    """Three ranks under recover, past the checkpoint taken as soon as they joined (at collective 0)."""
+    ranks = [join(r) for r in range(3)]
+    walk_checkpoint(pool, ranks, 1, 0)
+    assert status(coordinator)["last_checkpoint"]["number"] == 1
+    return ranks
+
+
+def rejoin(
+    coordinator: Coordinator, join: Callable[..., Rank], rank: int, incarnation: int, size: int = 3, job: str = ""
+) -> Rank:
+    """Rank `rank` rejoins as `incarnation` with its image of checkpoint 1 (of `job`: the running one's)."""
+    restart = {"number": 1, "job": job or coordinator.job.job_id}
+    return join(rank, size, recover={"incarnation": incarnation}, restart=restart)
+
+
+def lose(coordinator: Coordinator, rank: Rank) -> None:
+    """Close the rank's connection (as a killed process's closes) and wait until the coordinator notices."""
+    rank.client.close()
+    deadline = time.monotonic() + WAIT
+    tick = threading.Event()
+    while not (coordinator.outcome is not None or status(coordinator)["ranks"][rank.rank]["state"] == "failed"):
+        assert time.monotonic() < deadline, f"rank {rank.rank} was not marked failed"
+        tick.wait(0.01)
+
+
+# ----------------------------------------------------------------- losing a rank
+def test_a_lost_rank_is_failed_announced_and_respawned_while_the_job_runs_on(
+    coordinator: Coordinator,
+    join: Callable[..., Rank],
+    pool: ThreadPoolExecutor,
+    respawned: queue.SimpleQueue[tuple[int, int]],
+) -> None:
+    r0, r1, r2 = started(pool, join, coordinator)
+    lose(coordinator, r1)
+    assert respawned.get(timeout=WAIT) == (1, 1)
+    for survivor in (r0, r2):
+        assert protocol.parse_push(survivor.push("rank_failed")) == protocol.RankFailed(rank=1, incarnation=0)
+    assert r0.client.call("get", reply_timeout=WAIT, ns=RANKS_NS, key="failed/1")["value"] == 0
+    st = status(coordinator)
+    assert st["state"] == "running" and coordinator.outcome is None  # the job is alive
+    assert [(r["state"], r["incarnation"]) for r in st["ranks"]] == [("running", 0), ("failed", 0), ("running", 0)]
+    assert (
+        "rank 1 (pid 1001 on h) was lost at step 0; respawning it from checkpoint 1 as incarnation 1" in (st["message"])
+    )
+
+
+def test_a_rank_lost_before_the_first_checkpoint_fails_the_job(
+    coordinator: Coordinator, join: Callable[..., Rank], respawned: queue.SimpleQueue[tuple[int, int]]
+) -> None:
+    ranks = [join(r) for r in range(3)]
+    ranks[2].client.close()
+    assert coordinator.ended.wait(WAIT)
+    assert coordinator.outcome is not None and coordinator.outcome["status"] == "failed"
+    assert "before the job's first checkpoint: it has no image to recover from" in coordinator.outcome["message"]
+    assert respawned.empty()
+
+
+def test_without_a_launcher_the_coordinator_waits_for_restart_rank(
+    coordinator: Coordinator, join: Callable[..., Rank], pool: ThreadPoolExecutor
+) -> None:
+    ranks = started(pool, join, coordinator)
+    lose(coordinator, ranks[2])
+    assert "waiting for `ckpt restart --rank 2`" in status(coordinator)["message"]
+
+
+# ----------------------------------------------------------------- rejoining
+def test_only_the_next_incarnation_of_a_failed_rank_may_rejoin(
+    coordinator: Coordinator, join: Callable[..., Rank], pool: ThreadPoolExecutor
+) -> None:
+    _, r1, _ = started(pool, join, coordinator)
+    with pytest.raises(CoordinatorError, match=r"rank 0 of job \w+ has not failed"):
+        rejoin(coordinator, join, 0, 1)
+    lose(coordinator, r1)
+    with pytest.raises(CoordinatorError, match="rank 1 rejoins as incarnation 2; its next incarnation is 1"):
+        rejoin(coordinator, join, 1, 2)
+    with pytest.raises(CoordinatorError, match="with an image of job 0123456789ab"):
+        rejoin(coordinator, join, 1, 1, job="0123456789ab")
+    with pytest.raises(CoordinatorError, match="has already joined"):
+        join(1)  # a launch, not a recovery
+    back = rejoin(coordinator, join, 1, 1)
+    st = status(coordinator)
+    assert [(r["state"], r["incarnation"]) for r in st["ranks"]][1] == ("recovering", 1)
+    assert back.client.welcome["generation"] == 0
+
+
+def test_a_job_not_under_recover_refuses_a_rejoin(coordinator: Coordinator, join: Callable[..., Rank]) -> None:
+    join(0, size=2, on_failure="abort")
+    with pytest.raises(CoordinatorError, match="does not run under --on-failure recover"):
+        rejoin(coordinator, join, 1, 1, size=2)
+
+
+def test_a_recovered_rank_walks_its_own_phases_alone_and_the_survivors_hear_of_it(
+    coordinator: Coordinator,
+    join: Callable[..., Rank],
+    pool: ThreadPoolExecutor,
+    respawned: queue.SimpleQueue[tuple[int, int]],
+) -> None:
+    r0, r1, r2 = started(pool, join, coordinator)
+    lose(coordinator, r1)
+    back = rejoin(coordinator, join, 1, respawned.get(timeout=WAIT)[1])
+    # a checkpoint asked for meanwhile waits until the rank is back
+    asked = control(coordinator.address, TOKEN)
+    try:
+        assert asked.call("checkpoint", reply_timeout=WAIT)["queued"] is True
+    finally:
+        asked.close()
+    scope = Phase.rank_scope(1, "inc1")
+    back.barrier(Phase.RESTART.barrier(scope))  # completes with rank 1 alone
+    for survivor in (r0, r2):
+        assert protocol.parse_push(survivor.push("rank_recovered")) == protocol.RankRecovered(rank=1, incarnation=1)
+    assert r0.client.call("get", reply_timeout=WAIT, ns=RANKS_NS, key="incarnation/1")["value"] == 1
+    back.barrier(Phase.REFRESH.barrier(scope))
+    assert status(coordinator)["ranks"][1]["state"] == "recovering"
+    back.barrier(Phase.RESUME.barrier(scope))
+    st = status(coordinator)
+    assert [r["state"] for r in st["ranks"]] == ["running"] * 3 and st["message"].startswith("checkpoint 2")
+    walk_checkpoint(pool, [r0, back, r2], 2, 0)  # the queued checkpoint, now that every rank is back
+    manifest = (Path(st["ckpt_dir"]) / "ckpt_p_2.json").read_text()
+    assert '"on_failure":"recover"' in manifest.replace(" ", "")
+
+
+def test_a_crash_loop_fails_the_job(
+    coordinator: Coordinator,
+    join: Callable[..., Rank],
+    pool: ThreadPoolExecutor,
+    respawned: queue.SimpleQueue[tuple[int, int]],
+) -> None:
+    ranks = started(pool, join, coordinator)
+    lose(coordinator, ranks[0])
+    for attempt in range(1, MAX_RECOVERY_ATTEMPTS + 1):
+        rank, incarnation = respawned.get(timeout=WAIT)
+        assert (rank, incarnation) == (0, attempt)
+        again = rejoin(coordinator, join, 0, incarnation)
+        again.barrier(Phase.RESTART.barrier(Phase.rank_scope(0, f"inc{incarnation}")))
+        again.client.close()  # lost again before its RESUME
+    assert coordinator.ended.wait(WAIT)
+    message = coordinator.outcome["message"]  # type: ignore[index]
+    assert f"its recovery failed {MAX_RECOVERY_ATTEMPTS} times in a row" in message, message
+
+
+# ----------------------------------------------------------------- collectives: record and replay
+def test_collectives_a_recovered_rank_re_executes_are_answered_from_the_record(
+    coordinator: Coordinator, join: Callable[..., Rank], pool: ThreadPoolExecutor
+) -> None:
+    r0, r1, r2 = started(pool, join, coordinator)
+    first = [allgather(pool, [r0, r1, r2], seq) for seq in (1, 2, 3)]
+    pending: list[Future[dict[str, Any]]] = [pool.submit(r.collective, 4, f"{r.rank}@4") for r in (r0, r1, r2)[::2]]
+    lose(coordinator, r1)
+    back = rejoin(coordinator, join, 1, 1)
+    # its image was taken at collective 0: 1..3 come from the record at once, without the survivors
+    assert [back.collective(seq, "ignored")["values"] for seq in (1, 2, 3)] == first
+    with pytest.raises(CoordinatorError, match="re-executes collective #2 as barrier; it was allgather"):
+        back.collective(2, None, kind="barrier")
+    assert not any(f.done() for f in pending)  # collective 4 waits for rank 1's next incarnation
+    answer = back.collective(4, "1@4 again")["values"]
+    assert answer == ["0@4", "1@4 again", "2@4"]
+    assert [f.result(WAIT)["values"] for f in pending] == [answer, answer]
+
+
+def test_the_record_keeps_only_what_a_latest_image_may_re_execute(
+    coordinator: Coordinator, join: Callable[..., Rank], pool: ThreadPoolExecutor
+) -> None:
+    ranks = started(pool, join, coordinator)
+    for seq in (1, 2, 3):
+        allgather(pool, ranks, seq)
+    assert coordinator.job.recovery.recorded() == 3
+    control_client = control(coordinator.address, TOKEN)
+    try:
+        control_client.call("checkpoint", reply_timeout=WAIT)
+    finally:
+        control_client.close()
+    walk_checkpoint(pool, ranks, 2, 2)  # every image is past collective 2
+    assert coordinator.job.recovery.recorded() == 1
+    lose(coordinator, ranks[1])
+    back = rejoin(coordinator, join, 1, 1)
+    with pytest.raises(CoordinatorError, match="re-executes allgather #2, older than every rank's latest image"):
+        back.collective(2, "x")
+    assert back.collective(3, "x")["values"] == ["0@3", "1@3", "2@3"]
