@@ -1,8 +1,13 @@
-"""The program contract: `Program` (what a user writes) and `Runtime` (what ckpt hands it)."""
+"""The program contract: `Program` (what a user writes), `load_program` (finds it), `Runtime` (what it gets)."""
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import logging
+import sys
+from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from ckpt._errors import CheckpointAborted, CkptError
@@ -32,6 +37,46 @@ class Program:
     def result(self) -> Any:
         """What `ckpt launch` prints for this rank as ``result: <str(value)>``."""
         return None
+
+
+def load_program(path: str) -> tuple[type[Program], dict[str, Any]]:
+    """Import the program file and find its one `ckpt.Program` subclass."""
+    file = Path(path).resolve()
+    if not file.is_file():
+        raise CkptError(f"program file {path} does not exist")
+    name = "ckpt_program_" + "".join(c if c.isalnum() else "_" for c in file.stem)
+    spec = importlib.util.spec_from_file_location(name, file)
+    if spec is None or spec.loader is None:
+        raise CkptError(f"{path} is not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    sys.path.insert(0, str(file.parent))
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:  # the user's module: any error at import is theirs to see, in one line
+        raise CkptError(f"cannot import {path}: {type(exc).__name__}: {exc}") from None
+    classes = _program_classes(module)
+    if len(classes) != 1:
+        found = ", ".join(c.__name__ for c in classes) or "none"
+        raise CkptError(f"{path} must define exactly one ckpt.Program subclass (found: {found})")
+    info = {
+        "path": str(file),
+        "name": file.stem,
+        "class": classes[0].__name__,
+        "sha256": hashlib.sha256(file.read_bytes()).hexdigest(),
+    }
+    return classes[0], info
+
+
+def _program_classes(module: ModuleType) -> list[type[Program]]:
+    return [
+        obj
+        for obj in vars(module).values()
+        if isinstance(obj, type)
+        and issubclass(obj, Program)
+        and obj is not Program
+        and obj.__module__ == module.__name__
+    ]
 
 
 class KeyValue:

@@ -272,7 +272,7 @@ def launch(
     """
     from ckpt._cli_plugins import resolve_transport
     from ckpt._launcher import JobOptions, external_rank, run_job
-    from ckpt.runtime.rank import load_program
+    from ckpt._program import load_program
 
     _configure_logging(job["log_level"])
     ckpt_dir = ckpt_dir.resolve()
