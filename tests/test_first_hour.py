@@ -7,6 +7,7 @@ another directory, and must leave nothing inside the `ckpt/` package directory.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -127,6 +128,22 @@ def test_the_first_hour_from_another_directory(
     done = _bash(f". {fresh_clone}/.venv/bin/activate\n{block}", tmp_path)
     _check_first_hour(done, tmp_path, uninterrupted)
     assert _package_files(fresh_clone) == before
+
+
+def test_the_readme_job_that_survives_a_rank_failure(fresh_clone: Path, tmp_path: Path) -> None:
+    readme = (ROOT / "README.md").read_text()
+    match = re.search(re.escape("<!-- survive -->") + r"\s*```sh\n(.*?)```", readme, re.S)
+    assert match is not None, "README.md lost its block of a job that survives a rank failure"
+    _, activate = _quick_start()
+    directory = tmp_path / "images"
+    done = _bash(f"export CKPT_DIR={directory}\n{activate}\n{match[1]}\nckpt status --json", fresh_clone)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0 and "Traceback" not in out, out
+    assert "rank 2 (pid" in done.stderr and "respawning it from checkpoint 1 as incarnation 1" in done.stderr, out
+    program = str(fresh_clone / "examples" / "montecarlo.py")
+    assert results(done.stdout) == ckpt.testing.uninterrupted(tmp_path / "plain", 4, program, "2000"), out
+    status = json.loads(done.stdout[done.stdout.index("{") :])
+    assert [r["incarnation"] for r in status["ranks"]] == [0, 0, 1, 0], status
 
 
 def test_the_default_directory_is_ignored_by_git() -> None:
