@@ -162,4 +162,5 @@ def test_a_look_up_that_races_with_a_drop_is_used_but_not_cached(job: tuple[IbEn
 
 def test_launching_under_on_failure_recover_is_refused_unless_a_plugin_above_answers() -> None:
     answer = ckpt_ib.ckpt_single_rank_recovery(job=None)
-    assert isinstance(answer, str) and "--on-failure recover" in answer and "\n" not in answer
+    assert isinstance(answer, str) and "\n" not in answer
+    assert "queue pairs" in answer and "--disable-plugin ib" in answer
