@@ -399,8 +399,9 @@ class IndependentCheckpoints(JobMembership):
     def status(self) -> dict[str, Any]:
         state = super().status()
         for entry in state["ranks"]:
-            latest = self.latest_images.get(entry["rank"])
-            entry["latest_image"] = latest[0] if latest else None
+            # what a recovery of the rank loads (`ckpt restart --rank` asks here, never the directory)
+            known = self.recovery.images.get(entry["rank"]) or self.latest_images.get(entry["rank"])
+            entry["latest_image"] = known[0] if known else None
         ckpt = self._rank_ckpt
         state["independent_in_progress"] = (
             None if ckpt is None else {"rank": ckpt.rank, "number": ckpt.number, "stage": _stage(ckpt)}
