@@ -382,3 +382,17 @@ def test_a_job_of_one_rank_killed_is_recovering_and_restart_rank_brings_it_back(
     again = start_job("restart", "--rank", "0", *where, ckpt_dir=ckpt_dir, extra_env=token)
     assert again.wait(120) == 0, again.stderr
     assert results(again.stdout) == alone
+
+
+def test_an_incarnation_hung_in_its_restart_is_killed_after_the_phase_timeout_and_the_next_one_recovers(
+    start_job: Callable[..., Job], tmp_path: Path, expected: dict[int, str]
+) -> None:
+    job = start_job(
+        "launch", "-n", "3", "--ckpt-dir", str(tmp_path / "ckpt"), "--phase-timeout", "5", *RECOVER,
+        "--with-plugin", "ckpt_rankevents", *COLLSUM_SLOW, extra_env={"CKPT_TEST_RANKEVENTS_HANG": "1"},
+    )  # fmt: skip
+    os.kill(_settled(job)["ranks"][1]["pid"], signal.SIGKILL)
+    _back(job, 1, 2)  # incarnation 1 hung in ckpt_restart with its connection alive
+    job.finishes_with(expected)
+    assert "was lost while recovering as incarnation 1 (it did not finish RESTART within 5 s)" in job.stderr
+    assert "respawning it from checkpoint 1 as incarnation 2" in job.stderr
