@@ -247,6 +247,9 @@ class IndependentCheckpoints(JobMembership):
             path = self.settings.ckpt_dir / manifests.manifest_name(self.program.name, number)
             manifest = manifests.read_manifest(path, token=self.settings.token.encode())
             self.latest_images = {entry.rank: (number, entry) for entry in manifest.ranks}
+            # The rolled-back run's "rank" manifests go; its coordinated ones stay (a user may go back to
+            # them on purpose), so the directory's newest manifest may be of that run until this one
+            # commits: no recovery reads it, the coordinator names each rank's image (_recovery.py).
             manifests.abandon_after(self.settings.ckpt_dir, self.program.name, number)
         except (ImageError, OSError) as exc:  # the ranks load their images themselves: they say what is wrong
             log.warning("cannot read the manifest of checkpoint %d: %s", number, exc)
