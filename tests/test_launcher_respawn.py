@@ -14,6 +14,7 @@ from ckpt import _launcher
 from ckpt._errors import ImageError
 from ckpt._manifest import image_name, write_manifest
 from ckpt._schemas import Manifest, ProgramInfo, RankEntry
+from ckpt._wire import Heartbeat
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -93,13 +94,13 @@ def test_a_respawn_that_cannot_start_its_process_fails_the_job_in_one_line(
     def no_process(*args: Any, **kwargs: Any) -> subprocess.Popen[bytes]:
         raise OSError(24, "Too many open files")
 
-    monkeypatch.setattr(_launcher.subprocess, "Popen", no_process)
+    monkeypatch.setattr(subprocess, "Popen", no_process)
     job = object.__new__(_launcher._Job)  # only the respawner's state: no coordinator, no processes
     coordinator = _Coordinator()
     job.opts, job.address, job.token, job.job_id = _opts(tmp_path), "127.0.0.1:1", TOKEN, "j1"
     job.coordinator = coordinator  # type: ignore[assignment]
     job.changed, job.processes, job.current, job.exited = threading.Condition(), [], {}, {}
-    job._respawns, job.services_env, job.heartbeat = queue.SimpleQueue(), {}, _launcher.wire.Heartbeat()
+    job._respawns, job.services_env, job.heartbeat = queue.SimpleQueue(), {}, Heartbeat()
     threading.Thread(target=job._respawner, daemon=True).start()
     job._respawns.put((1, 1, 1))
     assert coordinator.failures.get(timeout=WAIT) == "cannot respawn rank 1: [Errno 24] Too many open files"
