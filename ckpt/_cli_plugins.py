@@ -128,22 +128,31 @@ def contributions(host: PluginHost) -> dict[str, dict[str, list[str]]]:
 def check_single_rank_recovery(host: PluginHost, job: JobInfo) -> None:
     """``--on-failure recover`` is for jobs whose plugins can bring one rank back among live peers.
 
-    The first plugin, in ckpt_single_rank_recovery's order (up: the highest layer speaks for those below
-    it), whose answer is not None decides: True accepts, a string refuses in one line naming the plugin.
-    No answer at all accepts: no plugin keeps state across ranks.
+    DESIGN.md §8: accepted only when every plugin with cross-rank state agrees.  Every plugin is asked
+    (none may silence another by answering first): None, no cross-rank state; True, it recovers its
+    own; a list of plugin names, True and it answers for those too; a string, it refuses.  The launch
+    is refused, in one line naming the first (in the hook's order) such plugin, iff a refusal is not
+    covered by another plugin's list.
     """
+    refusals: dict[str, str] = {}
+    covered: dict[str, str] = {}  # plugin -> the plugin that answers for it
     for impl in host.ordered_impls("ckpt_single_rank_recovery"):
         answer = _call(impl, "ckpt_single_rank_recovery", job=job)
-        if answer is None:
+        name = impl.plugin_name
+        if answer is None or answer is True:
             continue
-        if answer is True:
-            return
         if isinstance(answer, str) and answer.strip():
-            raise CkptError(f"--on-failure recover: plugin {impl.plugin_name!r} cannot recover a single rank: {answer}")
-        raise PluginError(
-            f"plugin {impl.plugin_name!r}: ckpt_single_rank_recovery returned {answer!r}, "
-            "not True, a one-line reason or None"
-        )
+            refusals.setdefault(name, answer.strip())
+        elif isinstance(answer, list) and all(isinstance(other, str) and other for other in answer):
+            covered.update({other: name for other in answer if other != name})
+        else:
+            raise PluginError(
+                f"plugin {name!r}: ckpt_single_rank_recovery returned {answer!r}, "
+                "not True, a list of plugin names, a one-line reason or None"
+            )
+    for name, reason in refusals.items():
+        if name not in covered:
+            raise CkptError(f"--on-failure recover: plugin {name!r} cannot recover a single rank: {reason}")
 
 
 # ------------------------------------------------------------------ commands

@@ -2,9 +2,10 @@
 
 # Under --on-failure recover a rank process that dies is not the job's end: the
 # coordinator decides (it marks a joined rank failed, or fails the job), and its
-# respawn callback hands (rank, incarnation) to this launcher's respawner
-# thread, which starts a process for that rank from its latest image
-# (`recovery_spec`).  A process that dies before it has joined is the job's end
+# respawn callback hands (rank, incarnation, number) to this launcher's
+# respawner thread, which starts a process for that rank from its image of
+# checkpoint `number`, the one the coordinator names (`recovery_spec`); a
+# respawn that fails in any way fails the job in one line.  A process that dies before it has joined is the job's end
 # as ever: the coordinator never heard of it.
 
 from __future__ import annotations
@@ -138,11 +139,19 @@ def rank_spec(opts: JobOptions, rank: int, address: str, token: str, job: str) -
     return spec
 
 
-def recovery_spec(opts: JobOptions, rank: int, incarnation: int, address: str, token: str, job: str) -> dict[str, Any]:
-    """The spec of a process that replaces failed rank `rank` as `incarnation`, from its latest image."""
+def recovery_spec(
+    opts: JobOptions, rank: int, incarnation: int, number: int, address: str, token: str, job: str
+) -> dict[str, Any]:
+    """The spec of a process that replaces failed rank `rank` as `incarnation`, from its image of checkpoint
+    `number`: the one the coordinator names (not the newest on disk, which may be of a rolled-back run)."""
     program = Path(opts.program).stem
-    manifest, number = manifests.rank_image(opts.ckpt_dir, program, rank, token=wire.token_bytes(token))
-    entry = next(e for e in manifest.ranks if e.rank == rank)  # rank_image found it
+    path = opts.ckpt_dir / manifests.manifest_name(program, number)
+    if not path.exists():
+        raise ImageError(f"rank {rank}'s latest image is checkpoint {number}, but {path} does not exist")
+    manifest = manifests.read_manifest(path, token=wire.token_bytes(token))
+    entry = next((e for e in manifest.ranks if e.rank == rank), None)
+    if entry is None or entry.image_number(manifest.number) != number:
+        raise ImageError(f"{path.name} has no image of rank {rank} from checkpoint {number}")
     spec = rank_spec(opts, rank, address, token, job)
     spec["restart"] = {
         "image": str(opts.ckpt_dir / entry.file),
@@ -248,7 +257,7 @@ class _Job:
         #: each rank's current process (a respawned rank's replaces its lost one) and its exit status
         self.current: dict[int, subprocess.Popen[bytes]] = {}
         self.exited: dict[int, int] = {}
-        self._respawns: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
+        self._respawns: queue.SimpleQueue[tuple[int, int, int]] = queue.SimpleQueue()
         restart = opts.restart
         # One token per checkpoint directory: a new job launched into it keeps the token, so the
         # checkpoints already there stay restartable (their HMACs are keyed with it).
@@ -296,7 +305,7 @@ class _Job:
             self.address = self.coordinator.address
             threading.Thread(target=self._watch_coordinator, daemon=True).start()
             if opts.on_failure == "recover":
-                self.coordinator.set_respawn(lambda rank, incarnation: self._respawns.put((rank, incarnation)))
+                self.coordinator.set_respawn(lambda *asked: self._respawns.put(asked))
                 threading.Thread(target=self._respawner, name="ckpt-respawner", daemon=True).start()
             self._write_job_file()
             log.info("coordinator of job %s listening on %s", self.job_id, self.address)
@@ -339,22 +348,24 @@ class _Job:
         """Start the processes the coordinator asks for (its callback only queues them: it holds its lock)."""
         assert self.coordinator is not None
         while True:
-            rank, incarnation = self._respawns.get()
+            rank, incarnation, number = self._respawns.get()
             try:
-                spec = recovery_spec(self.opts, rank, incarnation, self.address, self.token, self.job_id)
-            except CkptError as exc:
+                self._respawn(rank, incarnation, number)
+            except Exception as exc:  # any failure (a bad image, Popen's OSError) ends the job
                 self.coordinator.fail(f"cannot respawn rank {rank}: {exc}")
-                continue
-            with self.changed:
-                if self.outcome() is not None:
-                    continue
-                lost = self.current.get(rank)
-                if lost is not None and lost.poll() is None:
-                    lost.kill()  # silent rather than dead: the coordinator gave up on it (its reaper reaps it)
-                self.exited.pop(rank, None)
-                log.info("respawning rank %d as incarnation %d", rank, incarnation)
-                self._start_rank(rank, spec)
-                self.changed.notify_all()
+
+    def _respawn(self, rank: int, incarnation: int, number: int) -> None:
+        spec = recovery_spec(self.opts, rank, incarnation, number, self.address, self.token, self.job_id)
+        with self.changed:
+            if self.outcome() is not None:
+                return
+            lost = self.current.get(rank)
+            if lost is not None and lost.poll() is None:
+                lost.kill()  # silent rather than dead: the coordinator gave up on it (its reaper reaps it)
+            self.exited.pop(rank, None)
+            log.info("respawning rank %d as incarnation %d from checkpoint %d", rank, incarnation, number)
+            self._start_rank(rank, spec)
+            self.changed.notify_all()
 
     def _joined_then_died(self, failed: dict[int, int]) -> bool:
         """Under recover: did every rank process that died join the job? Then the coordinator handles it."""

@@ -452,9 +452,13 @@ def _restart_one_rank(
         raise CkptError(f"job {state['job']} has no rank {rank} (it has ranks 0..{int(state['size']) - 1})")
     if ranks[rank]["state"] != "failed":
         raise CkptError(f"rank {rank} of job {state['job']} has not failed (it is {ranks[rank]['state']})")
+    number = ranks[rank].get("latest_image")
+    if number is None:  # the coordinator, not the directory, knows which image is of this run
+        raise CkptError(f"the coordinator of job {state['job']} names no image of rank {rank} to restart it from")
     directory = Path(state["ckpt_dir"])
     program = str(state.get("program") or "")
-    manifest, _ = manifests.rank_image(directory, program, rank, token=wire.token_bytes(token))
+    path = directory / manifests.manifest_name(program, int(number))
+    manifest = manifests.read_manifest(path, token=wire.token_bytes(token))
     # the rank runs with the plugins the job runs with: those its checkpoint recorded, not every one installed
     modules = list(dict.fromkeys([*manifest.with_plugins, *with_plugins]))
     recorded = {str(p.get("name")) for p in manifest.plugins}
@@ -472,7 +476,9 @@ def _restart_one_rank(
         log_level=log_level,
         on_failure="recover",
     )
-    spec = recovery_spec(opts, rank, int(ranks[rank]["incarnation"]) + 1, address, token, str(state["job"]))
+    spec = recovery_spec(
+        opts, rank, int(ranks[rank]["incarnation"]) + 1, int(number), address, token, str(state["job"])
+    )
     spec["print_result"] = True  # no launcher prints it: as a rank under an external launcher does
     services = job_services(opts, job=str(state["job"]), external_rank=rank)
     os.environ.update(services.start())

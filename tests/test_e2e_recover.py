@@ -327,3 +327,72 @@ def test_a_restarted_job_keeps_its_policy_and_each_ranks_incarnation(
     os.kill(state["ranks"][0]["pid"], signal.SIGKILL)
     _back(again, 0, 1)
     again.finishes_with(expected)
+
+
+# ----------------------------------------------------------------- the image a rank restarts from; a job of one rank
+def test_after_a_restart_from_an_older_checkpoint_a_lost_rank_comes_back_from_this_runs_image(
+    start_job: Callable[..., Job], tmp_path: Path, expected: dict[int, str]
+) -> None:
+    ckpt_dir = tmp_path / "ckpt"
+    job = start_job("launch", "-n", "3", "--ckpt-dir", str(ckpt_dir), "--interval", "0.3", *RECOVER, *COLLSUM_SLOW)
+    _settled(job)
+    wait_for(lambda: ((job.poll_status() or {}).get("last_checkpoint") or {}).get("number", 0) >= 3, 60, "3 ckpts")
+    assert "checkpoint" in run("checkpoint", "--kill", "--ckpt-dir", str(ckpt_dir)).stdout
+    assert job.wait(60) == 0, job.stderr
+    newest = max(int(p.stem.rpartition("_")[2]) for p in ckpt_dir.glob("ckpt_collsum_*.json"))
+    # back to checkpoint 1 on purpose: the newer coordinated manifests (the rolled-back run's) stay on disk
+    first = str(ckpt_dir / "ckpt_collsum_1.json")
+    again = start_job("restart", first, "--disable-plugin", "ib", "--interval", "1000", "--log-level", "INFO")
+    state = _settled(again)
+    assert state["last_checkpoint"]["number"] == 1 and (ckpt_dir / f"ckpt_collsum_{newest}.json").exists()
+    assert [r["latest_image"] for r in state["ranks"]] == [1, 1, 1]
+    os.kill(state["ranks"][1]["pid"], signal.SIGKILL)
+    _back(again, 1, 1)
+    again.finishes_with(expected)
+    assert (
+        "rank 1 rejoined as incarnation 1" in again.stderr and "restarting from checkpoint 1 at step 0" in again.stderr
+    )
+    assert f"restarting from checkpoint {newest}" not in again.stderr
+
+
+def test_a_job_of_one_rank_killed_is_recovering_and_restart_rank_brings_it_back(
+    start_job: Callable[..., Job], tmp_path: Path
+) -> None:
+    alone = uninterrupted(tmp_path / "plain", 1, *COLLSUM)
+    ckpt_dir = tmp_path / "ckpt"
+    token = {"CKPT_TOKEN": "one-rank-recover-token"}
+    start_job("coordinator", "--port", "0", "--ckpt-dir", str(ckpt_dir), extra_env=token)
+    wait_for((ckpt_dir / "coordinator.json").exists, 30, "the coordinator's job file")
+    address = json.loads((ckpt_dir / "coordinator.json").read_text())["address"]
+    where = ["--coordinator", address, "--ckpt-dir", str(ckpt_dir)]
+    rank = start_job("launch", *where, *RECOVER, *COLLSUM_SLOW, ckpt_dir=ckpt_dir,
+                     extra_env={**token, "PMI_RANK": "0", "PMI_SIZE": "1"})  # fmt: skip
+    rank.wait_step(5)
+    wait_for(lambda: (rank.poll_status() or {}).get("last_checkpoint"), 30, "the first checkpoint")
+    assert rank.process is not None
+    os.kill(rank.process.pid, signal.SIGKILL)
+
+    def recovering() -> bool:
+        shown = run("status", *where, extra_env=token)
+        return shown.returncode == 0 and "state recovering" in shown.stdout.splitlines()[0]
+
+    wait_for(recovering, 30, "the job recovering (not failed) with its only rank lost")
+    shown = run("status", *where, extra_env=token).stdout
+    assert "rank 0 failed (incarnation 0 was lost)" in shown and "ckpt restart --rank 0" in shown, shown
+    again = start_job("restart", "--rank", "0", *where, ckpt_dir=ckpt_dir, extra_env=token)
+    assert again.wait(120) == 0, again.stderr
+    assert results(again.stdout) == alone
+
+
+def test_an_incarnation_hung_in_its_restart_is_killed_after_the_phase_timeout_and_the_next_one_recovers(
+    start_job: Callable[..., Job], tmp_path: Path, expected: dict[int, str]
+) -> None:
+    job = start_job(
+        "launch", "-n", "3", "--ckpt-dir", str(tmp_path / "ckpt"), "--phase-timeout", "5", *RECOVER,
+        "--with-plugin", "ckpt_rankevents", *COLLSUM_SLOW, extra_env={"CKPT_TEST_RANKEVENTS_HANG": "1"},
+    )  # fmt: skip
+    os.kill(_settled(job)["ranks"][1]["pid"], signal.SIGKILL)
+    _back(job, 1, 2)  # incarnation 1 hung in ckpt_restart with its connection alive
+    job.finishes_with(expected)
+    assert "was lost while recovering as incarnation 1 (it did not finish RESTART within 5 s)" in job.stderr
+    assert "respawning it from checkpoint 1 as incarnation 2" in job.stderr

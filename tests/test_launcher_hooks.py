@@ -320,22 +320,31 @@ class _Answers:
         return self.answer
 
 
-def test_the_first_answer_up_the_stack_decides(tmp_path: Path) -> None:
+def test_every_plugin_is_asked_and_a_refusal_stands_unless_another_answers_for_that_plugin(tmp_path: Path) -> None:
     log: Log = []
-    # registered low to high; the hook runs up: the highest layer speaks for those below it
-    refusing, silent, accepting = (_Answers(log, "verbs", "no"), _Answers(log, "dsm", None), _Answers(log, "log", True))
-    _cli_plugins.check_single_rank_recovery(_host(refusing, silent, accepting), _job(tmp_path))
-    assert log == ["log"]
+    ib, dsm = _Answers(log, "ib", "no"), _Answers(log, "dsm", None)
+    own = _Answers(log, "other", True)  # recovers its own state: says nothing about ib's
+    # registered low to high; a True answer from above no longer silences the refusal below it
+    with pytest.raises(CkptError, match="plugin 'ib' cannot recover a single rank: no") as refused:
+        _cli_plugins.check_single_rank_recovery(_host(ib, dsm, own), _job(tmp_path))
+    assert sorted(log) == ["dsm", "ib", "other"] and "\n" not in str(refused.value)
     log.clear()
-    with pytest.raises(CkptError, match="plugin 'verbs' cannot recover a single rank: no") as refused:
-        _cli_plugins.check_single_rank_recovery(_host(refusing, silent), _job(tmp_path))
-    assert log == ["dsm", "verbs"] and "\n" not in str(refused.value)
-    _cli_plugins.check_single_rank_recovery(_host(silent), _job(tmp_path))  # no answer: accepted
+    for_dsm = _Answers(log, "log", ["dsm"])  # answers for a plugin that did not refuse: ib's refusal stands
+    with pytest.raises(CkptError, match="plugin 'ib' cannot recover a single rank"):
+        _cli_plugins.check_single_rank_recovery(_host(ib, dsm, for_dsm, own), _job(tmp_path))
+    for_both = _Answers(log, "log", ["ib", "dsm"])  # re-creates the connections and the shared memory
+    _cli_plugins.check_single_rank_recovery(_host(ib, dsm, for_both, own), _job(tmp_path))
+    _cli_plugins.check_single_rank_recovery(_host(for_both, ib), _job(tmp_path))  # registration order is moot
+    _cli_plugins.check_single_rank_recovery(_host(dsm), _job(tmp_path))  # no answer: accepted
+    # the first uncovered refusal, in the hook's order (up), is the one said
+    with pytest.raises(CkptError, match="plugin 'dsm' cannot recover a single rank: shm"):
+        _cli_plugins.check_single_rank_recovery(_host(ib, _Answers(log, "dsm", "shm")), _job(tmp_path))
 
 
-def test_an_answer_that_is_none_of_the_three_names_the_plugin(tmp_path: Path) -> None:
-    with pytest.raises(PluginError, match=r"plugin 'odd': ckpt_single_rank_recovery returned 1, not True"):
-        _cli_plugins.check_single_rank_recovery(_host(_Answers([], "odd", 1)), _job(tmp_path))
+@pytest.mark.parametrize("answer", [1, False, ["ib", 3], [""], ("ib",), "  "])
+def test_an_answer_that_is_none_of_the_four_names_the_plugin(tmp_path: Path, answer: Any) -> None:
+    with pytest.raises(PluginError, match=r"plugin 'odd': ckpt_single_rank_recovery returned .*, not True, a list"):
+        _cli_plugins.check_single_rank_recovery(_host(_Answers([], "odd", answer)), _job(tmp_path))
 
 
 def test_the_verbs_plugin_refuses_recover_in_one_line(tmp_path: Path) -> None:
@@ -343,3 +352,9 @@ def test_the_verbs_plugin_refuses_recover_in_one_line(tmp_path: Path) -> None:
 
     answer = ckpt_ib.ckpt_single_rank_recovery(_job(tmp_path))
     assert isinstance(answer, str) and "\n" not in answer and "--disable-plugin ib" in answer
+    host = PluginHost()
+    host.register(ckpt_ib, name="ib")  # its entry-point name: what a list answering for it names
+    with pytest.raises(CkptError, match="plugin 'ib' cannot recover a single rank: the verbs plugin alone"):
+        _cli_plugins.check_single_rank_recovery(host, _job(tmp_path))
+    host.register(_Answers([], "remotelog", ["ib", "dsm"]), name="remotelog")
+    _cli_plugins.check_single_rank_recovery(host, _job(tmp_path))

@@ -55,17 +55,18 @@ class Rank:
 
 
 @pytest.fixture
-def coordinator(tmp_path: Path) -> Iterator[Coordinator]:
-    coord = Coordinator(token=TOKEN, ckpt_dir=tmp_path).start()
+def coordinator(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Coordinator]:
+    """A coordinator; parametrize it indirectly with a phase timeout (s) to shorten it."""
+    coord = Coordinator(token=TOKEN, ckpt_dir=tmp_path, phase_timeout=getattr(request, "param", 300.0)).start()
     yield coord
     coord.stop()
 
 
 @pytest.fixture
-def respawned(coordinator: Coordinator) -> queue.SimpleQueue[tuple[int, int]]:
-    """What the coordinator asks the launcher to respawn: (rank, incarnation)."""
-    asked: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
-    coordinator.set_respawn(lambda rank, incarnation: asked.put((rank, incarnation)))
+def respawned(coordinator: Coordinator) -> queue.SimpleQueue[tuple[int, int, int]]:
+    """What the coordinator asks the launcher to respawn: (rank, incarnation, checkpoint of its image)."""
+    asked: queue.SimpleQueue[tuple[int, int, int]] = queue.SimpleQueue()
+    coordinator.set_respawn(lambda rank, incarnation, number: asked.put((rank, incarnation, number)))
     return asked
 
 
@@ -132,10 +133,16 @@ def started(pool: ThreadPoolExecutor, join: Callable[..., Rank], coordinator: Co
 
 
 def rejoin(
-    coordinator: Coordinator, join: Callable[..., Rank], rank: int, incarnation: int, size: int = 3, job: str = ""
+    coordinator: Coordinator,
+    join: Callable[..., Rank],
+    rank: int,
+    incarnation: int,
+    size: int = 3,
+    job: str = "",
+    number: int = 1,
 ) -> Rank:
-    """Rank `rank` rejoins as `incarnation` with its image of checkpoint 1 (of `job`: the running one's)."""
-    restart = {"number": 1, "job": job or coordinator.job.job_id}
+    """Rank `rank` rejoins as `incarnation` with its image of checkpoint `number` (of `job`: the running one's)."""
+    restart = {"number": number, "job": job or coordinator.job.job_id}
     return join(rank, size, recover={"incarnation": incarnation}, restart=restart)
 
 
@@ -154,11 +161,11 @@ def test_a_lost_rank_is_failed_announced_and_respawned_while_the_job_runs_on(
     coordinator: Coordinator,
     join: Callable[..., Rank],
     pool: ThreadPoolExecutor,
-    respawned: queue.SimpleQueue[tuple[int, int]],
+    respawned: queue.SimpleQueue[tuple[int, int, int]],
 ) -> None:
     r0, r1, r2 = started(pool, join, coordinator)
     lose(coordinator, r1)
-    assert respawned.get(timeout=WAIT) == (1, 1)
+    assert respawned.get(timeout=WAIT) == (1, 1, 1)
     for survivor in (r0, r2):
         assert protocol.parse_push(survivor.push("rank_failed")) == protocol.RankFailed(rank=1, incarnation=0)
     assert r0.client.call("get", reply_timeout=WAIT, ns=RANKS_NS, key="failed/1")["value"] == 0
@@ -171,7 +178,7 @@ def test_a_lost_rank_is_failed_announced_and_respawned_while_the_job_runs_on(
 
 
 def test_a_rank_lost_before_the_first_checkpoint_fails_the_job(
-    coordinator: Coordinator, join: Callable[..., Rank], respawned: queue.SimpleQueue[tuple[int, int]]
+    coordinator: Coordinator, join: Callable[..., Rank], respawned: queue.SimpleQueue[tuple[int, int, int]]
 ) -> None:
     ranks = [join(r) for r in range(3)]
     ranks[2].client.close()
@@ -219,7 +226,7 @@ def test_a_recovered_rank_walks_its_own_phases_alone_and_the_survivors_hear_of_i
     coordinator: Coordinator,
     join: Callable[..., Rank],
     pool: ThreadPoolExecutor,
-    respawned: queue.SimpleQueue[tuple[int, int]],
+    respawned: queue.SimpleQueue[tuple[int, int, int]],
 ) -> None:
     r0, r1, r2 = started(pool, join, coordinator)
     lose(coordinator, r1)
@@ -249,13 +256,13 @@ def test_a_crash_loop_fails_the_job(
     coordinator: Coordinator,
     join: Callable[..., Rank],
     pool: ThreadPoolExecutor,
-    respawned: queue.SimpleQueue[tuple[int, int]],
+    respawned: queue.SimpleQueue[tuple[int, int, int]],
 ) -> None:
     ranks = started(pool, join, coordinator)
     lose(coordinator, ranks[0])
     for attempt in range(1, MAX_RECOVERY_ATTEMPTS + 1):
-        rank, incarnation = respawned.get(timeout=WAIT)
-        assert (rank, incarnation) == (0, attempt)
+        rank, incarnation, number = respawned.get(timeout=WAIT)
+        assert (rank, incarnation, number) == (0, attempt, 1)
         again = rejoin(coordinator, join, 0, incarnation)
         again.barrier(Phase.RESTART.barrier(Phase.rank_scope(0, f"inc{incarnation}")))
         again.client.close()  # lost again before its RESUME
@@ -298,7 +305,98 @@ def test_the_record_keeps_only_what_a_latest_image_may_re_execute(
     walk_checkpoint(pool, ranks, 2, 2)  # every image is past collective 2
     assert coordinator.job.recovery.recorded() == 1
     lose(coordinator, ranks[1])
-    back = rejoin(coordinator, join, 1, 1)
+    back = rejoin(coordinator, join, 1, 1, number=2)  # its latest image
     with pytest.raises(CoordinatorError, match="re-executes allgather #2, older than every rank's latest image"):
         back.collective(2, "x")
     assert back.collective(3, "x")["values"] == ["0@3", "1@3", "2@3"]
+
+
+# ----------------------------------------------------------------- defects found in review
+def checkpoint_again(coordinator: Coordinator, pool: ThreadPoolExecutor, ranks: list[Rank], number: int) -> None:
+    """A coordinated checkpoint `number` asked for by hand, every image after collective 0."""
+    asked = control(coordinator.address, TOKEN)
+    try:
+        asked.call("checkpoint", reply_timeout=WAIT)
+    finally:
+        asked.close()
+    walk_checkpoint(pool, ranks, number, 0)
+
+
+def test_the_image_a_rank_restarts_from_is_the_coordinators_and_no_other_is_admitted(
+    coordinator: Coordinator,
+    join: Callable[..., Rank],
+    pool: ThreadPoolExecutor,
+    respawned: queue.SimpleQueue[tuple[int, int, int]],
+) -> None:
+    ranks = started(pool, join, coordinator)
+    checkpoint_again(coordinator, pool, ranks, 2)
+    lose(coordinator, ranks[1])
+    assert respawned.get(timeout=WAIT) == (1, 1, 2)  # the launcher is told which image: not left to guess
+    assert status(coordinator)["ranks"][1]["latest_image"] == 2  # what `ckpt restart --rank 1` reads
+    with pytest.raises(
+        CoordinatorError, match="rank 1 rejoins from checkpoint 1; its latest image in this run is checkpoint 2"
+    ):
+        rejoin(coordinator, join, 1, 1, number=1)
+    rejoin(coordinator, join, 1, 1, number=2)
+    assert status(coordinator)["ranks"][1]["state"] == "recovering"
+
+
+def test_a_job_whose_every_rank_is_failed_is_recovering_not_failed(
+    coordinator: Coordinator, join: Callable[..., Rank], pool: ThreadPoolExecutor
+) -> None:
+    only = join(0, size=1)
+    walk_checkpoint(pool, [only], 1, 0)
+    lose(coordinator, only)
+    st = status(coordinator)
+    assert (st["state"], st["ranks"][0]["state"]) == ("recovering", "failed") and coordinator.outcome is None
+    back = rejoin(coordinator, join, 0, 1, size=1)
+    assert status(coordinator)["state"] == "recovering"
+    back.barrier(Phase.RESTART.barrier(Phase.rank_scope(0, "inc1")))
+
+
+@pytest.mark.parametrize("coordinator", [0.5], indirect=True)
+def test_an_incarnation_hung_in_its_own_phases_is_killed_and_counts_as_lost(
+    coordinator: Coordinator,
+    join: Callable[..., Rank],
+    pool: ThreadPoolExecutor,
+    respawned: queue.SimpleQueue[tuple[int, int, int]],
+) -> None:
+    ranks = started(pool, join, coordinator)
+    lose(coordinator, ranks[1])
+    assert respawned.get(timeout=WAIT) == (1, 1, 1)
+    back = rejoin(coordinator, join, 1, 1)
+    back.barrier(Phase.RESTART.barrier(Phase.rank_scope(1, "inc1")))
+    # it hangs in REFRESH with its connection alive: the phase timeout gives up on it
+    assert "rank 1 incarnation 1: it did not finish REFRESH within 0.5 s" in back.push("kill")["reason"]
+    assert respawned.get(timeout=WAIT) == (1, 2, 1)  # one attempt used: the next incarnation
+    st = status(coordinator)
+    assert st["ranks"][1]["state"] == "failed" and coordinator.outcome is None
+    assert "was lost while recovering as incarnation 1 (it did not finish REFRESH within 0.5 s)" in st["message"]
+    again = rejoin(coordinator, join, 1, 2)  # a timely one recovers
+    for phase in Phase.restart_sequence():
+        again.barrier(phase.barrier(Phase.rank_scope(1, "inc2")))
+    assert [r["state"] for r in status(coordinator)["ranks"]] == ["running"] * 3
+
+
+def test_a_queued_independent_checkpoint_of_a_lost_rank_is_answered_not_carried_over(
+    coordinator: Coordinator, join: Callable[..., Rank], pool: ThreadPoolExecutor
+) -> None:
+    ranks = started(pool, join, coordinator)
+    asked = control(coordinator.address, TOKEN)
+    waiting = control(coordinator.address, TOKEN)
+    try:
+        asked.call("checkpoint", reply_timeout=WAIT)  # a coordinated one in progress: rank 1's waits behind it
+        for rank in ranks:
+            rank.push("suspend")
+        queued = pool.submit(waiting.call, "checkpoint", WAIT, wait=True, rank=1)
+        deadline = time.monotonic() + WAIT
+        while status(coordinator).get("independent_queued") != [1]:
+            assert time.monotonic() < deadline, "rank 1's checkpoint was not queued"
+            threading.Event().wait(0.01)
+        lose(coordinator, ranks[1])
+        with pytest.raises(CoordinatorError, match=r"rank 1 \(pid 1001 on h\) was lost .*checkpoint is dropped"):
+            queued.result(WAIT)
+        assert status(coordinator)["independent_queued"] == []
+    finally:
+        asked.close()
+        waiting.close()

@@ -247,6 +247,9 @@ class IndependentCheckpoints(JobMembership):
             path = self.settings.ckpt_dir / manifests.manifest_name(self.program.name, number)
             manifest = manifests.read_manifest(path, token=self.settings.token.encode())
             self.latest_images = {entry.rank: (number, entry) for entry in manifest.ranks}
+            # The rolled-back run's "rank" manifests go; its coordinated ones stay (a user may go back to
+            # them on purpose), so the directory's newest manifest may be of that run until this one
+            # commits: no recovery reads it, the coordinator names each rank's image (_recovery.py).
             manifests.abandon_after(self.settings.ckpt_dir, self.program.name, number)
         except (ImageError, OSError) as exc:  # the ranks load their images themselves: they say what is wrong
             log.warning("cannot read the manifest of checkpoint %d: %s", number, exc)
@@ -399,8 +402,9 @@ class IndependentCheckpoints(JobMembership):
     def status(self) -> dict[str, Any]:
         state = super().status()
         for entry in state["ranks"]:
-            latest = self.latest_images.get(entry["rank"])
-            entry["latest_image"] = latest[0] if latest else None
+            # what a recovery of the rank loads (`ckpt restart --rank` asks here, never the directory)
+            known = self.recovery.images.get(entry["rank"]) or self.latest_images.get(entry["rank"])
+            entry["latest_image"] = known[0] if known else None
         ckpt = self._rank_ckpt
         state["independent_in_progress"] = (
             None if ckpt is None else {"rank": ckpt.rank, "number": ckpt.number, "stage": _stage(ckpt)}

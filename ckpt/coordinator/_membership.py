@@ -36,7 +36,8 @@ log = logging.getLogger("ckpt.coordinator.job")
 #: "failed" (under --on-failure recover: until its next incarnation rejoins, "recovering" until that
 #: one's RESUME; neither counts in the job's state, which stays the live ranks'); when the job
 #: ends, ranks that had not finished are "killed" (by a request, or because
-#: another rank failed).  The job's own state is also "waiting" (ranks still joining) or its end.
+#: another rank failed).  The job's own state is also "waiting" (ranks still joining), "recovering"
+#: (no rank live but the job not over: every one failed or recovering) or its end.
 STATES = (
     "running",
     *dict.fromkeys(phase.state for phase in (*Phase.checkpoint_sequence(), *Phase.restart_sequence())),
@@ -454,8 +455,8 @@ class JobMembership(abc.ABC):
         elif not self.all_joined():
             state = "waiting"
             max_state = max(live, key=STATES.index) if live else state
-        else:
-            state = min(live, key=STATES.index) if live else "failed"
+        else:  # no live rank but no outcome: every rank is failed or recovering (a 1-rank job, say)
+            state = min(live, key=STATES.index) if live else "recovering"
             max_state = max(live, key=STATES.index) if live else state
         return {
             "job": self.job_id,
@@ -495,6 +496,10 @@ class JobMembership(abc.ABC):
     @abc.abstractmethod
     def _end_checkpoint(self, reason: str) -> None:
         """The job ends: abort the checkpoint in progress unless it is already written."""
+
+    @abc.abstractmethod
+    def rank_checkpoint_lost(self, rank: int, reason: str) -> None:
+        """Rank `rank` is gone: abort its independent checkpoint in progress and answer its queued one."""
 
     @abc.abstractmethod
     def _take_waiters(self) -> list[Reply]:

@@ -27,10 +27,19 @@
 # Checkpoints are queued while a rank is failed or recovering: a checkpoint needs
 # every rank.  A rank whose new incarnation is lost before its RESUME
 # MAX_RECOVERY_ATTEMPTS times in a row fails the job (a crash loop, not bad luck).
+#
+# The coordinator alone says which image a rank restarts from: `images[R]`, the
+# image of R's latest committed checkpoint in *this* run (the files on disk may
+# hold newer manifests of a run a whole-job restart rolled back, or a damaged
+# newest one).  The respawn callback gets its number and a rejoin bringing any
+# other image is refused.  Each phase of a recovering incarnation must complete
+# within the phase timeout, or that incarnation counts as lost (killed, one
+# attempt used): a hung RESTART would otherwise keep every checkpoint waiting.
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
@@ -41,6 +50,7 @@ from ckpt.plugin import RANKS_NS, Phase
 
 if TYPE_CHECKING:
     from ckpt.coordinator._membership import JobMembership, RankInfo
+    from ckpt.coordinator._scheduler import Timer
     from ckpt.coordinator.kvstore import Reply
 
 # The job's logger (see _membership.py): what users filter on.
@@ -53,9 +63,10 @@ POLICIES: Final = (ABORT, RECOVER)
 #: How many times in a row a rank's new incarnation may be lost before its RESUME before the job fails.
 MAX_RECOVERY_ATTEMPTS: Final = 3
 
-#: Called (under the coordinator's lock: it must not block) with (rank, incarnation) when a rank must be
-#: respawned as that incarnation: the launcher's part.  None: wait for ``ckpt restart --rank R``.
-Respawn = Callable[[int, int], None]
+#: Called (under the coordinator's lock: it must not block) with (rank, incarnation, number) when a rank must be
+#: respawned as that incarnation from its image of checkpoint `number`: the launcher's part.  None: wait for
+#: ``ckpt restart --rank R``.
+Respawn = Callable[[int, int, int], None]
 
 
 @dataclass(frozen=True)
@@ -82,6 +93,8 @@ class RankRecovery:
         self._record: dict[int, _Recorded] = {}
         #: every collective up to this sequence number has left the record
         self._trimmed = 0
+        #: rank -> the phase timer of its recovering incarnation
+        self._timers: dict[int, Timer] = {}
 
     @property
     def on(self) -> bool:
@@ -137,11 +150,16 @@ class RankRecovery:
             raise CkptError(f"rank {rank} rejoins without an image to restart from")
         if restart.get("job") != job.job_id:
             raise CkptError(f"rank {rank} rejoins job {job.job_id} with an image of job {restart.get('job')}")
+        number, image = int(restart["number"]), self.images[rank][0]
+        if number != image:
+            raise CkptError(
+                f"rank {rank} rejoins from checkpoint {number}; its latest image in this run is checkpoint {image}"
+            )
         del self.failed[rank]
         self.recovering[rank] = following
         info.incarnation, info.state = following, "restart"
         job.ranks[rank] = info
-        number = int(restart["number"])
+        self._arm_timer(rank, following, Phase.RESTART)
         job.message = (
             f"rank {rank} rejoined as incarnation {following} (pid {info.pid} on {info.host}), "
             f"restarting from checkpoint {number} at step {info.step}"
@@ -168,6 +186,7 @@ class RankRecovery:
         if rank not in self.images:
             job.fail(f"{lost}, before the job's first checkpoint: it has no image to recover from")
             return True
+        self._cancel_timer(rank)
         if self.recovering.pop(rank, None) is not None:
             attempts = self._attempts[rank] = self._attempts.get(rank, 0) + 1
             if attempts >= MAX_RECOVERY_ATTEMPTS:
@@ -179,6 +198,7 @@ class RankRecovery:
         info.state, info.finished = "failed", False  # it runs to its end again
         self.failed[rank] = info.incarnation
         job._end_checkpoint(lost)  # a checkpoint in progress is aborted (its files removed) as ever
+        job.rank_checkpoint_lost(rank, f"{lost}: its independent checkpoint is dropped (ask again once it is back)")
         self._drop_arrivals(rank)
         job.kv.publish(RANKS_NS, f"failed/{rank}", info.incarnation)
         for other in job._live():
@@ -186,7 +206,7 @@ class RankRecovery:
         following, number = info.incarnation + 1, self.images[rank][0]
         if self.respawn is not None:
             job.message = f"{lost}; respawning it from checkpoint {number} as incarnation {following}"
-            self.respawn(rank, following)
+            self.respawn(rank, following, number)
         else:
             job.message = (
                 f"{lost}; waiting for `ckpt restart --rank {rank}` (checkpoint {number}, incarnation {following})"
@@ -220,12 +240,15 @@ class RankRecovery:
         scope, phase = Phase.of_barrier(name)
         if scope != Phase.rank_scope(rank, f"inc{incarnation}"):
             return
+        if phase is not None and phase.next is not None:
+            self._arm_timer(rank, incarnation, phase.next)
         if phase is Phase.RESTART:  # its new IDs are published: the survivors may reconnect to it
             job.kv.publish(RANKS_NS, f"incarnation/{rank}", incarnation)
             for other in job._live():
                 if other != rank:
                     job._push(other, protocol.RankRecovered(rank=rank, incarnation=incarnation))
         elif phase is Phase.RESUME:
+            self._cancel_timer(rank)
             del self.recovering[rank]
             self._attempts.pop(rank, None)
             job.message = f"rank {rank} recovered as incarnation {incarnation}"
@@ -233,6 +256,29 @@ class RankRecovery:
             job._arm_interval()
             job._start_queued()
             job._maybe_done()
+
+    def _arm_timer(self, rank: int, incarnation: int, phase: Phase) -> None:
+        """Incarnation `incarnation` of `rank` must complete `phase` within the phase timeout, or it is lost."""
+        job, timeout = self.job, self.job.settings.phase_timeout
+        self._cancel_timer(rank)
+
+        def expired() -> None:
+            if self._timers.get(rank) is not timer or self.recovering.get(rank) != incarnation:
+                return  # it moved on (or was lost) meanwhile
+            del self._timers[rank]
+            if job.outcome is not None:
+                return
+            reason = f"it did not finish {phase.value} within {timeout:g} s"
+            if job.ranks[rank].connected:  # hung, not dead: it must not run on beside its next incarnation
+                job._push(rank, protocol.KillRank(reason=f"rank {rank} incarnation {incarnation}: {reason}"))
+            job.rank_lost(rank, reason)
+
+        timer = self._timers[rank] = job._scheduler.call_at(time.monotonic() + timeout, expired)
+
+    def _cancel_timer(self, rank: int) -> None:
+        timer = self._timers.pop(rank, None)
+        if timer is not None:
+            timer.cancel()
 
     # ----------------------------------------------------------- collectives
     def replay(self, rank: int, seq: int, kind: str, reply: Reply) -> bool:

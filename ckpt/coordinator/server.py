@@ -113,8 +113,9 @@ class Coordinator(Server[_Connection]):
         return job
 
     def set_respawn(self, respawn: Respawn | None) -> None:
-        """Under --on-failure recover, call `respawn(rank, incarnation)` (under the coordinator's lock: it must
-        not block) when a lost rank is to be started again; without one, the job waits for `ckpt restart --rank`."""
+        """Under --on-failure recover, call `respawn(rank, incarnation, number)` (under the coordinator's lock: it
+        must not block) when a lost rank is to be started again from its image of checkpoint `number`; without
+        one, the job waits for `ckpt restart --rank`."""
         with self._lock:
             self._respawn = self.job.recovery.respawn = respawn
 

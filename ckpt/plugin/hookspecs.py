@@ -134,18 +134,19 @@ def ckpt_job_stop(job: JobInfo) -> None:
 
 
 @hookspec
-def ckpt_single_rank_recovery(job: JobInfo) -> bool | str | None:
+def ckpt_single_rank_recovery(job: JobInfo) -> bool | str | list[str] | None:
     """May a job with this plugin loaded run under ``ckpt launch --on-failure recover``?
 
     *launcher*, once, before the job starts, and only under ``--on-failure recover``.  Under
     ``recover`` a lost rank is respawned from its own latest image while the other ranks keep
     running, so every plugin that keeps state across ranks (connections, remote IDs, shared
-    memory) must be able to bring that one rank back among live peers.  Return True when your
-    plugin -- and the plugins below it that it takes responsibility for -- can; a string (one
-    line, the reason) when it cannot; None when it keeps no cross-rank state.  ``firstresult``
-    style: the first non-None answer, in the hook's order, decides; a string refuses the launch
-    with that line; no answer at all accepts it.  Order: up (the highest layer speaks for the
-    stack beneath it: ``ckpt_remotelog`` answers for the DSM and the verbs plugin).
+    memory) must be able to bring that one rank back among live peers.  Return None when your
+    plugin keeps no cross-rank state; True when it can recover its own; a string (one line, the
+    reason) when it cannot; or a list of other plugins' names (True, and your plugin also
+    answers for theirs: ``ckpt_remotelog`` answers ``["ib", "dsm"]`` for the connections and
+    shared memory it re-creates).  Every plugin is asked: the launch is refused, with the first
+    such plugin's line, iff some plugin refused and no other plugin's list names it; no answer
+    at all accepts it.  Order: up (the order refusals are looked at in).
     """
     raise NotImplementedError
 

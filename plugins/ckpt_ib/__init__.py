@@ -30,8 +30,9 @@
 # rebuilds its objects but leaves its connections to other ranks in ERROR
 # for their owner to replace; the survivors drop their cached translations of
 # its IDs when it is back.  The plugin cannot replace a program's connections
-# itself, so it refuses `--on-failure recover` unless a plugin above it (one
-# that owns the connections, e.g. remote logging for the DSM) answers for it.
+# itself, so it refuses `--on-failure recover` unless another plugin (one that
+# owns the connections, e.g. remote logging for the DSM) answers for it: its
+# answer to ckpt_single_rank_recovery is a list that names "ib".
 #
 # The hooks are methods of `IbPlugin`, one per process (the module's hook
 # functions call it); tests run one per thread-rank.
@@ -56,7 +57,7 @@ __version__ = "0.1.0"
 CKPT_PLUGIN_API = 2
 #: When set, each rank writes the real IDs of each generation to <dir>/ib.<rank>.<generation>.json (for tests).
 TRACE_ENV = "CKPT_IB_TRACE_DIR"
-#: What `ckpt launch --on-failure recover` is told when no plugin above this one answers for the connections.
+#: What `ckpt launch --on-failure recover` is told when no other plugin answers for the connections.
 NO_SINGLE_RANK_RECOVERY = (
     "the verbs plugin alone cannot reconnect a program's queue pairs to a recovered rank "
     "(a DSM program needs ckpt_remotelog; a program without verbs may run with --disable-plugin ib)"
@@ -153,7 +154,7 @@ _plugin = IbPlugin()
 def ckpt_single_rank_recovery(job: Any) -> str:
     """A rank recovered alone gets new queue pairs, and this plugin cannot reconnect a program's own QPs
     to them: the program made them, only it (or a layer above that owns them) knows to whom and how.
-    Up order: a plugin above this one that owns the connections answers first, and decides."""
+    A plugin that owns the connections overrides this refusal by answering a list that names "ib"."""
     return NO_SINGLE_RANK_RECOVERY
 
 

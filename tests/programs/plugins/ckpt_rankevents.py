@@ -3,7 +3,8 @@
 Each rank appends one JSON line per hook to $CKPT_TEST_RANKEVENTS/rank<R>.jsonl: the hook, the rank and
 incarnation it names, the thread it ran on.  A recovered rank's ckpt_restart records rt.recovered and
 rt.incarnation.  CKPT_TEST_RANKEVENTS_RAISE=1 makes ckpt_rank_failed raise (a plugin that cannot cope);
-CKPT_TEST_RANKEVENTS_CRASH=1 kills every recovered rank in its ckpt_restart (a crash loop).
+CKPT_TEST_RANKEVENTS_CRASH=1 kills every recovered rank in its ckpt_restart (a crash loop);
+CKPT_TEST_RANKEVENTS_HANG=1 makes a rank's first recovered incarnation hang in its ckpt_restart, alive.
 """
 
 from __future__ import annotations
@@ -46,3 +47,5 @@ def ckpt_restart(rt: ckpt.Runtime, image: Any) -> None:
     _note(rt, hook="restart", recovered=rt.recovered, incarnation=rt.incarnation)
     if rt.recovered and os.environ.get("CKPT_TEST_RANKEVENTS_CRASH"):
         os.kill(os.getpid(), signal.SIGKILL)
+    if rt.recovered and rt.incarnation == 1 and os.environ.get("CKPT_TEST_RANKEVENTS_HANG"):
+        threading.Event().wait()  # for ever: only the coordinator's phase timeout ends this incarnation
