@@ -14,8 +14,8 @@
 #   survivors, `ckpt_refresh` with `rt.recovered` on R): both sides create
 #   fresh QPs through the ordinary verbs API -- so ckpt_ib virtualizes them
 #   like any QP made after start -- and meet in the KV (namespace `dsm`,
-#   generation-scoped; <tag> = "R.K" names the recovery, so a later recovery
-#   of R or of its peer never reads these keys):
+#   generation-scoped; <tag> names the link by both ends' incarnations, so a
+#   later recovery of R or of its peer never reads these keys; see below):
 #
 #       conn/<memory>/<from>-<to>/<tag>  -> {lid, client, server, regions}
 #       ready/<memory>/<from>-<to>/<tag> -> true
@@ -45,19 +45,18 @@
 # lock it had acquired, a barrier it had passed, diffs the homes already
 # applied) needs the logs of remote logging (ckpt_remotelog) to give the same
 # answers as the first time; until then the lock home lets the rank it
-# believes holds a lock acquire it again (`dsm._handler`).  Two ranks failing
-# at the same time (DESIGN §8) meet the same way, link by link.
+# believes holds a lock acquire it again (`dsm._handler`).
 #
-# Several ranks failing and recovering at once.  A link is named by the
-# incarnations at both of its ends: <tag> = "<lo>.<Klo>-<hi>.<Khi>" (the
-# lower rank first), so two processes meet on a key whichever of them
-# recovers (each reads the incarnations from the same place: the recovering
+# Several ranks failing and recovering at once (DESIGN §8).  A link is named
+# by the incarnations at both of its ends: <tag> = "<lo>.<Klo>-<hi>.<Khi>"
+# (the lower rank first), so two processes meet on one key whichever of them
+# recovers: both take the incarnations from the coordinator (the recovering
 # rank's own, the pushed one, or `RANKS_NS incarnation/<j>`, 0 if none in
-# this generation).  A recovering rank skips the
-# peers whose `failed/<j>` is at or above the incarnation it knows of
-# (`incarnation/<j>`, 0 if none): they are lost, and will connect to it when
-# they come back (it hears RankRecovered once it has joined; a lost peer it
-# skipped gets our incarnation from the KV in its own REFRESH).  Every wait
+# this generation).  A recovering rank skips the peers whose `failed/<j>` is
+# at or above the incarnation it knows of: they are lost, and connect to it
+# when they come back (they read its incarnation in their REFRESH; it hears
+# their RankRecovered, its hooks running after its own RESUME).  Two ranks
+# back at once both see each other and meet in their REFRESH.  Every wait
 # for a peer's key runs in short slices and is abandoned once that peer's
 # awaited incarnation is lost too: a rank that dies between its RESTART
 # barrier and its keys costs the others nothing but a failed link, and the
