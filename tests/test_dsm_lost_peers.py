@@ -74,7 +74,7 @@ def _three_ranks(
                 step.wait()
             done.set()
         else:
-            done.wait(HANG)
+            assert done.wait(HANG), "ranks 0 and 1 did not arrange the stale request"
             survivor(mem, memories)
             with locks[0]:  # the lock is free: no grant to a lost incarnation holds it
                 pass
@@ -87,8 +87,14 @@ def test_a_request_arriving_after_its_sender_was_declared_lost_is_dropped() -> N
     def stale(proc: RankProcess, mem: dsm.Memory, step: int) -> None:
         if step == 0 and proc.rank == 0:
             _lost(proc, 1)  # e.g. heartbeat silence: rank 1 still runs, its QP to rank 0 is still live
+            mem._halt()  # rank 0 reaps the completion below itself
         if step == 1 and proc.rank == 1:
             _stale_acquire(mem, 0)
+        if step == 2 and proc.rank == 0:
+            # its completion is in rank 0's CQ since rank 1's HCA had the ack: reap until the CQ is empty
+            wait_for(lambda: not mem.server.poll(), HANG, "rank 0's server CQ to be drained")
+            assert mem.server.inbox == []  # dropped as it came
+            mem._start()
 
     def survivor(mem: dsm.Memory, memories: dict[int, dsm.Memory]) -> None:
         pass
