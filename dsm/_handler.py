@@ -57,6 +57,7 @@ from ._messages import (
     ReleaseRequest,
     decode,
 )
+from ._net import FAILED
 from ._region import META, split_gid
 from ._stats import Counters
 
@@ -95,10 +96,19 @@ class Handler:
         self.mutex = threading.Lock()
 
     # ------------------------------------------------------------------ dispatch
-    def serve(self, src: int, raw: Any) -> None:
+    def serve(self, src: int, raw: Any, link: int | None = None) -> None:
+        """Serve request `raw` of rank `src`, which arrived on `src`'s link number `link` (None: the current one).
+
+        A request of an incarnation declared lost is dropped: it arrived on a link replaced since, or
+        the link is FAILED (`forget` ran or is about to).  Checked under the mutex that `forget`
+        takes, so a request is either forgotten there or never queued / granted here.
+        """
         try:
             msg = decode(raw)
             with self.mutex:
+                server = self.mem.server
+                if server.state[src] == FAILED or (link is not None and link != server.link[src]):
+                    return
                 match msg:
                     case HomeRequest():
                         self._home(src, msg.rid, msg.gid)

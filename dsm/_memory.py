@@ -542,15 +542,15 @@ class Memory:
     def _serve(self) -> None:
         server = self.server
         try:
+            # idle, it waits on no peer: a failed peer's RECOVERY_TIMEOUT bounds the waits of calls, not this
             while not self._stop.is_set() and server.wait(
-                lambda: bool(server.inbox), "requests", math.inf, self._stop.is_set
+                lambda: bool(server.inbox), "requests", math.inf, self._stop.is_set, recovery_bound=False
             ):
                 # stop between requests: in an independent checkpoint the peers run on and may keep
                 # the inbox full; what is left waits there (it is pickled) until RESUME
                 while server.inbox and not self._stop.is_set():
                     peer, msg, _, link = server.inbox.pop(0)
-                    if link == server.link[peer]:  # else a request of an incarnation that died since
-                        self.handler.serve(peer, msg)
+                    self.handler.serve(peer, msg, link)  # dropped there if its incarnation died since
         except BaseException as exc:  # reported on the program thread at its next DSM call
             self._failure = exc
             log.error("rank %d: the DSM protocol handler failed: %s", self.rank, exc)

@@ -280,6 +280,11 @@ class Endpoint:
                     offset = self._offset(peer, slot, False)
                     flag, chunk = int(self.buf[offset]), self.buf[offset + 1 : offset + wc.byte_len].tobytes()
                     self._post_recv(peer, slot)
+                    if self.state[peer] == FAILED:
+                        # sent by the incarnation declared lost (its QP stays live until `attach`; a rank
+                        # lost for heartbeat silence may even still run): nothing it asks is answered
+                        self.partial[peer].clear()
+                        continue
                     self._up(peer)  # a message on a JOINING link: the peer's end is ready
                     self.partial[peer].append(chunk)
                     if flag == LAST:
@@ -291,13 +296,19 @@ class Endpoint:
         return n > 0
 
     def wait(
-        self, done: Callable[[], bool], what: str, timeout: float = 120.0, stop: Callable[[], bool] | None = None
+        self,
+        done: Callable[[], bool],
+        what: str,
+        timeout: float = 120.0,
+        stop: Callable[[], bool] | None = None,
+        recovery_bound: bool = True,
     ) -> bool:
         """Poll until `done()`; after a short spin, sleep on the completion channel.
 
         Returns False if `stop()` became true first; raises DsmError after `timeout` seconds
         (not counting time while a peer is failed and may come back: that is bounded by
-        RECOVERY_TIMEOUT since its failure).
+        RECOVERY_TIMEOUT since its failure, unless `recovery_bound` is False -- the handler's
+        idle wait, which waits on no peer in particular and must outlive any recovery).
         """
         deadline = time.monotonic() + timeout
         idle = 0
@@ -320,7 +331,7 @@ class Endpoint:
                 self.armed = False
             except verbs.PyverbsRDMAError:
                 now = time.monotonic()
-                if self.failed_at:
+                if self.failed_at and recovery_bound:
                     self._check_recovery(now, what)
                     deadline = max(deadline, now + timeout)
                 if now > deadline:

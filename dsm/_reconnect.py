@@ -14,8 +14,8 @@
 #   survivors, `ckpt_refresh` with `rt.recovered` on R): both sides create
 #   fresh QPs through the ordinary verbs API -- so ckpt_ib virtualizes them
 #   like any QP made after start -- and meet in the KV (namespace `dsm`,
-#   generation-scoped; <tag> = "R.K" names the recovery, so a later recovery
-#   of R or of its peer never reads these keys):
+#   generation-scoped; <tag> names the link by both ends' incarnations, so a
+#   later recovery of R or of its peer never reads these keys; see below):
 #
 #       conn/<memory>/<from>-<to>/<tag>  -> {lid, client, server, regions}
 #       ready/<memory>/<from>-<to>/<tag> -> true
@@ -45,15 +45,36 @@
 # lock it had acquired, a barrier it had passed, diffs the homes already
 # applied) needs the logs of remote logging (ckpt_remotelog) to give the same
 # answers as the first time; until then the lock home lets the rank it
-# believes holds a lock acquire it again (`dsm._handler`).  Two ranks failing
-# at the same time are not handled yet: a recovering rank waits for every
-# peer's keys, a failed one's included.
+# believes holds a lock acquire it again (`dsm._handler`).
+#
+# Several ranks failing and recovering at once (DESIGN §8).  A link is named
+# by the incarnations at both of its ends: <tag> = "<lo>.<Klo>-<hi>.<Khi>"
+# (the lower rank first), so two processes meet on one key whichever of them
+# recovers: both take the incarnations from the coordinator (the recovering
+# rank's own, the pushed one, or `RANKS_NS incarnation/<j>`, 0 if none in
+# this generation).  A recovering rank skips the peers whose `failed/<j>` is
+# at or above the incarnation it knows of: they are lost, and connect to it
+# when they come back (they read its incarnation in their REFRESH; it hears
+# their RankRecovered, its hooks running after its own RESUME).  Two ranks
+# back at once both see each other and meet in their REFRESH.  Every wait
+# for a peer's key runs in short slices and is abandoned once that peer's
+# awaited incarnation is lost too: a rank that dies between its RESTART
+# barrier and its keys costs the others nothing but a failed link, and the
+# events queued behind the wait (its RankFailed, its next RankRecovered) run.
+# A link already joined to an incarnation newer than an event's is not
+# touched by that event (`_joined`): the event is stale.
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+import weakref
+from typing import TYPE_CHECKING, Any
+
+from ckpt import CoordinatorError
+from ckpt.plugin import RANKS_NS
+
+from ._errors import DsmError
 
 if TYPE_CHECKING:
     from ._memory import Memory
@@ -63,6 +84,11 @@ log = logging.getLogger("dsm")
 KV_NS = "dsm"
 #: How long one side of a reconnection waits for the other's keys: both act on the same event.
 RECONNECT_TIMEOUT = 120.0
+#: How often a wait for a peer's key looks whether that peer was lost meanwhile.
+SLICE = 0.5
+
+#: Per memory (never pickled): peer -> the incarnation its current link was joined to.
+_joined: weakref.WeakKeyDictionary[Memory, dict[int, int]] = weakref.WeakKeyDictionary()
 
 
 def conn_key(memory: int, src: int, dst: int, tag: str) -> str:
@@ -73,10 +99,44 @@ def ready_key(memory: int, src: int, dst: int, tag: str) -> str:
     return f"ready/{memory}/{src}-{dst}/{tag}"
 
 
+def link_tag(a: int, incarnation_a: int, b: int, incarnation_b: int) -> str:
+    """The name of the link between incarnation `incarnation_a` of rank `a` and `incarnation_b` of rank `b`."""
+    (lo, klo), (hi, khi) = sorted([(a, incarnation_a), (b, incarnation_b)])
+    return f"{lo}.{klo}-{hi}.{khi}"
+
+
+def _lost(mem: Memory, rank: int, incarnation: int) -> bool:
+    """Has the coordinator said that incarnation `incarnation` of `rank` (or a later one) was lost?"""
+    return bool(int(mem.rt.kv.get(RANKS_NS, f"failed/{rank}", -1)) >= incarnation)
+
+
+def _await_key(mem: Memory, key: str, rank: int, incarnation: int) -> Any | None:
+    """Peer `rank`'s `key`, or None once its incarnation `incarnation` is lost (DsmError after RECONNECT_TIMEOUT)."""
+    kv = mem.rt.kv
+    deadline = time.monotonic() + RECONNECT_TIMEOUT
+    while True:
+        value = kv.get(KV_NS, key)
+        if value is not None:
+            return value
+        if _lost(mem, rank, incarnation):
+            return None
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise DsmError(
+                f"DSM: incarnation {incarnation} of rank {rank} did not publish {key} within {RECONNECT_TIMEOUT:.0f} s"
+            )
+        try:
+            return kv.subscribe(KV_NS, key, min(SLICE, left))
+        except CoordinatorError:
+            continue  # a slice ran out: look again whether the peer was lost meanwhile
+
+
 def peer_failed(mem: Memory, rank: int, incarnation: int) -> None:
     """A survivor: fail the links to `rank` and forget what the handler owed its dead incarnation."""
     if rank == mem.rank or not 0 <= rank < mem.size:
         return
+    if _joined.setdefault(mem, {}).get(rank, -1) > incarnation:
+        return  # stale: the link already joined a later incarnation
     why = f"incarnation {incarnation} of rank {rank} was lost"
     mem.client.fail(rank, why)
     mem.server.fail(rank, why)
@@ -87,7 +147,12 @@ def peer_recovered(mem: Memory, rank: int, incarnation: int) -> None:
     """A survivor: fresh links to `rank`'s new incarnation (pending requests go again once they are up)."""
     if rank == mem.rank or not 0 <= rank < mem.size:
         return
-    reconnect(mem, [rank], f"{rank}.{incarnation}")
+    if _joined.setdefault(mem, {}).get(rank, -1) >= incarnation:
+        return  # joined already: both ends recovered at once and met in their REFRESH
+    # this rank's incarnation as the coordinator's KV knows it (0 if never recovered in this
+    # generation): what a recovering peer reads for us, so both ends name the link alike
+    mine = int(mem.rt.kv.get(RANKS_NS, f"incarnation/{mem.rank}", 0))
+    reconnect(mem, {rank: incarnation}, mine)
 
 
 def recovered(mem: Memory, incarnation: int) -> None:
@@ -98,30 +163,56 @@ def recovered(mem: Memory, incarnation: int) -> None:
     mem.client.forget_everything()
     mem.server.forget_everything()
     mem.handler.forget_queues()
-    reconnect(mem, list(range(mem.size)), f"{mem.rank}.{incarnation}")
+    _joined[mem] = {}
+    kv = mem.rt.kv
+    peers = {mem.rank: incarnation}
+    for j in range(mem.size):
+        if j != mem.rank:
+            known = int(kv.get(RANKS_NS, f"incarnation/{j}", 0))
+            if not _lost(mem, j, known):  # else it connects to us when it comes back
+                peers[j] = known
+    reconnect(mem, peers, incarnation)
 
 
-def reconnect(mem: Memory, peers: list[int], tag: str) -> None:
-    """Fresh QPs to `peers`, met through the KV keys of recovery `tag`; the links are up on return."""
+def reconnect(mem: Memory, peers: dict[int, int], mine: int) -> None:
+    """Fresh QPs to `peers` (rank -> the incarnation met), this rank being incarnation `mine`, met through
+    the KV; the links are up on return, but for peers lost meanwhile (their links are FAILED)."""
     kv = mem.rt.kv
     started = time.perf_counter()
     fresh = {j: (mem.client.new_qp(), mem.server.new_qp()) for j in peers}
+    tags = {j: link_tag(mem.rank, mine, j, k) for j, k in peers.items()}
     lid = mem.ctx.query_port(1).lid
     regions = [region.address() for region in mem.regions]
     for j, (client, server) in fresh.items():
         record = {"lid": lid, "client": client.qp_num, "server": server.qp_num, "regions": regions}
-        kv.publish(KV_NS, conn_key(mem.mid, mem.rank, j, tag), record)
+        kv.publish(KV_NS, conn_key(mem.mid, mem.rank, j, tags[j]), record)
+    abandoned: list[int] = []
     for j, (client, server) in fresh.items():
-        theirs = kv.subscribe(KV_NS, conn_key(mem.mid, j, mem.rank, tag), RECONNECT_TIMEOUT)
+        theirs = _await_key(mem, conn_key(mem.mid, j, mem.rank, tags[j]), j, peers[j])
+        if theirs is None:
+            client.close()
+            server.close()
+            abandoned.append(j)
+            continue
         for region, address in zip(mem.regions, theirs["regions"], strict=False):
             region.peers[j] = dict(address)  # before the link is up: no operation uses the old ones after
         mem.client.attach(j, client, int(theirs["lid"]), int(theirs["server"]))
         mem.server.attach(j, server, int(theirs["lid"]), int(theirs["client"]))
-        kv.publish(KV_NS, ready_key(mem.mid, mem.rank, j, tag), True)
+        kv.publish(KV_NS, ready_key(mem.mid, mem.rank, j, tags[j]), True)
     for j in fresh:
-        kv.subscribe(KV_NS, ready_key(mem.mid, j, mem.rank, tag), RECONNECT_TIMEOUT)
+        if j in abandoned:
+            continue
+        if _await_key(mem, ready_key(mem.mid, j, mem.rank, tags[j]), j, peers[j]) is None:
+            abandoned.append(j)
+            continue
         mem.client.up(j)
         mem.server.up(j)
+        _joined.setdefault(mem, {})[j] = peers[j]
+    for j in abandoned:  # lost again before it met us: its link waits for its next incarnation
+        why = f"incarnation {peers[j]} of rank {j} was lost while reconnecting"
+        mem.client.fail(j, why)
+        mem.server.fail(j, why)
+        mem.handler.forget(j)
     seconds = time.perf_counter() - started
-    ranks = ", ".join(map(str, peers))
-    log.info("rank %d: reconnected to rank(s) %s (recovery %s) in %.3f s", mem.rank, ranks, tag, seconds)
+    ranks = ", ".join(str(j) for j in peers if j not in abandoned) or "none"
+    log.info("rank %d: reconnected to rank(s) %s (incarnation %d) in %.3f s", mem.rank, ranks, mine, seconds)

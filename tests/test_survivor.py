@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from ckpt._errors import CheckpointAborted
 from ckpt._schemas import ImageHeader
 from ckpt.coordinator import protocol
 from ckpt.plugin import hookimpl
@@ -61,7 +62,8 @@ def test_hooks_wait_for_start_then_run_in_arrival_order_on_their_own_thread() ->
     assert hooks.offer(protocol.RankRecovered(rank=2, incarnation=1))
     assert not hooks.offer(protocol.Suspend(number=4))  # not its business
     assert recorder.seen.empty()  # queued until the plugins are initialized
-    hooks.start(object(), lambda line: pytest.fail(line))
+    fatal: queue.SimpleQueue[str] = queue.SimpleQueue()
+    hooks.start(object(), fatal.put)
     hooks.offer(protocol.RankFailed(rank=0, incarnation=5))
     seen = [recorder.seen.get(timeout=WAIT) for _ in range(3)]
     assert seen == [
@@ -69,6 +71,7 @@ def test_hooks_wait_for_start_then_run_in_arrival_order_on_their_own_thread() ->
         ("recovered", 2, 1, "ckpt-rank-events"),
         ("failed", 0, 5, "ckpt-rank-events"),
     ]
+    assert fatal.empty()  # fatal runs on the hook thread: collected here, not raised there
 
 
 def test_a_hook_that_raises_is_fatal_naming_the_plugin() -> None:
@@ -82,5 +85,48 @@ def test_a_hook_that_raises_is_fatal_naming_the_plugin() -> None:
 
 def test_without_plugins_nothing_runs() -> None:
     hooks = SurvivorHooks(None)
-    hooks.start(object(), lambda line: pytest.fail(line))
+    fatal: queue.SimpleQueue[str] = queue.SimpleQueue()
+    before = set(threading.enumerate())  # other tests' hook threads live on (daemons blocked on their queues)
+    hooks.start(object(), fatal.put)
     assert hooks.offer(protocol.RankFailed(rank=1, incarnation=0))  # accepted, and dropped
+    assert set(threading.enumerate()) <= before  # no thread was started to run them
+    assert fatal.empty()
+
+
+def test_a_rank_with_plugins_runs_the_hooks_the_one_without_does_not() -> None:
+    """The same pushes through a SurvivorHooks with a recorder plugin and one without: only the first runs."""
+    recorder = _Recorder()
+    with_plugins, without = SurvivorHooks(_host(recorder)), SurvivorHooks(None)
+    fatal: queue.SimpleQueue[str] = queue.SimpleQueue()
+    for hooks in (without, with_plugins):
+        hooks.start(object(), fatal.put)
+        hooks.offer(protocol.RankFailed(rank=1, incarnation=0))
+    assert recorder.seen.get(timeout=WAIT) == ("failed", 1, 0, "ckpt-rank-events")
+    assert recorder.seen.empty() and fatal.empty()  # one run: the one with the plugin
+
+
+class _Aborting:
+    """A plugin whose survivor hook raises what PluginHost.call re-raises unchanged (not a PluginError)."""
+
+    @hookimpl
+    def ckpt_rank_failed(self, rt: Any, rank: int, incarnation: int) -> None:
+        raise CheckpointAborted(f"aborted while rank {rank} was lost")
+
+
+def test_any_exception_of_a_hook_is_fatal_in_one_line_and_later_events_still_run() -> None:
+    recorder = _Recorder()
+    host = _host(recorder)
+    host.register(_Aborting(), name="aborting")
+    lines: queue.SimpleQueue[str] = queue.SimpleQueue()
+
+    def fatal(line: str) -> None:
+        lines.put(line)
+        raise RuntimeError("the coordinator is gone")  # ending the rank failed as well
+
+    hooks = SurvivorHooks(host)
+    hooks.start(object(), fatal)
+    hooks.offer(protocol.RankFailed(rank=1, incarnation=0))
+    hooks.offer(protocol.RankRecovered(rank=1, incarnation=1))
+    line = lines.get(timeout=WAIT)
+    assert "CheckpointAborted: aborted while rank 1 was lost" in line and "\n" not in line, line
+    assert recorder.seen.get(timeout=WAIT)[:3] == ("recovered", 1, 1)  # the thread survived both

@@ -38,11 +38,13 @@ class SurvivorHooks:
     """Runs ckpt_rank_failed / ckpt_rank_recovered for the pushes `offer` accepts, one at a time, in order.
 
     Pushes are queued from the start (the link delivers them as soon as the rank has joined); the hooks
-    run once `start` is called, after the plugins' ckpt_init.
+    run once `start` is called: after the plugins' ckpt_init at launch, after RESUME on a restarted rank
+    (its image's objects are whole only then).
 
-    A hook that raises is logged and handed to `fatal` (the rank reports it and exits, so the job fails
-    naming the plugin): the plugin said it can bring a single rank back, and one that could not would
-    leave the program waiting on a peer that never returns.
+    A hook that raises (anything: a PluginError names the plugin) is logged and handed to `fatal` in one
+    line (the rank reports it and exits, so the job fails): the plugin said it can bring a single rank
+    back, and one that could not would leave the program waiting on a peer that never returns.  If
+    `fatal` raises too, that is logged and the thread runs on.
     """
 
     def __init__(self, plugins: PluginHost | None) -> None:
@@ -74,6 +76,10 @@ class SurvivorHooks:
             hook, rank, number = self._queue.get()
             try:
                 plugins.call(hook, rt=rt, rank=rank, incarnation=number)
-            except PluginError as exc:
-                log.error("%s", exc)
-                fatal(f"{hook} (rank {rank}, incarnation {number}): {exc}")
+            except Exception as exc:  # PluginError names the plugin; CheckpointAborted and others pass unchanged
+                what = str(exc) if isinstance(exc, PluginError) else f"{type(exc).__name__}: {exc}"
+                log.error("%s (rank %d, incarnation %d): %s", hook, rank, number, what)
+                try:
+                    fatal(f"{hook} (rank {rank}, incarnation {number}): {what}")
+                except Exception as failure:  # the thread lives on: later events still run
+                    log.error("ending the rank after %s failed too: %s: %s", hook, type(failure).__name__, failure)

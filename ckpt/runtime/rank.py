@@ -333,7 +333,6 @@ class RankEngine:
         if self.plugins:
             self.plugins.call("ckpt_init", rt=self.rt)
             self._install_verbs()
-        self._survivor.start(self.rt, self._fatal)  # a recovering rank hears of other failures too
         _, loaded = images.read_image(
             restart["image"], token=self.token.encode(), progress=progress, expected_sha256=restart.get("sha256")
         )
@@ -356,6 +355,9 @@ class RankEngine:
             self._debug_stop()
         self._phase(Phase.RESUME, scope)
         self.barrier_scope = "job"
+        # a restarted rank hears of other failures too, but its hooks run only now: before, the image's
+        # objects (a DSM memory registers itself while unpickled) are half restored (queued until then)
+        self._survivor.start(self.rt, self._fatal)
         if self.finished:
             self.client.call("finished", result=self.result, step=self.step)
 
