@@ -281,7 +281,8 @@ class RemoteLog:
             self._ask_checkpoint(peer, which, head)
             if time.monotonic() > deadline:
                 raise DsmError(
-                    f"the {which} log ring of rank {self.owner(peer, which)} at rank {peer} stayed full for "
+                    f"the {'log ring' if which == LOG else 'home diff log'} of rank {self.owner(peer, which)} "
+                    f"at rank {peer} stayed full for "
                     f"{FULL_TIMEOUT:.0f} s (its owner did not checkpoint): raise --log-ring-bytes or checkpoint "
                     "more often"
                 )
@@ -296,7 +297,7 @@ class RemoteLog:
         self.asked[key] = head
         owner = self.owner(peer, which)
         self.memory.account("log_full_checkpoints")
-        log.info("rank %d: the %s log ring of rank %d is filling: asking for its checkpoint", self.rank, which, owner)
+        log.info("rank %d: the %s ring of rank %d is filling: asking for its checkpoint", self.rank, which, owner)
         by_rank = getattr(self.rt, "checkpoint_rank", None)
         if by_rank is not None:
             by_rank(owner)
@@ -339,15 +340,17 @@ class RemoteLog:
             return record.tag <= int(snapshot["epoch"])
         return record.writer == self.rank and record.serial < int(snapshot["serial"])
 
-    def discard(self) -> int:
-        """Advance this rank's log ring's head past what the checkpoint covers; the new head."""
+    def discard(self) -> list[Record]:
+        """Advance this rank's log ring's head past what the checkpoint covers; the records discarded."""
         if self.snapshot is None:
-            return -1
+            return []
         snapshot, self.snapshot = self.snapshot, None
         records, head = self.remote_records()
+        dropped: list[Record] = []
         for record in records:
             if not self.covered(record, snapshot):
                 break
+            dropped.append(record)
             head = record.position + record.size
         self.landing[5] = head
         peer = self.log_home(self.rank)
@@ -355,8 +358,8 @@ class RemoteLog:
         self.memory.client.run(peer, [_write(self._land(5), ring["rkey"], ring["addr"] + 8)], self.memory.seq)
         with self.home_log.mutex:
             self.home_log.set_head(max(self.home_log.head, self.home_flush))
-            self.overflow.clear()
-        return head
+            del self.overflow[: snapshot["overflow"]]  # those are in the image; later ones are not
+        return dropped
 
     @ckpt.hookimpl
     def ckpt_precheckpoint(self) -> None:
@@ -365,6 +368,7 @@ class RemoteLog:
             "applied": [region.meta[:, 2:].copy() for region in memory.regions],
             "serial": self.serial,
             "epoch": memory.epoch,
+            "overflow": len(self.overflow),
         }
         self.home_flush = self.home_log.committed_end()  # what the image holds of the home diff log
 
