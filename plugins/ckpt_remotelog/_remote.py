@@ -40,14 +40,16 @@ record's body before its commit word (`_records`); both run on the DSM's own cli
 endpoint QPs (``Endpoint.run``), whose completion is the proof of logging: no ack, and
 the log home's threads do nothing.
 
-Bounded memory: a reservation that finds its ring 3/4 full asks for the ring owner's
+Bounded memory: a reservation that finds its ring half full asks for the ring owner's
 checkpoint (``rt.checkpoint_rank(owner)`` where the runtime has it, else
 ``rt.checkpoint()``; counted in ``log_full_checkpoints``); one that does not fit waits,
 re-reading ``head``, for the owner to checkpoint and discard.  That wait cannot be
 unbounded: the owner may be blocked on this very writer (a lock it holds, a barrier it
-has not reached), and a coordinated checkpoint needs this writer at a step boundary --
-so after `FULL_TIMEOUT` seconds it fails with a DsmError naming the ring and the option
-to raise, rather than hang.  A record is never dropped.
+has not reached), so after `FULL_TIMEOUT` seconds it fails with a DsmError naming the
+ring and the option to raise, rather than hang.  Without single-rank checkpoints
+(``rt.checkpoint_rank``) it fails at once: a coordinated checkpoint needs this writer
+at a step boundary, which it cannot reach while it waits.  A record is never dropped:
+the reservation stays, and the job stops with the error.
 
 Discard: at its checkpoint the owner R snapshots what its image holds (the home's
 ``applied`` columns, its record serial, its barrier epoch); once the checkpoint exists
@@ -82,7 +84,7 @@ from ._records import (
 from ._ring import CONTROL, REMOTE, LogRing, spans
 
 log = logging.getLogger(__name__)
-HIGH_WATER = 0.75  # a reservation past this fill asks for the owner's checkpoint
+HIGH_WATER = 0.5  # a reservation past this fill asks for the owner's checkpoint
 FULL_TIMEOUT = 60.0  # seconds a writer waits for room in a full ring
 LOG, HOME = "log", "home"  # the two rings every rank holds
 
@@ -275,16 +277,20 @@ class RemoteLog:
     def _wait_for_room(self, peer: int, which: str, head_needed: int) -> None:
         """Wait until the ring's owner has discarded up to `head_needed` (see the rationale: bounded)."""
         self.memory.account("log_full_waits")
+        owner, what = self.owner(peer, which), "log ring" if which == LOG else "home diff log"
+        full = f"the {what} of rank {owner} at rank {peer} is full"
+        if getattr(self.rt, "checkpoint_rank", None) is None:
+            # only coordinated checkpoints: one needs this rank at a step boundary, which it cannot reach
+            # while it waits here, so waiting could only end in the timeout
+            raise DsmError(f"{full} and no checkpoint can empty it mid-step: raise --log-ring-bytes")
         deadline = time.monotonic() + FULL_TIMEOUT
         pause = 1e-4
         while (head := self._read_word(peer, which, 8)) < head_needed:
             self._ask_checkpoint(peer, which, head)
             if time.monotonic() > deadline:
                 raise DsmError(
-                    f"the {'log ring' if which == LOG else 'home diff log'} of rank {self.owner(peer, which)} "
-                    f"at rank {peer} stayed full for "
-                    f"{FULL_TIMEOUT:.0f} s (its owner did not checkpoint): raise --log-ring-bytes or checkpoint "
-                    "more often"
+                    f"{full} and rank {owner} did not checkpoint within {FULL_TIMEOUT:.0f} s: "
+                    "raise --log-ring-bytes or checkpoint more often"
                 )
             time.sleep(pause)  # polling a remote word: the owner's discard is an RDMA WRITE, nothing signals here
             pause = min(pause * 2, 0.05)
