@@ -34,11 +34,14 @@ home it is, and its own *home diff log*.  What goes where, and when:
   unlogged at its log home when the interval that depends on it completes -- holds
   because the record is complete before the rank leaves the barrier.
 
-How: a batch of records for one ring costs one FETCH_AND_ADD of the ring's tail (with
-an RDMA READ of its head in the same round trip) and one chain of RDMA WRITEs, each
-record's body before its commit word (`_records`); both run on the DSM's own client
-endpoint QPs (``Endpoint.run``), whose completion is the proof of logging: no ack, and
-the log home's threads do nothing.
+How (`_writer`): records are queued and appended in batches -- one round of
+FETCH_AND_ADDs on the rings' tails, one of RDMA WRITEs (each record's body before its
+commit word, `_records`) -- on the DSM's own client endpoint QPs, whose completion is
+the proof of logging: no ack, and the log home's threads do nothing.  A batch goes at
+the interval's close (its writes waited for once the diffs are home, before the
+interval completes), before a release and before a barrier arrival leaves (waited for
+there); an acquire's or a barrier's record joins the next batch, which completes before
+any interval that depends on it does -- the invariant above.
 
 Bounded memory: a reservation that finds its ring half full asks for the ring owner's
 checkpoint (``rt.checkpoint_rank(owner)`` where the runtime has it, else
@@ -65,28 +68,21 @@ import logging
 import time
 from typing import Any
 
-import numpy as np
-
 import ckpt
-from ckpt import verbs
 from dsm import DsmError
 
 from ._records import (
     HEADER_SIZE,
     Record,
     RecordKind,
-    commit_word,
     diff_payload,
     encode,
     notices_payload,
-    walk,
 )
-from ._ring import CONTROL, REMOTE, LogRing, spans
+from ._ring import LogRing
+from ._writer import HIGH_WATER, HOME, LOG, RingWriter
 
 log = logging.getLogger(__name__)
-HIGH_WATER = 0.5  # a reservation past this fill asks for the owner's checkpoint
-FULL_TIMEOUT = 60.0  # seconds a writer waits for room in a full ring
-LOG, HOME = "log", "home"  # the two rings every rank holds
 
 
 class RemoteLog:
@@ -102,10 +98,6 @@ class RemoteLog:
         ring_bytes = max(4 * HEADER_SIZE, -(-ring_bytes // 8) * 8)
         self.ring = LogRing(memory.pd, ring_bytes)  # the log ring of rank (rank - offset) mod size
         self.home_log = LogRing(memory.pd, ring_bytes)  # this rank's home diff log
-        self.staging = np.zeros(ring_bytes + HEADER_SIZE, dtype=np.uint8)  # records before they leave
-        self.staging_mr = verbs.MR(memory.pd, self.staging, REMOTE)
-        self.landing = np.zeros(6, dtype=np.int64)  # 0-3: two rings' (old tail, head); 4: a word read; 5: a head
-        self.landing_mr = verbs.MR(memory.pd, self.landing, REMOTE)
         self.serial = 0  # records of this rank's own (NOTICES, BARRIER) so far
         self.diffs: list[tuple[int, int, int, list[tuple[int, bytes]]]] = []  # this interval's (gid, home, i, diff)
         self.notices: list[Any] = []  # received at the current acquire / barrier
@@ -116,6 +108,7 @@ class RemoteLog:
         self.peers: list[dict[str, dict[str, int]]] = memory.rt.allgather(
             {LOG: self.ring.address(), HOME: self.home_log.address()}
         )
+        self.writer = RingWriter(memory, self.peers, ring_bytes, self.owner, self._ask_checkpoint)
         memory.twin_homes = True
         self.register()
 
@@ -162,7 +155,13 @@ class RemoteLog:
             if self.onesided:
                 records.append((home, HOME, encode(RecordKind.HOME_DIFF, self.rank, payload, interval=i, gid=gid)))
         self.diffs.clear()
-        self.append(records)
+        for peer, which, record in records:
+            self.writer.add(peer, which, record)
+        self.writer.start()  # reserved while the diffs go home; written and waited for when the interval is closed
+
+    @ckpt.hookimpl(tryfirst=True)
+    def dsm_interval_closed(self) -> None:
+        self.writer.complete()  # the interval completes: what it depends on is logged from here on
 
     @ckpt.hookimpl
     def dsm_diff_received(self, writer: int, gid: int, interval: int, diff: list[tuple[int, bytes]]) -> None:
@@ -180,13 +179,20 @@ class RemoteLog:
             RecordKind.NOTICES, self.rank, payload, tag=lock, pointer=self.home_log.tail, serial=self._serial()
         )
         self.notices = []
-        self.append([(self.log_home(self.rank), LOG, record)])
+        self.writer.add(self.log_home(self.rank), LOG, record, self.serial - 1)
+        self.writer.start()
+        self.writer.write()  # complete before the next interval completes (no hole left in the ring meanwhile)
+
+    @ckpt.hookimpl
+    def dsm_lock_releasing(self) -> None:
+        self.writer.complete()  # this rank's state becomes visible through the lock
 
     @ckpt.hookimpl
     def dsm_barrier_arriving(self, epoch: int, notices: list[Any]) -> None:
         payload = notices_payload(list(self.memory.vt), notices)
         record = encode(RecordKind.BARRIER_ARRIVAL, self.rank, payload, tag=epoch)
-        self.append([(self.log_home(0), LOG, record)])
+        self.writer.add(self.log_home(0), LOG, record)
+        self.writer.start()  # overlaps the wait at the barrier (FT-KDSM §4.3)
 
     @ckpt.hookimpl
     def dsm_barrier_passed(self, epoch: int) -> None:
@@ -195,7 +201,13 @@ class RemoteLog:
             RecordKind.BARRIER, self.rank, payload, tag=epoch, pointer=self.home_log.tail, serial=self._serial()
         )
         self.notices = []
-        self.append([(self.log_home(self.rank), LOG, record)])
+        self.writer.add(self.log_home(self.rank), LOG, record, self.serial - 1)
+        self.writer.start()  # writes phase 1's records, reserves this one
+        self.writer.write()  # complete before the next interval completes (no hole left in the ring meanwhile)
+
+    def flush(self) -> None:
+        """Append and complete every queued record now (tests; the hooks do it as the invariant needs)."""
+        self.writer.flush()
 
     def _serial(self) -> int:
         self.serial += 1
@@ -213,88 +225,6 @@ class RemoteLog:
         self.memory.account("log_bytes", len(record))
         self.memory.account("log_seconds", time.perf_counter() - started)
 
-    # ------------------------------------------------------------------ RDMA appends
-    def append(self, records: list[tuple[int, str, bytearray]]) -> None:
-        """Log `records` = [(peer, ring, record bytes)]: reserve, then write, one round trip each per peer."""
-        if not records:
-            return
-        started = time.perf_counter()
-        by_peer: dict[int, dict[str, list[bytearray]]] = {}
-        for peer, which, record in records:
-            by_peer.setdefault(peer, {}).setdefault(which, []).append(record)
-        for peer, rings in by_peer.items():
-            self._append_peer(peer, rings)
-        self.memory.account("log_records", len(records))
-        self.memory.account("log_bytes", sum(len(r) for _, _, r in records))
-        self.memory.account("log_seconds", time.perf_counter() - started)
-
-    def _append_peer(self, peer: int, rings: dict[str, list[bytearray]]) -> None:
-        names = sorted(rings)
-        wrs = []
-        for k, which in enumerate(names):
-            need = sum(len(r) for r in rings[which])
-            capacity = self.peers[peer][which]["capacity"]
-            if need > capacity:
-                raise DsmError(f"{need} bytes of log records do not fit a ring of {capacity}: raise --log-ring-bytes")
-            addr, rkey = self.peers[peer][which]["addr"], self.peers[peer][which]["rkey"]
-            wrs.append(_atomic(self._land(2 * k), rkey, addr, need))
-            wrs.append(_read(self._land(2 * k + 1), rkey, addr + 8))
-        self.memory.client.run(peer, wrs, self.memory.seq)
-        self.memory.counters.count("log_fetch_add", 8 * len(names))
-        reserved = [(int(self.landing[2 * k]), int(self.landing[2 * k + 1])) for k in range(len(names))]
-        for which, (tail, head) in zip(names, reserved, strict=True):
-            self._write(peer, which, tail, head, rings[which])
-
-    def _write(self, peer: int, which: str, tail: int, head: int, records: list[bytearray]) -> None:
-        ring = self.peers[peer][which]
-        capacity, addr, rkey = ring["capacity"], ring["addr"], ring["rkey"]
-        need = sum(len(r) for r in records)
-        if tail + need - head > HIGH_WATER * capacity:
-            self._ask_checkpoint(peer, which, head)
-        if tail + need - head > capacity:
-            self._wait_for_room(peer, which, tail + need - capacity)
-        wrs: list[verbs.SendWR] = []
-        at, position = 0, tail
-        for record in records:
-            if at + len(record) > len(self.staging):
-                self._flush(peer, wrs, len(record))
-                wrs, at = [], 0
-            record[:8] = commit_word(position)
-            self.staging[at : at + len(record)] = np.frombuffer(bytes(record), dtype=np.uint8)
-            base = self.staging_mr.buf + at
-            for ring_off, data_off, length in spans(capacity, position + 8, len(record) - 8):
-                wrs.append(_write((base + 8 + data_off, length, self.staging_mr.lkey), rkey, addr + CONTROL + ring_off))
-            wrs.append(_write((base, 8, self.staging_mr.lkey), rkey, addr + CONTROL + position % capacity))
-            at += len(record)
-            position += len(record)
-        self._flush(peer, wrs, need)
-
-    def _flush(self, peer: int, wrs: list[verbs.SendWR], nbytes: int) -> None:
-        if wrs:
-            self.memory.client.run(peer, wrs, self.memory.seq)
-            self.memory.counters.count("log_write", nbytes)
-
-    def _wait_for_room(self, peer: int, which: str, head_needed: int) -> None:
-        """Wait until the ring's owner has discarded up to `head_needed` (see the rationale: bounded)."""
-        self.memory.account("log_full_waits")
-        owner, what = self.owner(peer, which), "log ring" if which == LOG else "home diff log"
-        full = f"the {what} of rank {owner} at rank {peer} is full"
-        if getattr(self.rt, "checkpoint_rank", None) is None:
-            # only coordinated checkpoints: one needs this rank at a step boundary, which it cannot reach
-            # while it waits here, so waiting could only end in the timeout
-            raise DsmError(f"{full} and no checkpoint can empty it mid-step: raise --log-ring-bytes")
-        deadline = time.monotonic() + FULL_TIMEOUT
-        pause = 1e-4
-        while (head := self._read_word(peer, which, 8)) < head_needed:
-            self._ask_checkpoint(peer, which, head)
-            if time.monotonic() > deadline:
-                raise DsmError(
-                    f"{full} and rank {owner} did not checkpoint within {FULL_TIMEOUT:.0f} s: "
-                    "raise --log-ring-bytes or checkpoint more often"
-                )
-            time.sleep(pause)  # polling a remote word: the owner's discard is an RDMA WRITE, nothing signals here
-            pause = min(pause * 2, 0.05)
-
     def _ask_checkpoint(self, peer: int, which: str, head: int) -> None:
         """Ask once per ring fill (until its head moves) for the owner's checkpoint."""
         key = (peer, which)
@@ -310,31 +240,10 @@ class RemoteLog:
         else:
             self.rt.checkpoint()
 
-    def _read_word(self, peer: int, which: str, offset: int) -> int:
-        ring = self.peers[peer][which]
-        self.memory.client.run(peer, [_read(self._land(4), ring["rkey"], ring["addr"] + offset)], self.memory.seq)
-        self.memory.counters.count("log_read", 8)
-        return int(self.landing[4])
-
-    def _land(self, slot: int) -> tuple[int, int, int]:
-        """Landing word `slot`, as a local (address, length, lkey)."""
-        return self.landing_mr.buf + slot * 8, 8, self.landing_mr.lkey
-
     # ------------------------------------------------------------------ discard at checkpoint
     def remote_records(self) -> tuple[list[Record], int]:
         """The committed records of this rank's log ring at its log home, from its head (RDMA READ); the head."""
-        peer = self.log_home(self.rank)
-        ring = self.peers[peer][LOG]
-        capacity, addr, rkey = ring["capacity"], ring["addr"], ring["rkey"]
-        tail, head = self._read_word(peer, LOG, 0), self._read_word(peer, LOG, 8)
-        wrs, nbytes = [], tail - head
-        for ring_off, data_off, length in spans(capacity, head, nbytes):
-            local = (self.staging_mr.buf + data_off, length, self.staging_mr.lkey)
-            wrs.append(_read(local, rkey, addr + CONTROL + ring_off))
-        if nbytes:
-            self.memory.client.run(peer, wrs, self.memory.seq)
-            self.memory.counters.count("log_read", nbytes)
-        return walk(self.staging[:nbytes].tobytes(), head), head
+        return self.writer.read_ring(self.log_home(self.rank), LOG)
 
     def covered(self, record: Record, snapshot: dict[str, Any]) -> bool:
         """Does this rank's checkpoint (its `snapshot`) hold what `record` logs?"""
@@ -351,6 +260,9 @@ class RemoteLog:
         if self.snapshot is None:
             return []
         snapshot, self.snapshot = self.snapshot, None
+        # still queued (an acquire or barrier after this rank's last interval): the image holds them, so they need
+        # no logging -- writing them first could wait for room in this very ring, which only this discard makes
+        self.writer.drop_own(int(snapshot["serial"]))
         records, head = self.remote_records()
         dropped: list[Record] = []
         for record in records:
@@ -358,10 +270,7 @@ class RemoteLog:
                 break
             dropped.append(record)
             head = record.position + record.size
-        self.landing[5] = head
-        peer = self.log_home(self.rank)
-        ring = self.peers[peer][LOG]
-        self.memory.client.run(peer, [_write(self._land(5), ring["rkey"], ring["addr"] + 8)], self.memory.seq)
+        self.writer.write_word(self.log_home(self.rank), LOG, 8, head)
         with self.home_log.mutex:
             self.home_log.set_head(max(self.home_log.head, self.home_flush))
             del self.overflow[: snapshot["overflow"]]  # those are in the image; later ones are not
@@ -393,23 +302,4 @@ class RemoteLog:
             self.home_log.set_head(self.home_log.committed_end())
             self.overflow.clear()
             self.snapshot = None
-
-
-def _atomic(local: tuple[int, int, int], rkey: int, addr: int, add: int) -> verbs.SendWR:
-    """FETCH_AND_ADD `add` at the peer's (rkey, addr); the old value lands at `local` = (address, 8, lkey)."""
-    wr = verbs.SendWR(opcode=verbs.IBV_WR_ATOMIC_FETCH_AND_ADD, num_sge=1, sg=[verbs.SGE(*local)])
-    wr.set_wr_atomic(rkey, addr, add, 0)
-    return wr
-
-
-def _read(local: tuple[int, int, int], rkey: int, addr: int) -> verbs.SendWR:
-    """An RDMA READ of the peer's (rkey, addr) into `local` = (address, length, lkey)."""
-    wr = verbs.SendWR(opcode=verbs.IBV_WR_RDMA_READ, num_sge=1, sg=[verbs.SGE(*local)])
-    wr.set_wr_rdma(rkey, addr)
-    return wr
-
-
-def _write(local: tuple[int, int, int], rkey: int, addr: int) -> verbs.SendWR:
-    wr = verbs.SendWR(opcode=verbs.IBV_WR_RDMA_WRITE, num_sge=1, sg=[verbs.SGE(*local)])
-    wr.set_wr_rdma(rkey, addr)
-    return wr
+            self.writer.drop_own(self.serial)
