@@ -137,9 +137,8 @@ def write_csv(table: dict[str, Any], path: Path) -> None:
         writer.writerow(["program", "protocol", "off_s", "remote_s", "stable_s", "remote_overhead", "stable_overhead"])
         for label, row in table.items():
             name, protocol = label.split("/")
-            writer.writerow([name, protocol, row["off"], row["remote"], row["stable"]] + [
-                row["remote_overhead"], row["stable_overhead"]
-            ])  # fmt: skip
+            values = [row["off"], row["remote"], row["stable"], row["remote_overhead"], row["stable_overhead"]]
+            writer.writerow([name, protocol, *values])
 
 
 def plot(table: dict[str, Any], path: Path) -> None:
