@@ -135,6 +135,11 @@ class Memory:
         self.reconnections_seen = 0
         self.counters = Counters()
         self.handler = Handler(self)
+        #: Twin pages this rank is home of too, so its own writes also make diffs (`dsm_diff_created` with
+        #: home == this rank, never sent): set by a plugin in `dsm_attached` (remote logging keeps them).
+        self.twin_homes = False
+        #: State plugins keep with this memory, by plugin name: pickled with it, so it checkpoints with it.
+        self.extensions: dict[str, Any] = {}
         self._live()
         me = {"lid": self.ctx.query_port(1).lid, "client": self.client.address(), "server": self.server.address()}
         if self.rank == 0:  # names this memory in the job's KV keys (a job may attach several)
@@ -145,6 +150,8 @@ class Memory:
         self.server.connect(peers, self.rank, "client")
         self._start()
         rt.allgather(None)  # every QP is in RTS before anyone sends
+        self.hook("dsm_attached")  # collective: its implementations may call rt.allgather
+        self._decide_hooks()  # again: an implementation may have registered hook objects for this memory
 
     # ------------------------------------------------------------------ public API
     def array(self, shape: int | tuple[int, ...], dtype: Any = np.float64) -> Any:
@@ -174,6 +181,7 @@ class Memory:
         started = time.perf_counter()
         self.epoch += 1
         notices: list[Notice] = [[q, i, flat] for (q, i), flat in self.known.items() if i > self.floor[q]]
+        self.hook("dsm_barrier_arriving", epoch=self.epoch, notices=notices)
         # a barrier waits for the slowest rank, however long it computes: no timeout (a dead peer is a QP error)
         request = BarrierRequest(self._next_rid(), self.epoch, self.vt, notices)
         reply = self._request(0, request, BarrierReply, f"barrier {self.epoch}", math.inf)
@@ -204,6 +212,14 @@ class Memory:
         with self.handler.mutex:  # the handler counts under it
             return self.counters.snapshot(self.protocol, self.rank, self.handler.counters)
 
+    def account(self, name: str, amount: float = 1) -> None:
+        """Add `amount` to statistics counter `name` (a `dsm.Statistics` field), for plugins (remote logging).
+
+        Counted on the calling thread's own counters (the handler's or the program's), like the DSM's own.
+        """
+        counters = self.handler.counters if threading.current_thread() is self._thread else self.counters
+        setattr(counters, name, getattr(counters, name) + amount)
+
     # ------------------------------------------------------------------ locks
     def acquire(self, lock: int) -> None:
         self._check("acquiring a lock")
@@ -226,6 +242,7 @@ class Memory:
             raise DsmError(f"lock {lock} is not held by this rank")
         at_grant = self.held[lock]
         self._close_interval()
+        self.hook("dsm_lock_releasing", lock=lock)
         started = time.perf_counter()
         notices = [[q, i, flat] for (q, i), flat in self.known.items() if i > max(at_grant[q], self.floor[q])]
         release = ReleaseRequest(self._next_rid(), lock, self.vt, notices)
@@ -248,7 +265,7 @@ class Memory:
                 self._fetch(region, page)
             if region.home[page] < 0:
                 self._lookup_home(region, page)
-            if region.home[page] != self.rank:
+            if region.home[page] != self.rank or self.twin_homes:
                 region.twins[page] = region.page(page).copy()
                 self.counters.twins += 1
             region.state[page] = DIRTY
@@ -337,6 +354,10 @@ class Memory:
             if home == self.rank:
                 own.append((region, page))
                 written += [gid, home]
+                twin = region.twins.pop(page, None)  # only while twin_homes is on
+                mine = make_diff(region.page(page), twin, region.unit) if twin is not None else []
+                if mine:
+                    self.hook("dsm_diff_created", gid=gid, home=home, interval=interval, diff=mine)
                 continue
             diff = make_diff(region.page(page), region.twins.pop(page), region.unit)
             if not diff:
@@ -349,6 +370,7 @@ class Memory:
         self.dirty.clear()
         if not written:
             return
+        self.hook("dsm_interval_closing", interval=interval)
         started = time.perf_counter()
         self._send_diffs(outgoing, interval)
         self.counters.flush_seconds += time.perf_counter() - started
@@ -520,8 +542,13 @@ class Memory:
         host.add_hookspecs(hookspecs)  # when the dsm plugin is not loaded
         host.register(self, name=f"dsm-memory-{id(self)}")  # for ckpt_drain / ckpt_resume
         self._plugins = host
-        # decided once: which hooks have implementations (plugins are all loaded before a program attaches)
-        self._fire = frozenset(name for name in HOOKS if host.has_impl(name))
+        self._decide_hooks()
+
+    def _decide_hooks(self) -> None:
+        """Which hooks have implementations: decided at attach (plugins are all loaded before a program
+        attaches, and objects registered in `dsm_attached` count) and when restored, never on the hot path."""
+        if self._plugins is not None:
+            self._fire = frozenset(name for name in HOOKS if self._plugins.has_impl(name))
 
     def _start(self) -> None:
         if self._thread is not None:

@@ -45,6 +45,15 @@ class Statistics:
     page_seconds: float
     wait_seconds: float
     compute_seconds: float
+    # remote / stable logging (plugins/ckpt_remotelog): 0 without it
+    log_records: int = 0  # records this rank wrote into log rings (remote logging, by RDMA)
+    log_bytes: int = 0
+    log_seconds: float = 0.0  # time spent logging (remote and stable)
+    log_full_waits: int = 0  # records that waited for room in a full ring
+    log_full_checkpoints: int = 0  # checkpoints asked for because a ring crossed its high-water mark
+    stable_records: int = 0  # records appended to this rank's stable log file
+    stable_bytes: int = 0
+    stable_fsyncs: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -73,6 +82,14 @@ class Counters:
     barriers: int = 0
     barrier_seconds: float = 0.0
     flush_seconds: float = 0.0
+    log_records: int = 0
+    log_bytes: int = 0
+    log_seconds: float = 0.0
+    log_full_waits: int = 0
+    log_full_checkpoints: int = 0
+    stable_records: int = 0
+    stable_bytes: int = 0
+    stable_fsyncs: int = 0
     messages: Counter[str] = field(default_factory=Counter)
     message_bytes: Counter[str] = field(default_factory=Counter)
     started: float = field(default_factory=time.perf_counter)

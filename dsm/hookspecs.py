@@ -7,7 +7,9 @@ fired through ``rt.plugins.call``: the contract's order (`ORDER`: every DSM hook
 runs down, in registration order) and its error naming the failing plugin apply.
 Implement them with ``@ckpt.hookimpl`` like any ckpt hook.  Whether a hook has
 implementations is decided once, when the memory attaches (or is restored): a
-plugin registered later is not called.
+plugin registered later is not called, except an object registered by a
+`dsm_attached` implementation (remote logging registers one per memory, so a
+job without logging pays nothing for the hooks it implements).
 
 Threads: hooks marked *handler* run on the rank's protocol-handler thread, the
 others on the program thread.  ``memory`` is the rank's :class:`dsm.Memory`;
@@ -31,6 +33,10 @@ Notices = list[tuple[int, int, list[int]]]  # (writer rank, interval, [gid, home
 
 #: Each hook's direction (read by the plugin host): all are notifications, in registration order.
 ORDER: dict[str, Direction] = {
+    "dsm_attached": "down",
+    "dsm_interval_closing": "down",
+    "dsm_barrier_arriving": "down",
+    "dsm_lock_releasing": "down",
     "dsm_interval_closed": "down",
     "dsm_diff_created": "down",
     "dsm_diff_sent": "down",
@@ -45,13 +51,49 @@ ORDER: dict[str, Direction] = {
 
 
 @hookspec
+def dsm_attached(memory: Any) -> None:
+    """`dsm.attach` is complete on this rank: every queue pair is connected, the handler runs.
+
+    Collective (every rank fires it at the same point of ``dsm.attach``), so an implementation may
+    call ``memory.rt.allgather`` -- e.g. to exchange the addresses of memory it registers with
+    ``memory.pd`` -- and may set ``memory.twin_homes`` (diffs of this rank's own writes to pages it
+    is home of: see `dsm_diff_created`) and keep state in ``memory.extensions[name]`` (pickled with
+    the memory).  Not fired when a memory is restored from an image.
+    """
+
+
+@hookspec
+def dsm_interval_closing(memory: Any, interval: int) -> None:
+    """Interval `interval` is closing: its diffs are made (`dsm_diff_created`), none has left yet.
+
+    The last moment before the interval's writes can reach any other rank: a plugin that must
+    record them first (remote logging) does it here, on the program thread; it may use the
+    memory's client endpoint (``memory.client.run``) for one-sided operations.
+    """
+
+
+@hookspec
+def dsm_barrier_arriving(memory: Any, epoch: int, notices: Notices) -> None:
+    """This rank is about to send its arrival at barrier `epoch` with `notices` to the barrier manager (rank 0)."""
+
+
+@hookspec
+def dsm_lock_releasing(memory: Any, lock: int) -> None:
+    """This rank is about to release `lock`: its interval is closed, the release is not sent yet."""
+
+
+@hookspec
 def dsm_interval_closed(memory: Any, interval: int, pages: list[int]) -> None:
     """This rank closed interval `interval` (at a release, an acquire or a barrier) having written `pages` (gids)."""
 
 
 @hookspec
 def dsm_diff_created(memory: Any, gid: int, home: int, interval: int, diff: list[tuple[int, bytes]]) -> None:
-    """A diff of page `gid` against its twin, for its `home`; `diff` is a list of (offset, bytes) runs."""
+    """A diff of page `gid` against its twin, for its `home`; `diff` is a list of (offset, bytes) runs.
+
+    With ``memory.twin_homes`` on, also for this rank's own writes to pages it is home of
+    (``home == memory.rank``): those diffs are only reported, never sent.
+    """
 
 
 @hookspec

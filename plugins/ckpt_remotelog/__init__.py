@@ -1,0 +1,82 @@
+"""ckpt_remotelog: remote logging (FT-KDSM) and the stable-logging baseline for the DSM -- failure-free part.
+
+``ckpt launch --logging remote prog.py``: every rank's diffs and write notices are
+logged by RDMA into a neighbour's memory (its *log home*, ``--log-home-offset``) and
+each home keeps a diff log of its pages; ``--logging stable`` fsyncs them to a local
+file at every release and barrier instead; ``off`` (the default) costs nothing: no DSM
+hook of this plugin but ``dsm_attached`` is implemented unless logging is on.  The
+plugin answers ``ckpt_single_rank_recovery`` for the DSM and the verbs plugin beneath
+it.  Recovery by replay is not built yet (see README.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ckpt
+from ckpt.plugin import JobInfo
+from dsm import hookspecs
+
+from ._remote import RemoteLog
+from ._stable import StableLog
+
+__all__ = ["CKPT_HOOKSPECS", "MODES", "RemoteLog", "StableLog"]
+__version__ = "0.1.0"
+CKPT_PLUGIN_API = 2
+CKPT_HOOKSPECS = hookspecs
+MODES = ("remote", "stable", "off")
+RING_BYTES = 4 << 20  # per logged rank, and per home diff log
+EXTENSION = "remotelog"
+
+
+@ckpt.hookimpl
+def ckpt_add_options() -> list[dict[str, Any]]:
+    return [
+        {
+            "name": "logging",
+            "help": "log DSM diffs and write notices for single-rank recovery: remote, stable or off (default off)",
+            "default": "off",
+            "type": "str",
+            "choices": list(MODES),
+            "launch_only": True,  # the logs' state is in the images
+        },
+        {
+            "name": "log-home-offset",
+            "help": "rank R's log home is (R + N) mod size (default 1)",
+            "default": 1,
+            "type": "int",
+            "launch_only": True,
+        },
+        {
+            "name": "log-ring-bytes",
+            "help": f"bytes of each log ring: per logged rank, and per home diff log (default {RING_BYTES})",
+            "default": RING_BYTES,
+            "type": "int",
+            "launch_only": True,
+        },
+        {
+            "name": "log-dir",
+            "help": "directory of the stable log files (default: the checkpoint directory)",
+            "default": None,
+            "type": "str",
+        },
+    ]
+
+
+@ckpt.hookimpl
+def ckpt_single_rank_recovery(job: JobInfo) -> bool | str:
+    if (job.options.get("logging") or "off") in ("remote", "stable"):
+        return True  # for the DSM and the verbs plugin beneath it too
+    return "--on-failure recover needs --logging remote or stable"
+
+
+@ckpt.hookimpl
+def dsm_attached(memory: Any) -> None:
+    options = getattr(memory.rt, "options", {}) or {}
+    mode = options.get("logging") or "off"
+    if mode == "remote":
+        ring = int(options.get("log_ring_bytes") or RING_BYTES)
+        memory.extensions[EXTENSION] = RemoteLog(memory, int(options.get("log_home_offset", 1)), ring)
+    elif mode == "stable":
+        directory = options.get("log_dir") or getattr(memory.rt, "ckpt_dir", "") or "."
+        memory.extensions[EXTENSION] = StableLog(memory, str(directory))

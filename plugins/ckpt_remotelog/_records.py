@@ -1,0 +1,140 @@
+"""The log record: one typed header and its payload, as it lies in a log ring and in a stable log file."""
+
+# Rationale.  A log ring is written by several ranks at once with RDMA WRITE and read by
+# nobody until a recovery (FT-KDSM §4: the log home's CPU takes no part), so a record
+# must say by itself what it is and whether it is complete:
+#
+# * the first 8 bytes are the *commit word*: the record's absolute position in its ring
+#   (the ring's tail counter, which only grows) plus one.  The writer writes it last;
+#   RC delivers a QP's WRITEs in order, so a record whose commit word matches its
+#   position is whole, and a stale word left by an earlier lap of the ring never
+#   matches (its position was smaller);
+# * then the header proper -- kind, writer, interval, page gid, tag (lock or barrier
+#   epoch), pointer (the ring's tail when a NOTICES record was reserved: every diff
+#   reserved before it precedes the acquire), the writer's serial number of its own
+#   records, payload length -- and the payload, padded to 8 bytes, so every record and
+#   therefore every commit word is 8-byte aligned and never split by the ring's end.
+#
+# Payloads: a diff (DIFF, HOME_DIFF) is its runs, each ``<offset u32, length u32, bytes>``;
+# NOTICES, BARRIER and BARRIER_ARRIVAL carry msgpack ``[vector timestamp, notices]``
+# (notices as the DSM carries them: ``[writer, interval, [gid, home, ...]]``).
+
+from __future__ import annotations
+
+import struct
+from enum import IntEnum
+from typing import Any, NamedTuple
+
+import msgpack
+
+HEADER = struct.Struct("<QB3xiqqqqqI4x")
+HEADER_SIZE = HEADER.size  # 64
+RUN = struct.Struct("<II")
+ALIGN = 8
+
+
+class RecordKind(IntEnum):
+    """What a record logs (FT-KDSM §4.2, §4.3)."""
+
+    DIFF = 1  # a writer's diff for a page, at the log home of the page's home
+    HOME_DIFF = 2  # a diff a home applied (or made, of its own writes), in the home's own diff log
+    NOTICES = 3  # write notices an acquirer received with a lock grant, at the acquirer's log home
+    BARRIER_ARRIVAL = 4  # barrier phase 1: a rank's arrival notices, at the barrier manager's log home
+    BARRIER = 5  # barrier phase 2: the merged notices a rank received, at that rank's log home
+
+
+class Record(NamedTuple):
+    """One decoded record (the payload still encoded: `diff_runs` / `notices_of` decode it)."""
+
+    position: int
+    kind: RecordKind
+    writer: int
+    interval: int
+    gid: int
+    tag: int
+    pointer: int
+    serial: int
+    payload: bytes
+
+    @property
+    def size(self) -> int:
+        return record_size(len(self.payload))
+
+
+def padded(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def record_size(payload: int) -> int:
+    """Bytes a record with `payload` payload bytes takes in a ring."""
+    return HEADER_SIZE + padded(payload)
+
+
+def encode(
+    kind: RecordKind,
+    writer: int,
+    payload: bytes,
+    *,
+    interval: int = 0,
+    gid: int = 0,
+    tag: int = 0,
+    pointer: int = 0,
+    serial: int = 0,
+) -> bytearray:
+    """The record's bytes with a zero commit word (`commit_word` fills it in once the position is known)."""
+    out = bytearray(record_size(len(payload)))
+    HEADER.pack_into(out, 0, 0, int(kind), writer, interval, gid, tag, pointer, serial, len(payload))
+    out[HEADER_SIZE : HEADER_SIZE + len(payload)] = payload
+    return out
+
+
+def commit_word(position: int) -> bytes:
+    """The commit word of a record at absolute ring position `position`."""
+    return struct.pack("<Q", position + 1)
+
+
+def diff_payload(diff: list[tuple[int, bytes]]) -> bytes:
+    return b"".join(RUN.pack(offset, len(data)) + data for offset, data in diff)
+
+
+def diff_runs(payload: bytes) -> list[tuple[int, bytes]]:
+    runs, at = [], 0
+    while at < len(payload):
+        offset, length = RUN.unpack_from(payload, at)
+        at += RUN.size
+        runs.append((offset, bytes(payload[at : at + length])))
+        at += length
+    return runs
+
+
+def notices_payload(vt: list[int], notices: list[Any]) -> bytes:
+    return bytes(msgpack.packb([vt, notices], use_bin_type=True))
+
+
+def notices_of(payload: bytes) -> tuple[list[int], list[Any]]:
+    vt, notices = msgpack.unpackb(payload, raw=False)
+    return list(vt), list(notices)
+
+
+def decode_at(data: bytes | bytearray | memoryview, at: int, position: int) -> Record | None:
+    """The committed record at offset `at` of `data` (whose first byte is ring position `position - at`).
+
+    None when the bytes there are not a committed record of that position (not written yet,
+    or still being written).
+    """
+    if at + HEADER_SIZE > len(data):
+        return None
+    commit, kind, writer, interval, gid, tag, pointer, serial, length = HEADER.unpack_from(data, at)
+    if commit != position + 1 or at + record_size(length) > len(data):
+        return None
+    payload = bytes(data[at + HEADER_SIZE : at + HEADER_SIZE + length])
+    return Record(position, RecordKind(kind), writer, interval, gid, tag, pointer, serial, payload)
+
+
+def walk(data: bytes | bytearray | memoryview, start: int) -> list[Record]:
+    """The committed records of `data`, laid out from ring position `start`, up to the first that is not."""
+    records, at = [], 0
+    while (record := decode_at(data, at, start + at)) is not None:
+        records.append(record)
+        at += record.size
+    return records

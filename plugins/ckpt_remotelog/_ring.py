@@ -1,0 +1,129 @@
+"""A log ring in registered memory: two control words (tail, head) and a circular byte area.
+
+Rationale.  A ring is written by remote ranks with no help from the rank that holds it
+(FT-KDSM §4.1): a writer reserves ``n`` bytes with one FETCH_AND_ADD on ``tail`` (the
+word only grows: it is the absolute position of the next record), reads ``head`` in
+the same round trip, and may fill its bytes once ``old tail + n - head <= capacity``.
+Position ``p`` lies at offset ``p mod capacity``; records are 8-byte aligned, so a
+commit word never straddles the end.  ``head`` is written by the ring's *owner* only
+(the rank whose logs it holds, or, for a home diff log, the home), when a checkpoint
+made everything before it useless; writers only read it, and a stale value is
+conservative (head only grows).  Invariant: ``head <= tail`` and the bytes between
+hold records in reservation order, each committed or still being written.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+
+from ckpt import verbs
+
+from ._records import HEADER_SIZE, commit_word, walk
+
+CONTROL = 16  # tail, head (int64)
+REMOTE = (
+    verbs.IBV_ACCESS_LOCAL_WRITE
+    | verbs.IBV_ACCESS_REMOTE_READ
+    | verbs.IBV_ACCESS_REMOTE_WRITE
+    | verbs.IBV_ACCESS_REMOTE_ATOMIC
+)
+
+
+class LogRing:
+    """A ring this rank holds (and registers): written remotely by RDMA, or locally by `append_local`."""
+
+    def __init__(self, pd: verbs.PD, capacity: int) -> None:
+        if capacity < 4 * HEADER_SIZE or capacity % 8:
+            raise ValueError(f"a log ring needs a multiple of 8 bytes, at least {4 * HEADER_SIZE}, not {capacity}")
+        self.capacity = capacity
+        self.buf = np.zeros(CONTROL + capacity, dtype=np.uint8)
+        self.mr = verbs.MR(pd, self.buf, REMOTE)
+        self.mutex = threading.Lock()  # local appenders only (the async home diff log: program + handler)
+
+    @property
+    def control(self) -> np.ndarray:
+        return self.buf[:CONTROL].view(np.int64)
+
+    @property
+    def tail(self) -> int:
+        return int(self.control[0])
+
+    @property
+    def head(self) -> int:
+        return int(self.control[1])
+
+    def set_head(self, position: int) -> None:
+        self.control[1] = position
+
+    def address(self) -> dict[str, int]:
+        return {"addr": self.mr.buf, "rkey": self.mr.rkey, "capacity": self.capacity}
+
+    def contents(self, start: int, end: int) -> bytes:
+        """The bytes of positions [start, end) (at most one lap)."""
+        return circular_read(self.buf[CONTROL:], start, end)
+
+    def records(self) -> list[Any]:
+        """The committed records from head on, up to the first that is not (local: no RDMA)."""
+        head = self.head
+        return walk(self.contents(head, max(head, self.tail)), head)
+
+    def committed_end(self) -> int:
+        """The position just past the last record of the committed prefix from head."""
+        found = self.records()
+        return found[-1].position + found[-1].size if found else self.head
+
+    def append_local(self, record: bytearray) -> bool:
+        """Append `record` here, by the CPU (never mixed with remote FETCH_AND_ADDs on the same ring).
+
+        False, and nothing written, when it does not fit before head.
+        """
+        with self.mutex:
+            position = self.tail
+            if position + len(record) - self.head > self.capacity:
+                return False
+            area = self.buf[CONTROL:]
+            circular_write(area, position + 8, bytes(record[8:]))  # the body, then the commit word
+            circular_write(area, position, commit_word(position))
+            self.control[0] = position + len(record)
+            return True
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        del state["mutex"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.mutex = threading.Lock()
+
+
+def circular_read(area: np.ndarray, start: int, end: int) -> bytes:
+    capacity = len(area)
+    if end - start > capacity:
+        raise ValueError(f"{end - start} bytes do not fit a ring of {capacity}")
+    lo, hi = start % capacity, (start % capacity) + (end - start)
+    if hi <= capacity:
+        return area[lo:hi].tobytes()
+    return area[lo:].tobytes() + area[: hi - capacity].tobytes()
+
+
+def circular_write(area: np.ndarray, position: int, data: bytes) -> None:
+    capacity = len(area)
+    lo = position % capacity
+    first = min(len(data), capacity - lo)
+    area[lo : lo + first] = np.frombuffer(data[:first], dtype=np.uint8)
+    if first < len(data):
+        area[: len(data) - first] = np.frombuffer(data[first:], dtype=np.uint8)
+
+
+def spans(capacity: int, position: int, length: int) -> list[tuple[int, int, int]]:
+    """(offset in the ring area, offset in the data, length) pieces of writing `length` bytes at `position`."""
+    lo = position % capacity
+    first = min(length, capacity - lo)
+    pieces = [(lo, 0, first)]
+    if first < length:
+        pieces.append((0, first, length - first))
+    return pieces

@@ -1,0 +1,278 @@
+"""Appending records to peers' log rings by RDMA, on the DSM's own client endpoint: reserve, write, complete.
+
+Rationale.  Logging must not add round trips the protocol does not already pay, or
+its overhead is the network's latency times the number of records.  So records are
+queued and appended in batches, in three steps that are each posted to every peer at
+once and waited for only when the FT-KDSM invariant needs it -- nothing a rank uses is
+unlogged at its log home when an interval that depends on it completes:
+
+1. `start`: one round of FETCH_AND_ADDs on the tails of every ring the batch touches
+   (with an RDMA READ of each head), not waited for: it overlaps what the rank does
+   next (the wait at a barrier, the diffs' round trips at an interval's close).  A
+   reserved record not yet written is a hole the ring's readers (the owner's discard
+   at a checkpoint) cannot pass, so every hole is filled before the DSM operation that
+   made it returns to the program: an acquire's and a barrier's own records are
+   reserved and written at once;
+2. `write`: once those have completed, the records' positions are theirs: one round
+   of RDMA WRITEs (per record: body, then commit word; RC keeps that order on a QP),
+   again not waited for;
+3. `complete`: wait for the WRITEs -- when an interval completes and before a release
+   leaves, which is when the invariant asks for it.
+
+The endpoint belongs to the program thread, and so does this class (and, while the
+program is parked, the checkpoint thread).  Posting goes straight to the endpoint's
+QPs (a plugin that uses the DSM's connections, not QPs of its own, so that the DSM's
+reconnection after a failure covers it too); the last WR of a post is signaled with a
+one-sided work-request id, which `Endpoint.poll` files in ``rdma_done``.  A batch too
+large for the send queue is run chunk by chunk (``Endpoint.run``), waiting as it goes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ckpt import verbs
+from dsm import DsmError
+
+from ._records import HEADER_SIZE, Record, commit_word, walk
+from ._ring import CONTROL, REMOTE, spans
+
+LOG, HOME = "log", "home"  # the two rings every rank holds
+ONE_SIDED = 3 << 40  # the kind bits `Endpoint.poll` files under one-sided completions
+POST_LIMIT = 128  # WRs posted to one QP without waiting (the send queue holds 512)
+FULL_TIMEOUT = 60.0  # seconds a writer waits for room in a full ring
+HIGH_WATER = 0.5  # a reservation past this fill asks for the owner's checkpoint
+
+
+class RingWriter:
+    """The program thread's side of remote logging: queued records, their batches, the waits."""
+
+    def __init__(
+        self,
+        memory: Any,
+        peers: list[dict[str, dict[str, int]]],
+        staging_bytes: int,
+        owner: Callable[[int, str], int],
+        ask: Callable[[int, str, int], None],
+    ) -> None:
+        self.memory, self.peers, self.owner, self.ask = memory, peers, owner, ask
+        self.staging = np.zeros(staging_bytes + HEADER_SIZE, dtype=np.uint8)  # records as they leave
+        self.staging_mr = verbs.MR(memory.pd, self.staging, REMOTE)
+        self.landing = np.zeros(4 * len(peers) + 2, dtype=np.int64)  # per (peer, ring): old tail, head; +2 words
+        self.landing_mr = verbs.MR(memory.pd, self.landing, REMOTE)
+        self.queue: list[tuple[int, str, bytearray]] = []
+        self.serials: list[int] = []  # per queued record: its writer's own serial (NOTICES, BARRIER), else -1
+        self.reserved: tuple[dict[tuple[int, str], list[bytearray]], list[int]] | None = None  # records, FAA ids
+        self.writing: list[int] = []  # ids of the signaled WRITEs not yet seen complete
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        # an image is a point every record before it is covered by (ckpt_restart starts over from it): what is
+        # queued, reserved or being written belongs to this process only
+        state.update(queue=[], serials=[], reserved=None, writing=[])
+        return state
+
+    # ------------------------------------------------------------------ batches
+    def add(self, peer: int, which: str, record: bytearray, serial: int = -1) -> None:
+        self.queue.append((peer, which, record))
+        self.serials.append(serial)
+
+    def drop_own(self, before: int) -> int:
+        """Forget queued records of this rank's own with a serial below `before` (its checkpoint holds them)."""
+        keep = [k for k, serial in enumerate(self.serials) if not 0 <= serial < before]
+        dropped = len(self.queue) - len(keep)
+        self.queue = [self.queue[k] for k in keep]
+        self.serials = [self.serials[k] for k in keep]
+        return dropped
+
+    def start(self) -> None:
+        """Reserve room for every queued record: FETCH_AND_ADDs posted to every peer at once, not waited for."""
+        if self.reserved is not None:
+            self.write()  # one reservation at a time: each ring has one pair of landing words
+        if not self.queue:
+            return
+        rings: dict[tuple[int, str], list[bytearray]] = {}
+        for peer, which, record in self.queue:
+            rings.setdefault((peer, which), []).append(record)
+        self.queue, self.serials = [], []
+        reserve: dict[int, list[verbs.SendWR]] = {}
+        for (peer, which), batch in rings.items():
+            need, ring = sum(len(r) for r in batch), self.peers[peer][which]
+            if need > ring["capacity"]:
+                too_big = f"{need} bytes of log records exceed a ring of {ring['capacity']}"
+                raise DsmError(f"{too_big}: raise --log-ring-bytes")
+            slot = self._slot(peer, which)
+            reserve.setdefault(peer, []).append(_atomic(self._land(slot), ring["rkey"], ring["addr"], need))
+            reserve[peer].append(_read(self._land(slot + 1), ring["rkey"], ring["addr"] + 8))
+        ids: list[int] = []
+        for peer, wrs in reserve.items():
+            self._post(peer, wrs, ids)
+        self.memory.counters.count("log_fetch_add", 8 * len(rings))
+        self.reserved = (rings, ids)
+
+    def write(self) -> None:
+        """Wait for the reservation (if any), then post its records' WRITEs, not waited for."""
+        if self.reserved is None:
+            return
+        started = time.perf_counter()
+        rings, ids = self.reserved
+        self.reserved = None
+        self._wait(ids, "room in the log rings")
+        self._wait(self.writing, "earlier log writes")  # they read from the staging buffer this batch fills
+        self.writing = []
+        total = sum(len(r) for batch in rings.values() for r in batch)
+        writes: dict[int, list[verbs.SendWR]] = {}
+        at, big = 0, total > len(self.staging)
+        for (peer, which), batch in rings.items():
+            slot = self._slot(peer, which)
+            tail, head = int(self.landing[slot]), int(self.landing[slot + 1])
+            if big:  # too much for the staging buffer at once: ring by ring, each written and waited for
+                alone: list[verbs.SendWR] = []
+                self._place(peer, which, tail, head, batch, 0, alone)
+                self.memory.client.run(peer, alone, self.memory.seq)
+                continue
+            at = self._place(peer, which, tail, head, batch, at, writes.setdefault(peer, []))
+        for peer, wrs in writes.items():
+            self._post(peer, wrs, self.writing)
+        self.memory.counters.count("log_write", total)
+        self.memory.account("log_records", sum(len(batch) for batch in rings.values()))
+        self.memory.account("log_bytes", total)
+        self.memory.account("log_seconds", time.perf_counter() - started)
+
+    def complete(self) -> None:
+        """Write what is reserved and wait until every WRITE has completed: from here on, it *is* logged."""
+        self.write()
+        started = time.perf_counter()
+        self._wait(self.writing, "log writes to the log homes")
+        self.writing = []
+        self.memory.account("log_seconds", time.perf_counter() - started)
+
+    def flush(self) -> None:
+        """Append every queued record now and wait for it."""
+        self.start()
+        self.complete()
+
+    def _place(
+        self, peer: int, which: str, tail: int, head: int, batch: list[bytearray], at: int, wrs: list[verbs.SendWR]
+    ) -> int:
+        """Stage `batch` from staging offset `at` and add its WRITEs to `wrs`; the next free offset."""
+        ring = self.peers[peer][which]
+        capacity, addr, rkey, lkey = ring["capacity"], ring["addr"], ring["rkey"], self.staging_mr.lkey
+        need = sum(len(r) for r in batch)
+        if tail + need - head > HIGH_WATER * capacity:
+            self.ask(peer, which, head)
+        if tail + need - head > capacity:
+            self.wait_for_room(peer, which, tail + need - capacity)
+        position = tail
+        for record in batch:
+            record[:8] = commit_word(position)
+            self.staging[at : at + len(record)] = np.frombuffer(bytes(record), dtype=np.uint8)
+            base = self.staging_mr.buf + at
+            for ring_off, data_off, length in spans(capacity, position + 8, len(record) - 8):
+                wrs.append(_write((base + 8 + data_off, length, lkey), rkey, addr + CONTROL + ring_off))
+            wrs.append(_write((base, 8, lkey), rkey, addr + CONTROL + position % capacity))
+            at += len(record)
+            position += len(record)
+        return at
+
+    def _post(self, peer: int, wrs: list[verbs.SendWR], ids: list[int]) -> None:
+        """Post `wrs` to `peer`, the last one signaled (its id goes to `ids`); no wait unless too many."""
+        client, seq = self.memory.client, self.memory.seq
+        if len(wrs) > POST_LIMIT:
+            client.run(peer, wrs, seq)  # waits chunk by chunk: the send queue is bounded
+            return
+        qp = client.qps[peer]
+        for wr in wrs[:-1]:
+            wr.send_flags, wr.wr_id = 0, ONE_SIDED
+            qp.post_send(wr)
+        seq[0] += 1
+        last = wrs[-1]
+        last.send_flags, last.wr_id = verbs.IBV_SEND_SIGNALED, ONE_SIDED | (seq[0] & 0xFFFFFFFFFF)
+        qp.post_send(last)
+        ids.append(last.wr_id)
+
+    def _wait(self, ids: list[int], what: str) -> None:
+        if ids:
+            client = self.memory.client
+            client.wait(lambda: all(w in client.rdma_done for w in ids), what)
+            client.rdma_done.difference_update(ids)
+
+    # ------------------------------------------------------------------ full rings
+    def wait_for_room(self, peer: int, which: str, head_needed: int) -> None:
+        """Wait until the ring's owner has discarded up to `head_needed` (bounded: see `_remote`)."""
+        self.memory.account("log_full_waits")
+        owner, what = self.owner(peer, which), "log ring" if which == LOG else "home diff log"
+        full = f"the {what} of rank {owner} at rank {peer} is full"
+        if getattr(self.memory.rt, "checkpoint_rank", None) is None:
+            # only coordinated checkpoints: one needs this rank at a step boundary, which it cannot reach
+            # while it waits here, so waiting could only end in the timeout
+            raise DsmError(f"{full} and no checkpoint can empty it mid-step: raise --log-ring-bytes")
+        deadline = time.monotonic() + FULL_TIMEOUT
+        pause = 1e-4
+        while (head := self.read_word(peer, which, 8)) < head_needed:
+            self.ask(peer, which, head)
+            if time.monotonic() > deadline:
+                raise DsmError(
+                    f"{full} and rank {owner} did not checkpoint within {FULL_TIMEOUT:.0f} s: "
+                    "raise --log-ring-bytes or checkpoint more often"
+                )
+            time.sleep(pause)  # polling a remote word: the owner's discard is an RDMA WRITE, nothing signals here
+            pause = min(pause * 2, 0.05)
+
+    # ------------------------------------------------------------------ single words, whole rings (synchronous)
+    def read_word(self, peer: int, which: str, offset: int) -> int:
+        ring, slot = self.peers[peer][which], len(self.landing) - 2
+        self.memory.client.run(peer, [_read(self._land(slot), ring["rkey"], ring["addr"] + offset)], self.memory.seq)
+        self.memory.counters.count("log_read", 8)
+        return int(self.landing[slot])
+
+    def write_word(self, peer: int, which: str, offset: int, value: int) -> None:
+        ring, slot = self.peers[peer][which], len(self.landing) - 1
+        self.landing[slot] = value
+        self.memory.client.run(peer, [_write(self._land(slot), ring["rkey"], ring["addr"] + offset)], self.memory.seq)
+
+    def read_ring(self, peer: int, which: str) -> tuple[list[Record], int]:
+        """The committed records of a ring from its head (RDMA READ), and that head."""
+        ring = self.peers[peer][which]
+        capacity, addr, rkey = ring["capacity"], ring["addr"], ring["rkey"]
+        tail, head = self.read_word(peer, which, 0), self.read_word(peer, which, 8)
+        nbytes = tail - head
+        wrs = [
+            _read((self.staging_mr.buf + data_off, length, self.staging_mr.lkey), rkey, addr + CONTROL + ring_off)
+            for ring_off, data_off, length in spans(capacity, head, nbytes)
+        ]
+        if nbytes:
+            self.memory.client.run(peer, wrs, self.memory.seq)
+            self.memory.counters.count("log_read", nbytes)
+        return walk(self.staging[:nbytes].tobytes(), head), head
+
+    def _slot(self, peer: int, which: str) -> int:
+        return 4 * peer + (0 if which == LOG else 2)
+
+    def _land(self, slot: int) -> tuple[int, int, int]:
+        """Landing word `slot`, as a local (address, length, lkey)."""
+        return self.landing_mr.buf + slot * 8, 8, self.landing_mr.lkey
+
+
+def _atomic(local: tuple[int, int, int], rkey: int, addr: int, add: int) -> verbs.SendWR:
+    """FETCH_AND_ADD `add` at the peer's (rkey, addr); the old value lands at `local` = (address, 8, lkey)."""
+    wr = verbs.SendWR(opcode=verbs.IBV_WR_ATOMIC_FETCH_AND_ADD, num_sge=1, sg=[verbs.SGE(*local)])
+    wr.set_wr_atomic(rkey, addr, add, 0)
+    return wr
+
+
+def _read(local: tuple[int, int, int], rkey: int, addr: int) -> verbs.SendWR:
+    """An RDMA READ of the peer's (rkey, addr) into `local` = (address, length, lkey)."""
+    wr = verbs.SendWR(opcode=verbs.IBV_WR_RDMA_READ, num_sge=1, sg=[verbs.SGE(*local)])
+    wr.set_wr_rdma(rkey, addr)
+    return wr
+
+
+def _write(local: tuple[int, int, int], rkey: int, addr: int) -> verbs.SendWR:
+    wr = verbs.SendWR(opcode=verbs.IBV_WR_RDMA_WRITE, num_sge=1, sg=[verbs.SGE(*local)])
+    wr.set_wr_rdma(rkey, addr)
+    return wr

@@ -1,0 +1,72 @@
+"""End-to-end: DSM programs under `ckpt launch --logging remote|stable`, checkpointed, killed and restarted.
+
+The logs change nothing a program computes: each run's result lines must be those of
+an uninterrupted run of the same program without logging (thread-ranks in process).
+The checkpoint the job resumes from exercises the discard (RDMA on the DSM's queue
+pairs, under the verbs plugin, right after the manifest is written); the restart
+brings the rings back from the images and keeps logging.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from dsm_cases import CASES, DsmCase
+from ib_cases import Hold, launch_args, take
+from test_e2e_dsm import PROGRAM_ENV, Pauses, uninterrupted
+
+from ckpt.testing import Job, results, run
+from harness import PROGRAMS
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+BY_NAME = {case.name: case for case in CASES}
+
+
+@pytest.mark.parametrize("protocol", ["async", "onesided"])
+def test_a_logged_job_checkpointed_killed_and_restarted_gives_the_uninterrupted_answer(
+    protocol: str, start_job: Callable[..., Job], tmp_path: Path
+) -> None:
+    case = BY_NAME["water"]
+    ckpt_dir, hold = tmp_path / "ckpt", Hold(tmp_path)
+    first, second = case.checkpoint_at // 2, case.checkpoint_at
+    pauses = Pauses(tmp_path, first, second)
+    env = {PROGRAM_ENV: case.name, **hold.env, **pauses.env}
+    argv = [str(PROGRAMS / "dsm_held.py"), *case.long]
+    options = ("--dsm-protocol", protocol, "--logging", "remote")
+    job = start_job(*launch_args(ckpt_dir, argv, *options), ckpt_dir=ckpt_dir, extra_env=env)
+    pauses.wait(first)
+    take(ckpt_dir, "--wait")
+    pauses.open(first)
+    pauses.wait(second)
+    take(ckpt_dir, "--kill")
+    assert job.wait() == 0, job.stderr
+    pauses.open(second)
+    hold.release()
+    again = start_job("restart", "--ckpt-dir", str(ckpt_dir), ckpt_dir=ckpt_dir, extra_env=env)
+    assert again.wait() == 0, again.stderr
+    assert results(again.stdout) == uninterrupted(case, protocol)
+
+
+@pytest.mark.parametrize(("name", "protocol", "logging"), [("tsp", "onesided", "remote"), ("isort", "async", "stable")])
+def test_a_logged_job_gives_the_uninterrupted_answer(
+    name: str, protocol: str, logging: str, start_job: Callable[..., Job], tmp_path: Path
+) -> None:
+    case: DsmCase = BY_NAME[name]
+    ckpt_dir = tmp_path / "ckpt"
+    argv = [str(Path(__file__).parent.parent / "dsm" / "programs" / f"{name}.py"), *case.long]
+    job = start_job(*launch_args(ckpt_dir, argv, "--dsm-protocol", protocol, "--logging", logging), ckpt_dir=ckpt_dir)
+    assert job.wait() == 0, job.stderr
+    assert results(job.stdout) == uninterrupted(case, protocol)
+    if logging == "stable":
+        assert sorted(p.name for p in ckpt_dir.glob("remotelog-stable-*.log")) == [
+            f"remotelog-stable-{rank}.log" for rank in range(4)
+        ]
+
+
+def test_an_unknown_logging_mode_is_refused_in_one_line(tmp_path: Path) -> None:
+    done = run("launch", "-n", "2", "--ckpt-dir", str(tmp_path / "c"), "--logging", "disk", "x.py", timeout=60)
+    assert done.returncode != 0
+    out = done.stdout + done.stderr
+    assert "Traceback" not in out and "--logging" in out and "disk" in out, out

@@ -1,0 +1,465 @@
+"""Remote logging, failure-free (FT-KDSM §4): every ring holds exactly the records the paper requires, in time.
+
+Thread-ranks (tests/dsm_util.py) run the DSM programs with the ckpt_remotelog plugin in
+each rank's plugin host; a recording plugin beside it notes what the DSM did (diffs
+made, notices received, acquires, barriers) and checks, at every interval's close, that
+what the rank used so far is already at its log home.  The rings are then read back
+(they are in this process's memory) and compared with what happened.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pytest
+from dsm_cases import PROTOCOLS
+from dsm_util import FIRST_HCA
+
+import ckpt
+import ckpt.testing
+import ckpt_remotelog
+import dsm
+from ckpt.runtime.plugins import PluginHost
+from ckpt.testing import ThreadRuntime, run_threads
+from ckpt_remotelog import RemoteLog
+from ckpt_remotelog._records import (
+    HEADER_SIZE,
+    Record,
+    RecordKind,
+    decode_at,
+    diff_runs,
+    encode,
+    notices_of,
+    record_size,
+    walk,
+)
+from ckpt_remotelog._ring import CONTROL, LogRing
+from dsm._messages import NAMES
+from dsm.programs import program_class
+
+pytestmark = pytest.mark.timeout(120)
+SIZE = 4
+PROGRAMS = [
+    ("sor", ["64", "8"]),
+    ("tsp", ["8", "3", "8"]),
+    ("water", ["64", "4", "4"]),
+    ("isort", ["2048", "128", "3"]),
+]
+
+
+@dataclass
+class Seen:
+    """What one rank's DSM did, as its hooks told (some on the handler thread: hence the lock)."""
+
+    rank: int
+    logs: list[RemoteLog | None]
+    diffs: list[tuple[int, int, int, bytes]] = field(default_factory=list)  # (gid, home, interval, payload runs)
+    grants: list[list[Any]] = field(default_factory=list)  # the notices of each acquire, in order
+    barrier_notices: list[list[Any]] = field(default_factory=list)
+    received: list[Any] = field(default_factory=list)
+    late: list[str] = field(default_factory=list)  # violations of "logged before the next interval completes"
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @ckpt.hookimpl
+    def dsm_attached(self, memory: Any) -> None:
+        self.logs[self.rank] = memory.extensions["remotelog"]  # runs after the plugin's (registered first)
+
+    @ckpt.hookimpl
+    def dsm_diff_created(self, gid: int, home: int, interval: int, diff: list[tuple[int, bytes]]) -> None:
+        self.diffs.append((gid, home, interval, b"".join(o.to_bytes(4, "little") + d for o, d in diff)))
+
+    @ckpt.hookimpl
+    def dsm_write_notices_received(self, source: str, notices: list[Any]) -> None:
+        self.received.extend(list(n) for n in notices)  # tuples here, lists once through msgpack
+
+    @ckpt.hookimpl
+    def dsm_lock_acquired(self, memory: Any) -> None:
+        self.grants.append(self.received)
+        self.received = []
+
+    @ckpt.hookimpl
+    def dsm_barrier_passed(self, memory: Any) -> None:
+        self.barrier_notices.append(self.received)
+        self.received = []
+
+    @ckpt.hookimpl
+    def dsm_interval_closed(self, memory: Any, interval: int) -> None:
+        """The acquires and barriers before this interval are logged at this rank's log home by now."""
+        used = int(memory.counters.lock_acquires) + int(memory.counters.barriers)
+        if len(mine := own_records(self.logs, self.rank)) != used:
+            self.late.append(f"interval {interval}: {len(mine)} records for {used} acquires and barriers")
+
+
+def own_records(logs: list[RemoteLog | None], rank: int) -> list[Record]:
+    """The NOTICES and BARRIER records `rank` wrote, from its log ring at its log home."""
+    log = logs[rank]
+    assert log is not None
+    ring = logs[log.log_home(rank)]
+    assert ring is not None
+    return [r for r in scan(ring.ring) if r.writer == rank and r.kind in (RecordKind.NOTICES, RecordKind.BARRIER)]
+
+
+def scan(ring: LogRing) -> list[Record]:
+    """Every committed record between a ring's head and tail, in position order.
+
+    Unlike `LogRing.records` (a walk, which stops at the first record still being written), it
+    finds records past such a hole: a word is a record's commit word when it holds its own
+    position + 1 (the positions of the ring's current lap are known from its tail).
+    """
+    head, tail, capacity = ring.head, ring.tail, ring.capacity
+    words = ring.buf[CONTROL:].view(np.uint64)
+    offsets = np.arange(len(words), dtype=np.int64) * 8
+    positions = offsets + capacity * ((tail - 1 - offsets) // capacity)  # the newest position at each offset
+    found = np.flatnonzero((words == (positions + 1).astype(np.uint64)) & (positions >= head))
+    records = []
+    for position in sorted(int(positions[k]) for k in found):
+        header = ring.contents(position, min(position + HEADER_SIZE, tail))
+        length = int.from_bytes(header[56:60], "little") if len(header) == HEADER_SIZE else -1
+        if length >= 0 and position + record_size(length) <= tail:
+            record = decode_at(ring.contents(position, position + record_size(length)), 0, position)
+            if record is not None:
+                records.append(record)
+    return records
+
+
+def hosts(seen: list[Seen]) -> Any:
+    def host(rank: int) -> PluginHost:
+        plugins = PluginHost()
+        plugins.add_hookspecs(dsm.hookspecs)
+        plugins.register(ckpt_remotelog, "remotelog")
+        plugins.register(seen[rank], f"seen-{rank}")
+        return plugins
+
+    return host
+
+
+def run_logged(name: str, argv: list[str], protocol: str, **options: Any) -> tuple[list[Any], list[Any], list[Seen]]:
+    """Run a DSM program on SIZE thread-ranks under remote logging; (results, programs, what each rank saw)."""
+    programs: list[Any] = []
+    logs: list[RemoteLog | None] = [None] * SIZE
+    seen = [Seen(rank, logs) for rank in range(SIZE)]
+
+    def make() -> ckpt.Program:
+        programs.append(program_class(name)())
+        return programs[-1]
+
+    results = ckpt.testing.run_program(
+        make,
+        SIZE,
+        argv=argv,
+        options={"dsm_protocol": protocol, "logging": "remote", **options},
+        first_device=FIRST_HCA,
+        plugins=hosts(seen),
+        finish=lambda program: program.mem.extensions["remotelog"].flush(),  # the last barrier's record
+    )
+    by_rank = sorted(programs, key=lambda p: p.mem.rank)
+    for program in by_rank:
+        program.mem.close()
+    return results, by_rank, seen
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize(("name", "argv"), PROGRAMS, ids=[p[0] for p in PROGRAMS])
+def test_every_ring_holds_exactly_the_records_the_paper_requires(name: str, argv: list[str], protocol: str) -> None:
+    results, programs, seen = run_logged(name, argv, protocol)
+    assert all("numpy=match" in line for line in results), results
+    logs: list[RemoteLog] = [p.mem.extensions["remotelog"] for p in programs]
+    rings = {log.rank: scan(log.ring) for log in logs}  # the log ring each rank holds
+    ring_of = {rank: rings[logs[0].log_home(rank)] for rank in range(SIZE)}  # rank -> its log ring (elsewhere)
+    homes = {log.rank: scan(log.home_log) for log in logs}
+    for log in logs:  # every record is committed: the walk (what a recovery reads) sees them all
+        assert log.ring.records() == rings[log.rank] and log.home_log.records() == homes[log.rank]
+    for records in [*rings.values(), *homes.values()]:
+        assert all(r.position < next_r.position for r, next_r in itertools.pairwise(records))
+    # diffs: at the log home of the page's home (not its own writes) and in the home's diff log
+    for s in seen:
+        for gid, home, interval, runs in s.diffs:
+            key = (s.rank, gid, interval)
+            in_home_log = [r for r in homes[home] if (r.writer, r.gid, r.interval) == key]
+            assert len(in_home_log) == 1, (key, home)
+            assert _runs(in_home_log[0]) == runs
+            logged = [r for r in ring_of[home] if r.kind == RecordKind.DIFF and (r.writer, r.gid, r.interval) == key]
+            assert len(logged) == (0 if home == s.rank else 1), (key, home)
+    made = Counter((s.rank if h != s.rank else -1, h) for s in seen for _, h, _, _ in s.diffs)
+    for home in range(SIZE):
+        assert sum(1 for r in ring_of[home] if r.kind == RecordKind.DIFF) == sum(
+            n for (w, h), n in made.items() if h == home and w >= 0
+        )
+        assert len(homes[home]) == sum(n for (_, h), n in made.items() if h == home)
+    # notices: one record per acquire and per barrier, in order, holding what the rank received
+    for s, program in zip(seen, programs, strict=True):
+        assert not s.late, s.late
+        mine = own_records(logs, s.rank)
+        stats = program.mem.statistics()
+        assert len(mine) == stats.lock_acquires + stats.barriers
+        acquires = [r for r in mine if r.kind == RecordKind.NOTICES]
+        barriers = [r for r in mine if r.kind == RecordKind.BARRIER]
+        assert [notices_of(r.payload)[1] for r in acquires] == s.grants
+        assert [notices_of(r.payload)[1] for r in barriers] == s.barrier_notices
+        assert [r.tag for r in barriers] == list(range(1, stats.barriers + 1))
+    # barrier phase 1: every rank's arrival at every barrier, at the manager's (rank 0's) log home
+    arrivals = Counter((r.writer, r.tag) for r in ring_of[0] if r.kind == RecordKind.BARRIER_ARRIVAL)
+    nbarriers = programs[0].mem.statistics().barriers
+    assert arrivals == Counter({(rank, epoch): 1 for rank in range(SIZE) for epoch in range(1, nbarriers + 1)})
+
+
+def _runs(record: Record) -> bytes:
+    return b"".join(o.to_bytes(4, "little") + d for o, d in diff_runs(record.payload))
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_the_log_homes_handler_serves_no_logging_message(protocol: str) -> None:
+    """Each handler serves the same kinds of requests with logging on as off, as many of each (page fetches
+    aside: how many pages a rank refetches depends on timing), so none for logging; the log records exist."""
+    served = {}
+    for logging in ("off", "remote"):
+        programs: list[Any] = []
+        make = _maker("sor", programs)
+
+        ckpt.testing.run_program(
+            make,
+            SIZE,
+            argv=["64", "8"],
+            options={"dsm_protocol": protocol, "logging": logging},
+            first_device=FIRST_HCA,
+            plugins=_plain_hosts,
+            finish=lambda p: None,
+        )
+        served[logging] = {
+            p.mem.rank: {k: n for k, n in p.mem.handler.counters.messages.items() if k not in TIMING} for p in programs
+        }
+        kinds = {k for p in programs for k in p.mem.handler.counters.messages}
+        assert kinds <= set(NAMES.values()), kinds  # DSM replies only: nothing of logging's
+        logged = sum(p.mem.statistics().log_records for p in programs)
+        assert (logged > 0) == (logging == "remote")
+        for p in programs:
+            p.mem.close()
+    assert served["remote"] == served["off"]
+
+
+TIMING = {"page_reply", "home_reply"}  # how many a run needs depends on timing (refetches, first touches)
+
+
+def _maker(name: str, programs: list[Any]) -> Any:
+    """A factory of dsm/programs/<name>.py instances that keeps each one in `programs`."""
+
+    def make() -> ckpt.Program:
+        programs.append(program_class(name)())
+        return programs[-1]  # type: ignore[no-any-return]
+
+    return make
+
+
+def _plain_hosts(rank: int) -> PluginHost:
+    plugins = PluginHost()
+    plugins.add_hookspecs(dsm.hookspecs)
+    plugins.register(ckpt_remotelog, "remotelog")
+    return plugins
+
+
+def test_with_logging_off_the_dsm_fires_no_hook_of_the_plugin() -> None:
+    def body(rt: ThreadRuntime) -> Any:
+        memory = dsm.attach(rt, "async")
+        rt.at_end(memory.close)
+        return memory._fire, memory.twin_homes, dict(memory.extensions)
+
+    for fire, twins, extensions in run_threads(
+        2, body, first_device=FIRST_HCA, plugins=_plain_hosts, options={"logging": "off"}
+    ):
+        assert fire == frozenset({"dsm_attached"}) and not twins and not extensions
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_a_tiny_ring_asks_for_the_owners_checkpoint_waits_and_loses_nothing(protocol: str) -> None:
+    """Rank 1 writes rank 0's page in many intervals; each rank checkpoints (and discards) only when asked.
+
+    Rank 0 even waits until rank 1 is blocked on the full ring (its statistics say so) before it
+    takes its checkpoint, so the writer's wait is exercised every time.
+    """
+    intervals, words = 60, 64
+    asked: list[set[int]] = [set(), set()]
+    lock_asked = threading.Lock()
+    discarded: list[Record] = []
+    done = threading.Event()
+    memories: list[Any] = [None, None]
+
+    def ask(owner: int) -> None:
+        with lock_asked:
+            asked[owner].add(owner)
+
+    def take_if_asked(rank: int, log: RemoteLog) -> None:
+        with lock_asked:
+            wanted, asked[rank] = bool(asked[rank]), set()
+        if wanted:
+            log.ckpt_precheckpoint()
+            discarded.extend(log.discard())
+
+    def body(rt: ThreadRuntime) -> Any:
+        rt.checkpoint_rank = ask  # type: ignore[attr-defined]  (the runtime's, when single-rank checkpoints exist)
+        memory = memories[rt.rank] = dsm.attach(rt, protocol)
+        rt.at_end(memory.close)
+        log: RemoteLog = memory.extensions["remotelog"]
+        a = memory.array((words,), np.float64)
+        lock = memory.lock()  # homed at rank 0
+        if rt.rank == 0:
+            with a.write(slice(0, words)) as v:
+                v[:] = 0  # rank 0 becomes the page's home
+        memory.barrier()
+        if rt.rank == 1:
+            try:
+                for i in range(intervals):
+                    take_if_asked(1, log)  # this rank's own step boundary
+                    with lock:
+                        with a.write(slice(i % words, i % words + 1)) as v:
+                            v[:] = i + 1
+            finally:
+                done.set()
+        else:
+            while not done.wait(0.005):  # rank 0's step boundaries: checkpoint once the writer is stuck
+                if memories[1].statistics().log_full_waits > 0:
+                    take_if_asked(0, log)
+        ask(rt.rank)
+        take_if_asked(rt.rank, log)  # a last checkpoint each, so the barrier's records find room
+        memory.barrier()
+        return memory.statistics(), log.remote_records()[0]
+
+    out = run_threads(
+        2,
+        body,
+        first_device=FIRST_HCA,
+        plugins=_plain_hosts,
+        options={"dsm_protocol": protocol, "logging": "remote", "log_ring_bytes": 2048},
+    )
+    writer_stats = out[1][0]
+    assert writer_stats.log_full_checkpoints > 0 and writer_stats.log_full_waits > 0
+    every = [r for r in discarded + out[0][1] if r.kind == RecordKind.DIFF]
+    assert sorted((r.writer, r.interval) for r in every) == [(1, i) for i in range(1, intervals + 1)]
+    assert len({(r.writer, r.position) for r in every}) == len(every)
+    own = [r for r in discarded + out[1][1] if r.writer == 1 and r.kind in (RecordKind.NOTICES, RecordKind.BARRIER)]
+    assert sorted(r.serial for r in own) == list(range(len(own)))  # rank 1's every acquire and barrier
+    assert sum(1 for r in own if r.kind == RecordKind.NOTICES) == intervals
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_a_checkpoint_discards_what_it_covers_and_nothing_after_it(protocol: str) -> None:
+    def body(rt: ThreadRuntime) -> Any:
+        memory = dsm.attach(rt, protocol)
+        rt.at_end(memory.close)
+        log: RemoteLog = memory.extensions["remotelog"]
+        a = memory.array((SIZE * 512,), np.float64)
+        lock = memory.lock()
+
+        def work(value: float) -> None:
+            with lock:
+                with a.write(slice(0, 512 * SIZE)) as v:
+                    v[rt.rank :: SIZE] = value
+            memory.barrier()
+
+        work(1.0)
+        rt.barrier()  # every rank at a "step boundary": a coordinated checkpoint
+        log.ckpt_precheckpoint()
+        rt.barrier()
+        dropped = log.discard()
+        rt.barrier()
+        left = log.remote_records()[0]
+        home_left = log.home_log.records()
+        rt.barrier()
+        work(2.0)
+        log.flush()
+        rt.barrier()
+        after = log.remote_records()[0]
+        return len(dropped), left, home_left, after
+
+    out = run_threads(
+        SIZE,
+        body,
+        first_device=FIRST_HCA,
+        plugins=_plain_hosts,
+        options={"dsm_protocol": protocol, "logging": "remote"},
+    )
+    for rank, (dropped, left, home_left, after) in enumerate(out):
+        assert dropped > 0 and left == [] and home_left == []
+        assert {r.kind for r in after if r.writer == rank} >= {RecordKind.NOTICES, RecordKind.BARRIER}
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_stable_logging_fsyncs_at_every_release_and_barrier_and_its_file_holds_the_records(
+    protocol: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckpt_remotelog import _stable
+
+    fsyncs = Counter[int]()
+    real = _stable.os.fsync
+
+    def counted(fd: int) -> None:
+        fsyncs[threading.get_ident()] += 1
+        real(fd)
+
+    monkeypatch.setattr(_stable.os, "fsync", counted)
+    programs: list[Any] = []
+
+    def make() -> ckpt.Program:
+        programs.append(program_class("tsp")())
+        return programs[-1]
+
+    results = ckpt.testing.run_program(
+        make,
+        SIZE,
+        argv=["8", "3", "8"],
+        options={"dsm_protocol": protocol, "logging": "stable", "log_dir": str(tmp_path)},
+        first_device=FIRST_HCA,
+        plugins=_plain_hosts,
+        finish=lambda p: None,
+    )
+    assert all("numpy=match" in line for line in results)
+    for program in programs:
+        stats = program.mem.statistics()
+        log = program.mem.extensions["remotelog"]
+        records = walk(log.path.read_bytes(), 0)
+        assert stats.stable_fsyncs > 0 and len(records) == stats.stable_records
+        assert (
+            sum(1 for r in records if r.kind == RecordKind.NOTICES)
+            + sum(1 for r in records if r.kind == RecordKind.BARRIER)
+            <= stats.lock_acquires + stats.barriers
+        )
+        assert stats.stable_fsyncs <= stats.lock_acquires + stats.barriers  # at most one per release / barrier
+        program.mem.close()
+    assert sum(fsyncs.values()) == sum(p.mem.statistics().stable_fsyncs for p in programs)
+
+
+def test_the_recovery_answer_follows_the_logging_mode(tmp_path: Any) -> None:
+    from ckpt.plugin import JobInfo
+
+    def job(mode: str) -> JobInfo:
+        return JobInfo(job="j", ckpt_dir=tmp_path, transport="simib", host="127.0.0.1", options={"logging": mode})
+
+    assert ckpt_remotelog.ckpt_single_rank_recovery(job("remote")) is True
+    assert ckpt_remotelog.ckpt_single_rank_recovery(job("stable")) is True
+    refusal = "--on-failure recover needs --logging remote or stable"
+    assert ckpt_remotelog.ckpt_single_rank_recovery(job("off")) == refusal
+
+
+def test_a_ring_wraps_and_a_record_is_committed_only_by_its_own_commit_word() -> None:
+    from ckpt import verbs
+
+    ctx = verbs.Context(name=f"simib{FIRST_HCA}")
+    try:
+        ring = LogRing(verbs.PD(ctx), 512)
+        written = []
+        for i in range(20):
+            record = encode(RecordKind.NOTICES, 3, bytes([i]) * (i % 40), serial=i)
+            if not ring.append_local(record):
+                ring.set_head(ring.committed_end())  # the owner discards everything: room again
+                assert ring.append_local(record)
+            written.append(i)
+        assert [r.serial for r in ring.records()] == written[-len(ring.records()) :]
+        assert ring.tail > ring.capacity  # it wrapped
+        stale = bytearray(ring.contents(ring.head, ring.tail))
+        assert len(walk(stale, ring.head + 8)) == 0  # the same bytes at another position are not records
+    finally:
+        ctx.close()
