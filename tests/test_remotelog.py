@@ -438,10 +438,11 @@ def test_the_recovery_answer_follows_the_logging_mode(tmp_path: Any) -> None:
     def job(mode: str) -> JobInfo:
         return JobInfo(job="j", ckpt_dir=tmp_path, transport="simib", host="127.0.0.1", options={"logging": mode})
 
-    assert ckpt_remotelog.ckpt_single_rank_recovery(job("remote")) is True
-    assert ckpt_remotelog.ckpt_single_rank_recovery(job("stable")) is True
-    refusal = "--on-failure recover needs --logging remote or stable"
-    assert ckpt_remotelog.ckpt_single_rank_recovery(job("off")) == refusal
+    # no replay yet: logging on refuses (one line), logging off keeps no cross-rank state (no answer)
+    for mode in ("remote", "stable"):
+        answer = ckpt_remotelog.ckpt_single_rank_recovery(job(mode))
+        assert isinstance(answer, str) and "\n" not in answer and "replay" in answer
+    assert ckpt_remotelog.ckpt_single_rank_recovery(job("off")) is None
 
 
 def test_a_ring_wraps_and_a_record_is_committed_only_by_its_own_commit_word() -> None:

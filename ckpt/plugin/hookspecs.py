@@ -143,10 +143,11 @@ def ckpt_single_rank_recovery(job: JobInfo) -> bool | str | list[str] | None:
     memory) must be able to bring that one rank back among live peers.  Return None when your
     plugin keeps no cross-rank state; True when it can recover its own; a string (one line, the
     reason) when it cannot; or a list of other plugins' names (True, and your plugin also
-    answers for theirs: ``ckpt_remotelog`` answers ``["ib", "dsm"]`` for the connections and
-    shared memory it re-creates).  Every plugin is asked: the launch is refused, with the first
-    such plugin's line, iff some plugin refused and no other plugin's list names it; no answer
-    at all accepts it.  Order: up (the order refusals are looked at in).
+    answers for theirs: ``ckpt_remotelog`` is to answer ``["ib", "dsm"]`` for the connections
+    and shared memory it re-creates, once its recovery by replay is built; it refuses until
+    then).  Every plugin is asked: the launch is refused, with the first such plugin's line, iff
+    some plugin refused and no other plugin's list names it; no answer at all accepts it.
+    Order: up (the order refusals are looked at in).
     """
     raise NotImplementedError
 
