@@ -50,7 +50,7 @@ import logging
 import math
 import threading
 import time
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
@@ -63,13 +63,11 @@ from ._diff import Diff, diff_size, diff_unit, make_diff
 from ._errors import DsmError
 from ._handler import Handler
 from ._messages import (
-    NAMES,
     Ack,
     AcquireRequest,
     BarrierReply,
     BarrierRequest,
     DiffRequest,
-    ErrorReply,
     Grant,
     HomeReply,
     HomeRequest,
@@ -79,21 +77,18 @@ from ._messages import (
     ReleaseRequest,
     Reply,
     Request,
-    decode_reply,
 )
-from ._net import ACCESS, UP, Endpoint, atomic, rdma
+from ._net import ACCESS, Endpoint, atomic, rdma
 from ._region import DIRTY, INVALID, META, VALID, Region, gid_of, split_gid
+from ._requests import FETCH_TIMEOUT, WINDOW, RequestClient
 from ._stats import Counters, Statistics
 
 log = logging.getLogger("dsm")
 PROTOCOLS = ("async", "onesided")
 HOOKS = [name for name in dir(hookspecs) if name.startswith("dsm_")]
-_R = TypeVar("_R", bound=Reply)
-WINDOW = 8  # requests in flight per destination (diffs at a release)
-FETCH_TIMEOUT = 120.0
 
 
-class Memory:
+class Memory(RequestClient):
     """One rank's handle on the shared memory; `dsm.attach(rt)` makes it (collectively)."""
 
     # per-process parts, made by _live() (at attach and after unpickling), never pickled
@@ -442,85 +437,6 @@ class Memory:
         if fresh:
             self.counters.write_notices_received += len(fresh)
             self.hook("dsm_write_notices_received", source=source, notices=fresh)
-
-    # ------------------------------------------------------------------ requests
-    def _next_rid(self) -> int:
-        """A new request id (the reply echoes it); requests carry theirs from construction."""
-        self.rid += 1
-        return self.rid
-
-    def _request(self, dst: int, msg: Request, expect: type[_R], what: str, timeout: float = FETCH_TIMEOUT) -> _R:
-        return self._request_many([(dst, msg, what)], expect, timeout)[0]
-
-    def _request_many(
-        self, requests: list[tuple[int, Request, str]], expect: type[_R], timeout: float = FETCH_TIMEOUT
-    ) -> list[_R]:
-        """Send requests (at most WINDOW in flight per destination) and return their replies, each an `expect`.
-
-        Every reply is collected before an error reply raises, so none is left behind to
-        be mistaken for a later request's.
-        """
-        rids: list[int] = []
-        what_of: dict[int, str] = {}
-        in_flight: dict[int, list[int]] = {}
-        try:
-            for dst, msg, what in requests:
-                mine = in_flight.setdefault(dst, [])
-                while len(mine) >= WINDOW:
-                    self._await(mine[:1], what_of[mine[0]], timeout)
-                    mine[:] = [r for r in mine if r not in self.replies]
-                self._send_request(dst, msg)
-                rids.append(msg.rid)
-                what_of[msg.rid] = what
-                mine.append(msg.rid)
-            for rid in rids:
-                self._await([rid], what_of[rid], timeout)
-        except BaseException:
-            for rid in rids:  # given up: never sent again after a reconnection, nor kept if answered
-                self.pending.pop(rid, None)
-                self.replies.pop(rid, None)
-            raise
-        replies = [self.replies.pop(rid) for rid in rids]
-        for reply in replies:
-            if isinstance(reply, ErrorReply):
-                raise DsmError(reply.message)
-        checked: list[_R] = []
-        for reply in replies:
-            if not isinstance(reply, expect):
-                raise DsmError(f"a {type(reply).__name__} answered a request that wants a {expect.__name__}")
-            checked.append(reply)
-        return checked
-
-    def _send_request(self, dst: int, msg: Request) -> None:
-        """Send a request and keep it pending until its reply: a link that fails under it gets it again."""
-        link = self.client.link[dst]
-        sent = self.client.send(dst, msg)
-        self.pending[msg.rid] = (dst, msg, link if sent is not None else -1)
-        if sent is not None:
-            self.counters.count(NAMES[msg.kind], sent)
-
-    def _await(self, rids: list[int], what: str, timeout: float) -> None:
-        def done() -> bool:
-            for _, raw, _, _ in self.client.inbox:
-                msg = decode_reply(raw)
-                # a reply nobody waits for answered a request that was sent again after a reconnection
-                if self.pending.pop(msg.rid, None) is not None:
-                    self.replies[msg.rid] = msg
-            self.client.inbox.clear()
-            self._check()
-            if self.client.reconnections != self.reconnections_seen:
-                self._resend()
-            return all(rid in self.replies for rid in rids)
-
-        self.client.wait(done, what, timeout=timeout)
-
-    def _resend(self) -> None:
-        """Send again every pending request whose link was replaced since (now that it is up)."""
-        self.reconnections_seen = self.client.reconnections
-        for rid, (dst, msg, link) in list(self.pending.items()):
-            if link != self.client.link[dst] and self.client.state[dst] == UP:
-                self._send_request(dst, msg)
-                log.info("rank %d: request %d re-sent to rank %d after its recovery", self.rank, rid, dst)
 
     # ------------------------------------------------------------------ hooks and the handler thread
     def hook(self, name: str, **kwargs: Any) -> None:
