@@ -35,7 +35,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -44,26 +44,17 @@ from ckpt import _manifest as manifests
 from ckpt._errors import CkptError, ImageError
 from ckpt._schemas import Manifest, RankEntry
 from ckpt.coordinator import protocol
-from ckpt.coordinator._membership import JobMembership, log
+from ckpt.coordinator._membership import Checkpoint, JobMembership, log
 from ckpt.coordinator._scheduler import Timer
 from ckpt.coordinator.kvstore import Reply
 from ckpt.plugin import Phase
 
 
-@dataclass
-class RankCheckpoint:
+@dataclass(kw_only=True)
+class RankCheckpoint(Checkpoint):
     """An independent checkpoint of `rank`: queued (number 0 until it starts), then in progress."""
 
     rank: int
-    number: int = 0
-    started: float = 0.0
-    waiters: list[Reply] = field(default_factory=list)
-    #: The phase whose barrier it waits at; None once RESUME is complete.
-    stage: Phase | None = Phase.REACH
-    #: Its manifest's path, once written: from then on the checkpoint exists.
-    manifest: str | None = None
-    timer: Timer | None = None
-    failure: str = ""
 
     @property
     def scope(self) -> str:
@@ -104,7 +95,7 @@ class IndependentCheckpoints(JobMembership):
             return {"error": f"rank {rank} is not running ({info.state}): it cannot be checkpointed"}
         target = next((c for c in (self._rank_ckpt, *self._rank_queue) if c is not None and c.rank == rank), None)
         if target is None:
-            target = RankCheckpoint(rank)
+            target = RankCheckpoint(0, rank=rank)
             self._rank_queue.append(target)
         if waiter is not None:
             target.waiters.append(waiter)

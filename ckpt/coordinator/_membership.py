@@ -76,8 +76,8 @@ class Checkpoint:
     """A checkpoint asked for: queued (number 0 until it starts), then in progress."""
 
     number: int
-    kill: bool
-    started: float
+    kill: bool = False
+    started: float = 0.0
     waiters: list[Reply] = field(default_factory=list)
     #: The phase whose barrier it waits at; None once RESUME is complete.
     stage: Phase | None = Phase.REACH
