@@ -195,7 +195,8 @@ def _dsm_rank_by_rank(
     again.finishes_with(dsm_uninterrupted(case, protocol), timeout=240)
 
 
-@pytest.mark.parametrize("protocol", ["async", "onesided"])
+# CI runs async; onesided is the stress run (the DSM side of an independent checkpoint is the same code).
+@pytest.mark.parametrize("protocol", ["async", pytest.param("onesided", marks=pytest.mark.stress)])
 def test_a_dsm_job_checkpointed_rank_by_rank_while_it_runs(
     protocol: str, start_job: Callable[..., Job], tmp_path: Path
 ) -> None:
@@ -228,6 +229,7 @@ def test_rank_interval_runs_a_job_to_the_end_with_an_image_of_every_rank(
     assert_every_rank_recoverable(ckpt_dir, "counter", 3)
 
 
+@pytest.mark.stress  # ~35 s; CI: restart reuses recorded settings by the loop test_e2e_recover checks for --on-failure
 def test_a_restart_reuses_the_recorded_rank_interval(
     start_job: Callable[..., Job], tmp_path: Path, expected_long: dict[int, str]
 ) -> None:

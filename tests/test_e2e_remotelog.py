@@ -24,7 +24,9 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 BY_NAME = {case.name: case for case in CASES}
 
 
-@pytest.mark.parametrize("protocol", ["async", "onesided"])
+# CI runs async (and onesided logging end to end in test_a_logged_job_gives_the_uninterrupted_answer);
+# the onesided checkpoint-kill-restart is the stress run.
+@pytest.mark.parametrize("protocol", ["async", pytest.param("onesided", marks=pytest.mark.stress)])
 def test_a_logged_job_checkpointed_killed_and_restarted_gives_the_uninterrupted_answer(
     protocol: str, start_job: Callable[..., Job], tmp_path: Path
 ) -> None:

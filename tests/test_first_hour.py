@@ -141,7 +141,7 @@ def test_the_readme_job_that_survives_a_rank_failure(fresh_clone: Path, tmp_path
     assert done.returncode == 0 and "Traceback" not in out, out
     assert "rank 2 (pid" in done.stderr and "respawning it from checkpoint 1 as incarnation 1" in done.stderr, out
     program = str(fresh_clone / "examples" / "montecarlo.py")
-    assert results(done.stdout) == ckpt.testing.uninterrupted(tmp_path / "plain", 4, program, "2000"), out
+    assert results(done.stdout) == ckpt.testing.uninterrupted(tmp_path / "plain", 4, program, "1000"), out
     status = json.loads(done.stdout[done.stdout.index("{") :])
     assert [r["incarnation"] for r in status["ranks"]] == [0, 0, 1, 0], status
 
