@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from ckpt.coordinator.server import Coordinator
 from ckpt.testing import add_pythonpath
 from ckpt.verbs.fabric import SubnetManager
 from harness import TEST_PLUGINS
@@ -48,3 +50,18 @@ def start_sm() -> Iterator[Callable[..., SubnetManager]]:
     yield start
     for sm in started:
         sm.stop()
+
+
+@pytest.fixture
+def make_coordinator(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Callable[..., Coordinator]]:
+    """In-process coordinators on a free loopback port, keyed with the test module's ``TOKEN``; all stopped after."""
+    token = str(request.module.TOKEN)
+    made: list[Coordinator] = []
+
+    def make(**kwargs: Any) -> Coordinator:
+        made.append(Coordinator(token=token, ckpt_dir=tmp_path, **kwargs).start())
+        return made[-1]
+
+    yield make
+    for coord in made:
+        coord.stop()

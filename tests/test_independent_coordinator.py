@@ -25,19 +25,6 @@ pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture
-def make_coordinator(tmp_path: Path) -> Iterator[Callable[..., Coordinator]]:
-    made: list[Coordinator] = []
-
-    def make(**kwargs: Any) -> Coordinator:
-        made.append(Coordinator(token=TOKEN, ckpt_dir=tmp_path, **kwargs).start())
-        return made[-1]
-
-    yield make
-    for coord in made:
-        coord.stop()
-
-
-@pytest.fixture
 def coordinator(make_coordinator: Callable[..., Coordinator]) -> Coordinator:
     return make_coordinator()
 
