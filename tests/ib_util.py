@@ -121,24 +121,29 @@ class IbEnv:
 
     def kill(self) -> None:
         """Destroy every real resource of the registry, children first, as the death of the process would."""
-        inner, reg = self.vz.inner, self.vz.registry
-        if inner is None:
-            return
-        steps = [
-            (reg.qps, inner.destroy_qp),
-            (reg.ahs, inner.destroy_ah),
-            (reg.srqs, inner.destroy_srq),
-            (reg.mrs, inner.dereg_mr),
-            (reg.cqs, inner.destroy_cq),
-            (reg.channels, inner.destroy_comp_channel),
-            (reg.pds, inner.dealloc_pd),
-            (reg.devices, inner.close_device),
-        ]
-        for shadows, destroy in steps:
-            for shadow in shadows:
-                if shadow.real is not None:
-                    with contextlib.suppress(v.PyverbsError):
-                        destroy(shadow.real)
+        destroy_real_resources(self.vz)
+
+
+def destroy_real_resources(vz: Any) -> None:
+    """Destroy every real resource behind `vz`'s shadows, children first, as a process's death would."""
+    inner, reg = vz.inner, vz.registry
+    if inner is None:
+        return
+    steps = [
+        (reg.qps, inner.destroy_qp),
+        (reg.ahs, inner.destroy_ah),
+        (reg.srqs, inner.destroy_srq),
+        (reg.mrs, inner.dereg_mr),
+        (reg.cqs, inner.destroy_cq),
+        (reg.channels, inner.destroy_comp_channel),
+        (reg.pds, inner.dealloc_pd),
+        (reg.devices, inner.close_device),
+    ]
+    for shadows, destroy in steps:
+        for shadow in shadows:
+            if shadow.real is not None:
+                with contextlib.suppress(v.PyverbsError):
+                    destroy(shadow.real)
 
 
 def ib_env() -> Iterator[IbEnv]:

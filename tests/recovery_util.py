@@ -34,7 +34,7 @@ from typing import Any
 
 import cloudpickle
 from dsm_util import FIRST_HCA
-from ib_util import _letters
+from ib_util import _letters, destroy_real_resources
 
 from ckpt import verbs as v
 from ckpt.plugin import ImageContents
@@ -118,22 +118,7 @@ class RankProcess:
         """Destroy every real resource of this rank, children first, as its death would."""
         vz = self.ib.vz
         assert vz is not None and vz.inner is not None
-        inner, reg = vz.inner, vz.registry
-        steps = [
-            (reg.qps, inner.destroy_qp),
-            (reg.ahs, inner.destroy_ah),
-            (reg.srqs, inner.destroy_srq),
-            (reg.mrs, inner.dereg_mr),
-            (reg.cqs, inner.destroy_cq),
-            (reg.channels, inner.destroy_comp_channel),
-            (reg.pds, inner.dealloc_pd),
-            (reg.devices, inner.close_device),
-        ]
-        for shadows, destroy in steps:
-            for shadow in shadows:
-                if shadow.real is not None:
-                    with contextlib.suppress(v.PyverbsError):
-                        destroy(shadow.real)
+        destroy_real_resources(vz)
 
     def respawn(self, image: bytes) -> Any:
         """The rank's next incarnation: a new process on another HCA loads `image` and runs RESTART; its state."""
