@@ -119,40 +119,24 @@ def checkpoint(wait: bool, kill: bool, rank: int | None, coordinator: str | None
     conn, claim = _control(coordinator, ckpt_dir)
     answer = conn.call("checkpoint", wait=wait or kill, kill=kill, **({} if rank is None else {"rank": rank}))
     conn.close()
-    if rank is not None:
-        _say_rank_checkpoint(rank, answer)
-        return
     if kill and "checkpoint" in answer:
         _wait_for_the_end(ckpt_dir, claim)
+    # the same three answers for both kinds: written (with --wait), queued, or started
+    what = "checkpoint" if rank is None else "independent checkpoint"
+    of = "" if rank is None else f" of rank {rank}"
     if "checkpoint" in answer:
         last = answer["checkpoint"]
         click.echo(
-            f"checkpoint {last['number']} written: {last['manifest']} "
+            f"{what} {last['number']}{of} written: {last['manifest']} "
             f"({last['bytes']} bytes, {last['seconds']:.2f} s){'; job killed' if kill else ''}"
         )
     elif answer.get("queued"):
         click.echo(
-            "checkpoint requested (it starts once every rank has joined the job or is back from a failure, "
+            f"{what}{of} requested (it starts once every rank has joined the job or is back from a failure, "
             "and no other checkpoint runs)"
         )
     else:
-        click.echo(f"checkpoint {answer['number']} requested")
-
-
-def _say_rank_checkpoint(rank: int, answer: dict[str, Any]) -> None:
-    if "checkpoint" in answer:
-        last = answer["checkpoint"]
-        click.echo(
-            f"independent checkpoint {last['number']} of rank {rank} written: {last['manifest']} "
-            f"({last['bytes']} bytes, {last['seconds']:.2f} s)"
-        )
-    elif answer.get("queued"):
-        click.echo(
-            f"independent checkpoint of rank {rank} requested "
-            "(it starts once every rank has joined and no other checkpoint runs)"
-        )
-    else:
-        click.echo(f"independent checkpoint {answer['number']} of rank {rank} requested")
+        click.echo(f"{what} {answer['number']}{of} requested")
 
 
 def _starting_status(ckpt_dir: Path, holder: dict[str, Any] | None) -> dict[str, Any]:
