@@ -16,11 +16,23 @@ import os
 from typing import Any
 
 from ._array import Lock, SharedArray
-from ._errors import DsmError
+from ._errors import DsmError, ReplayDiverged
 from ._memory import PROTOCOLS, Memory
+from ._replay import PageVersions, Replay
 from ._stats import Statistics
 
-__all__ = ["PROTOCOLS", "DsmError", "Lock", "Memory", "SharedArray", "Statistics", "attach"]
+__all__ = [
+    "PROTOCOLS",
+    "DsmError",
+    "Lock",
+    "Memory",
+    "PageVersions",
+    "Replay",
+    "ReplayDiverged",
+    "SharedArray",
+    "Statistics",
+    "attach",
+]
 
 PROTOCOL_ENV = "CKPT_DSM_PROTOCOL"
 

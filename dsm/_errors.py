@@ -1,7 +1,11 @@
-"""The DSM's one exception type."""
+"""The DSM's exceptions: DsmError, and ReplayDiverged for a recovery whose re-execution left its log."""
 
 from __future__ import annotations
 
 
 class DsmError(RuntimeError):
     """A DSM call could not complete: a peer stopped answering, a bad argument, a protocol violation."""
+
+
+class ReplayDiverged(DsmError):
+    """A recovering rank's re-execution asked for another operation than its log holds next."""

@@ -52,6 +52,7 @@ from ._messages import (
     HomeRequest,
     Message,
     Notice,
+    OldPageRequest,
     PageReply,
     PageRequest,
     ReleaseRequest,
@@ -120,6 +121,8 @@ class Handler:
                         self._acquire(src, msg.rid, msg.lock, msg.vt)
                     case ReleaseRequest():
                         self._release(src, msg.rid, msg.lock, msg.vt, msg.notices)
+                    case OldPageRequest():
+                        raise DsmError("minimal page versions are not served yet (issue 13 part 5)")
                     case BarrierRequest():
                         self._barrier(src, msg.rid, msg.epoch, msg.vt, msg.notices)
                     case _:

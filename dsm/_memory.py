@@ -80,6 +80,7 @@ from ._messages import (
 )
 from ._net import ACCESS, Endpoint, atomic, rdma
 from ._region import DIRTY, INVALID, META, VALID, Region, gid_of, split_gid
+from ._replay import PageVersions, Replay
 from ._requests import FETCH_TIMEOUT, WINDOW, RequestClient
 from ._stats import Counters, Statistics
 
@@ -119,7 +120,9 @@ class Memory(RequestClient):
         self.known: dict[tuple[int, int], list[int]] = {}  # (writer, interval) -> [gid, home, ...]
         self.dirty: set[int] = set()
         self.held: dict[int, list[int]] = {}  # lock -> the lock's vector timestamp at the grant
+        self.tokens: dict[int, int] = {}  # lock held -> the token of its acquisition
         self.nlocks = 0
+        self.acquires = 0  # acquisitions so far: each one's token (a replay re-counts them alike)
         self.writing = 0  # open `with a.write(...)` blocks: no synchronisation may close their interval
         self.epoch = 0
         self.rid = 0
@@ -135,6 +138,10 @@ class Memory(RequestClient):
         self.twin_homes = False
         #: State plugins keep with this memory, by plugin name: pickled with it, so it checkpoints with it.
         self.extensions: dict[str, Any] = {}
+        #: A home's page history for replaying ranks (`dsm._replay.PageVersions`), set by a plugin (remote logging).
+        self.versions: PageVersions | None = None
+        #: While this rank replays its logs after a recovery (`start_replay`): its log; else None.
+        self.replay: Replay | None = None
         self._live()
         me = {"lid": self.ctx.query_port(1).lid, "client": self.client.address(), "server": self.server.address()}
         if self.rank == 0:  # names this memory in the job's KV keys (a job may attach several)
@@ -222,10 +229,12 @@ class Memory(RequestClient):
             raise DsmError(f"lock {lock} is already held by this rank (DSM locks are not re-entrant)")
         self._close_interval()
         started = time.perf_counter()
-        acquire = AcquireRequest(self._next_rid(), lock, self.vt)
+        self.acquires += 1
+        acquire = AcquireRequest(self._next_rid(), lock, self.vt, self.acquires)
         reply = self._request(lock % self.size, acquire, Grant, f"lock {lock}", math.inf)
         self._merge(reply.vt, reply.notices, f"lock {lock}")
         self.held[lock] = list(reply.vt)
+        self.tokens[lock] = self.acquires
         seconds = time.perf_counter() - started
         self.counters.lock_acquires += 1
         self.counters.lock_seconds += seconds
@@ -240,8 +249,9 @@ class Memory(RequestClient):
         self.hook("dsm_lock_releasing", lock=lock)
         started = time.perf_counter()
         notices = [[q, i, flat] for (q, i), flat in self.known.items() if i > max(at_grant[q], self.floor[q])]
-        release = ReleaseRequest(self._next_rid(), lock, self.vt, notices)
+        release = ReleaseRequest(self._next_rid(), lock, self.vt, notices, self.tokens.get(lock, 0))
         self._request(lock % self.size, release, Ack, f"release of lock {lock}")
+        self.tokens.pop(lock, None)
         del self.held[lock]  # only now: a release that failed can be retried
         self.counters.lock_seconds += time.perf_counter() - started
         self.hook("dsm_lock_released", lock=lock)

@@ -27,6 +27,7 @@ class Kind(IntEnum):
     ACQUIRE = 4  # a lock, at its home
     RELEASE = 5  # a lock given back, with the notices released through it
     BARRIER = 6  # arrival at a barrier, at rank 0
+    OLD_PAGE = 7  # a page as it was at a vector timestamp (a recovering rank's replay, FT-KDSM §5)
     HOME_REPLY = 8
     PAGE_REPLY = 9
     ACK = 10  # a diff applied, a lock released
@@ -68,6 +69,7 @@ class AcquireRequest(NamedTuple):
     rid: int
     lock: int
     vt: list[int]
+    token: int  # the requester's acquire count (`Memory.acquires`): names this acquisition in its release
     kind: int = Kind.ACQUIRE
 
 
@@ -78,6 +80,7 @@ class ReleaseRequest(NamedTuple):
     lock: int
     vt: list[int]
     notices: list[Notice]
+    token: int  # the token of the acquisition it ends: a release sent again after a recovery is told apart
     kind: int = Kind.RELEASE
 
 
@@ -89,6 +92,19 @@ class BarrierRequest(NamedTuple):
     vt: list[int]
     notices: list[Notice]
     kind: int = Kind.BARRIER
+
+
+class OldPageRequest(NamedTuple):
+    """Page `gid` holding exactly the intervals (q, i) with i <= vt[q] (its *minimal version*, FT-KDSM §5).
+
+    Asked by a rank replaying its logs; the home regenerates it from its base copy and its home diff
+    log (``Memory.versions``), under either protocol, and answers with a PageReply.
+    """
+
+    rid: int
+    gid: int
+    vt: list[int]
+    kind: int = Kind.OLD_PAGE
 
 
 class HomeReply(NamedTuple):
@@ -140,7 +156,7 @@ class ErrorReply(NamedTuple):
     kind: int = Kind.ERROR
 
 
-Request = HomeRequest | PageRequest | DiffRequest | AcquireRequest | ReleaseRequest | BarrierRequest
+Request = HomeRequest | PageRequest | DiffRequest | AcquireRequest | ReleaseRequest | BarrierRequest | OldPageRequest
 Reply = HomeReply | PageReply | Ack | Grant | BarrierReply | ErrorReply
 Message = Request | Reply
 
@@ -151,6 +167,7 @@ _TYPES: dict[int, Any] = {
     Kind.ACQUIRE: AcquireRequest,
     Kind.RELEASE: ReleaseRequest,
     Kind.BARRIER: BarrierRequest,
+    Kind.OLD_PAGE: OldPageRequest,
     Kind.HOME_REPLY: HomeReply,
     Kind.PAGE_REPLY: PageReply,
     Kind.ACK: Ack,

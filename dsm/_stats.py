@@ -54,6 +54,13 @@ class Statistics:
     stable_records: int = 0  # records appended to this rank's stable log file
     stable_bytes: int = 0
     stable_fsyncs: int = 0
+    # recovery by replay (FT-KDSM §5): 0 unless this rank replayed its logs, or served a replaying rank
+    replayed_acquires: int = 0  # lock acquires answered from the log (no message to the lock's home)
+    replayed_releases: int = 0  # releases the log shows were done (nothing sent)
+    replayed_barriers: int = 0  # barriers answered from the log (no message to the barrier manager)
+    regenerated_pages: int = 0  # minimal-version pages this rank used while replaying
+    versions_served: int = 0  # minimal-version pages this rank, a home, regenerated for a replaying rank
+    replay_seconds: float = 0.0  # from the start of the replay to its last logged operation
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -90,6 +97,12 @@ class Counters:
     stable_records: int = 0
     stable_bytes: int = 0
     stable_fsyncs: int = 0
+    replayed_acquires: int = 0
+    replayed_releases: int = 0
+    replayed_barriers: int = 0
+    regenerated_pages: int = 0
+    versions_served: int = 0
+    replay_seconds: float = 0.0
     messages: Counter[str] = field(default_factory=Counter)
     message_bytes: Counter[str] = field(default_factory=Counter)
     started: float = field(default_factory=time.perf_counter)

@@ -47,6 +47,7 @@ ORDER: dict[str, Direction] = {
     "dsm_lock_acquired": "down",
     "dsm_lock_released": "down",
     "dsm_barrier_passed": "down",
+    "dsm_recovering": "down",
 }
 
 
@@ -134,3 +135,20 @@ def dsm_lock_released(memory: Any, lock: int) -> None:
 @hookspec
 def dsm_barrier_passed(memory: Any, epoch: int) -> None:
     """Every rank arrived at barrier number `epoch`; its write notices are applied here."""
+
+
+@hookspec
+def dsm_recovering(memory: Any, incarnation: int, reports: dict[int, dict[str, Any]]) -> None:
+    """This process replaced a failed rank (incarnation `incarnation`, restored from its image): its
+    links to every live rank are connected, and none of them may use this rank's memory yet.
+
+    Fired once, on the recovered rank, in REFRESH (`dsm._reconnect`), before it publishes its
+    ``ready`` keys: the survivors send nothing and write nothing here until every implementation
+    returned, and this rank's handler has not started.  The place to rebuild what the image lacks
+    (the master copies of this rank's home pages from the logs) and to start a replay
+    (``memory.start_replay``).  ``reports``: each live peer's account, taken after the failure
+    (``dsm._reconnect.survivor_report``): ``vt``, ``known`` (its write notices since the last
+    barrier), ``held`` (locks homed here it holds: lock -> [token, vt at its grant]) and ``claims``
+    (gids of pages it is home of whose default home is this rank).  Program thread of the
+    recovered rank (parked); may use ``memory.client`` for one-sided operations and ``memory.rt``.
+    """

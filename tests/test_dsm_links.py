@@ -70,7 +70,7 @@ def test_the_lock_home_grants_a_lock_again_to_the_rank_it_believes_holds_it(prot
         if rt.rank == 0:
             lock1.acquire()
             # what a recovered incarnation does when it re-executes an acquire of a lock its predecessor held
-            again = AcquireRequest(mem._next_rid(), 1, mem.vt)
+            again = AcquireRequest(mem._next_rid(), 1, mem.vt, 0)
             assert isinstance(mem._request(1, again, Grant, "lock 1 again", 10.0), Grant)
             lock1.release()
         mem.barrier()

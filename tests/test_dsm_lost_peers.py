@@ -44,7 +44,7 @@ def _stale_acquire(mem: dsm.Memory, lock: int) -> None:
     """Send an acquire of `lock` to its home as the program would, without waiting for the grant;
     return once the home's HCA has it (every send slot towards it is free again)."""
     home = lock % mem.size
-    assert mem.client.send(home, AcquireRequest(mem._next_rid(), lock, list(mem.vt))) is not None
+    assert mem.client.send(home, AcquireRequest(mem._next_rid(), lock, list(mem.vt), 0)) is not None
 
     def landed() -> bool:
         mem.client.poll()

@@ -588,7 +588,7 @@ def test_an_error_reply_fails_its_own_request_only(protocol: str) -> None:
         seen = []
         if rt.rank == 1:
             try:
-                forged = ReleaseRequest(mem._next_rid(), lock.id, mem.vt, [])  # of a lock not held
+                forged = ReleaseRequest(mem._next_rid(), lock.id, mem.vt, [], 0)  # of a lock not held
                 mem._request(0, forged, Ack, "a forged release")
             except DsmError as exc:
                 seen.append("refused" if "does not hold" in str(exc) else str(exc))

@@ -126,6 +126,23 @@ class Runtime(Protocol):
         also under ``--native``).  CoordinatorError if there is no rank ``rank``."""
         ...
 
+    def fall_back(self, reason: str) -> None:
+        """Single-rank recovery cannot recover this rank (its logs are gone with its log home, its replay
+        diverged): ask for a whole-job restart from the last coordinated checkpoint, the fallback of
+        ``--on-failure recover``.  The coordinator prints `reason` as one line, the launcher stops every
+        rank and restarts the job; this call does not return (the process is stopped).  Under
+        ``--on-failure abort`` the job fails with `reason`."""
+        ...
+
+    def hold_checkpoints(self, reason: str) -> None:
+        """Checkpoints of any kind wait (queued, as while a rank is away) until `release_checkpoints`:
+        this rank's state is not one an image may hold (it is replaying its logs).  Not nested."""
+        ...
+
+    def release_checkpoints(self) -> None:
+        """End `hold_checkpoints`: queued checkpoints go ahead."""
+        ...
+
     def coordinator_barrier(self, name: str, value: Any = None) -> list[Any]:
         """A named global barrier for hooks; every rank's `value` in rank order (CheckpointAborted if aborted)."""
         ...
