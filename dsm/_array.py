@@ -45,7 +45,7 @@ class SharedArray:
 
     @property
     def _view(self) -> np.ndarray:
-        return self._region.data[: self.size * self.dtype.itemsize].view(self.dtype).reshape(self.shape)
+        return self._region.local[: self.size * self.dtype.itemsize].view(self.dtype).reshape(self.shape)
 
     def __len__(self) -> int:
         return self.shape[0]
@@ -119,7 +119,7 @@ class SharedArray:
         if sub.size == 0:
             return np.empty(0, dtype=np.int64)
         if np.may_share_memory(sub, view):
-            base = self._region.data.__array_interface__["data"][0]
+            base = self._region.local.__array_interface__["data"][0]
             low, high = byte_bounds(sub)
             return np.arange((low - base) // page_size, (high - 1 - base) // page_size + 1, dtype=np.int64)
         flat = np.arange(self.size, dtype=np.int64).reshape(self.shape)[index]  # fancy: element by element

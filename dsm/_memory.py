@@ -58,7 +58,7 @@ import ckpt
 from ckpt import verbs
 from ckpt.plugin import PluginCalls, Runtime
 
-from . import _reconnect, hookspecs
+from . import _reconnect, _replay, hookspecs
 from ._diff import Diff, diff_size, diff_unit, make_diff
 from ._errors import DsmError
 from ._handler import Handler
@@ -72,6 +72,7 @@ from ._messages import (
     HomeReply,
     HomeRequest,
     Notice,
+    OldPageRequest,
     PageReply,
     PageRequest,
     ReleaseRequest,
@@ -87,6 +88,8 @@ from ._stats import Counters, Statistics
 log = logging.getLogger("dsm")
 PROTOCOLS = ("async", "onesided")
 HOOKS = [name for name in dir(hookspecs) if name.startswith("dsm_")]
+#: The hooks the handler thread fires: they go on while this rank replays (it serves the others meanwhile).
+HANDLER_HOOKS = frozenset({"dsm_diff_received", "dsm_diff_applied", "dsm_page_served"})
 
 
 class Memory(RequestClient):
@@ -142,6 +145,7 @@ class Memory(RequestClient):
         self.versions: PageVersions | None = None
         #: While this rank replays its logs after a recovery (`start_replay`): its log; else None.
         self.replay: Replay | None = None
+        self.replay_started = self.replay_published = 0.0
         self._live()
         me = {"lid": self.ctx.query_port(1).lid, "client": self.client.address(), "server": self.server.address()}
         if self.rank == 0:  # names this memory in the job's KV keys (a job may attach several)
@@ -183,17 +187,30 @@ class Memory(RequestClient):
         started = time.perf_counter()
         self.epoch += 1
         notices: list[Notice] = [[q, i, flat] for (q, i), flat in self.known.items() if i > self.floor[q]]
-        self.hook("dsm_barrier_arriving", epoch=self.epoch, notices=notices)
+        replayed = _replay.barrier(self, self.epoch) if self.replay is not None else "live"
+        if replayed == "replayed":
+            return
+        if replayed == "live":  # else its arrival is logged: sent again, not logged again
+            self.hook("dsm_barrier_arriving", epoch=self.epoch, notices=notices)
         # a barrier waits for the slowest rank, however long it computes: no timeout (a dead peer is a QP error)
         request = BarrierRequest(self._next_rid(), self.epoch, self.vt, notices)
         reply = self._request(0, request, BarrierReply, f"barrier {self.epoch}", math.inf)
         self._merge(reply.vt, reply.notices, "barrier")
-        self.floor = list(self.vt)
-        self.known = {key: flat for key, flat in self.known.items() if key[1] > self.floor[key[0]]}
-        self.handler.prune(self.floor)
+        self.passed_barrier()
         self.counters.barriers += 1
         self.counters.barrier_seconds += time.perf_counter() - started
         self.hook("dsm_barrier_passed", epoch=self.epoch)
+
+    def passed_barrier(self) -> None:
+        """Every rank's notices up to this barrier are known everywhere: forget them."""
+        self.floor = list(self.vt)
+        self.known = {key: flat for key, flat in self.known.items() if key[1] > self.floor[key[0]]}
+        self.handler.prune(self.floor)
+
+    def start_replay(self, replay: Replay) -> None:
+        """Replay `replay` (this process replaced a failed rank; `dsm._replay`): called by the plugin that keeps
+        the logs in `dsm_recovering`, before it rebuilds the master copies of this rank's home pages."""
+        _replay.start(self, replay)
 
     def close(self) -> None:
         """Leave the shared memory: stop the handler, destroy this rank's verbs objects.
@@ -230,6 +247,8 @@ class Memory(RequestClient):
         self._close_interval()
         started = time.perf_counter()
         self.acquires += 1
+        if self.replay is not None and _replay.acquire(self, lock):
+            return
         acquire = AcquireRequest(self._next_rid(), lock, self.vt, self.acquires)
         reply = self._request(lock % self.size, acquire, Grant, f"lock {lock}", math.inf)
         self._merge(reply.vt, reply.notices, f"lock {lock}")
@@ -246,7 +265,12 @@ class Memory(RequestClient):
             raise DsmError(f"lock {lock} is not held by this rank")
         at_grant = self.held[lock]
         self._close_interval()
-        self.hook("dsm_lock_releasing", lock=lock)
+        if self.replay is not None:
+            if _replay.release(self, lock):
+                return
+            # logged last: it may have reached the home or not; sent again, not logged again
+        else:
+            self.hook("dsm_lock_releasing", lock=lock)
         started = time.perf_counter()
         notices = [[q, i, flat] for (q, i), flat in self.known.items() if i > max(at_grant[q], self.floor[q])]
         release = ReleaseRequest(self._next_rid(), lock, self.vt, notices, self.tokens.get(lock, 0))
@@ -271,7 +295,7 @@ class Memory(RequestClient):
             if region.home[page] < 0:
                 self._lookup_home(region, page)
             if region.home[page] != self.rank or self.twin_homes:
-                region.twins[page] = region.page(page).copy()
+                region.twins[page] = region.program_page(page).copy()
                 self.counters.twins += 1
             region.state[page] = DIRTY
             self.dirty.add(gid_of(region.aid, page))
@@ -305,9 +329,14 @@ class Memory(RequestClient):
         home, gid, need = int(region.home[page]), gid_of(region.aid, page), region.need[page]
         if home < 0 or home == self.rank:
             raise DsmError(f"page {gid:#x} is invalid but its home is {home} (rank {self.rank})")
-        if self.protocol == "async":
+        if self.replay is not None:  # the page as this rank saw it the first time: the intervals its vt covers
+            old = OldPageRequest(self._next_rid(), gid, list(self.vt))
+            reply = self._request(home, old, PageReply, f"page {gid:#x} as of {self.vt}")
+            region.program_page(page)[:] = np.frombuffer(reply.data, dtype=np.uint8)
+            self.counters.regenerated_pages += 1
+        elif self.protocol == "async":
             reply = self._request(home, PageRequest(self._next_rid(), gid, need.tolist()), PageReply, f"page {gid:#x}")
-            region.page(page)[:] = np.frombuffer(reply.data, dtype=np.uint8)
+            region.program_page(page)[:] = np.frombuffer(reply.data, dtype=np.uint8)
         else:
             self._ardmar(region, page, home, need)
         region.state[page] = VALID
@@ -344,7 +373,10 @@ class Memory(RequestClient):
 
     # ------------------------------------------------------------------ intervals
     def _close_interval(self) -> None:
-        """End the current interval: diffs to their homes, then this interval's write notices."""
+        """End the current interval: diffs to their homes, then this interval's write notices.
+
+        While replaying, the diffs are made (they say which pages the interval wrote) and never sent.
+        """
         if not self.dirty:
             return
         interval = self.vt[self.rank] + 1
@@ -360,11 +392,11 @@ class Memory(RequestClient):
                 own.append((region, page))
                 written += [gid, home]
                 twin = region.twins.pop(page, None)  # only while twin_homes is on
-                mine = make_diff(region.page(page), twin, region.unit) if twin is not None else []
+                mine = make_diff(region.program_page(page), twin, region.unit) if twin is not None else []
                 if mine:
                     self.hook("dsm_diff_created", gid=gid, home=home, interval=interval, diff=mine)
                 continue
-            diff = make_diff(region.page(page), region.twins.pop(page), region.unit)
+            diff = make_diff(region.program_page(page), region.twins.pop(page), region.unit)
             if not diff:
                 continue
             written += [gid, home]
@@ -375,12 +407,15 @@ class Memory(RequestClient):
         self.dirty.clear()
         if not written:
             return
-        self.hook("dsm_interval_closing", interval=interval)
-        started = time.perf_counter()
-        self._send_diffs(outgoing, interval)
-        self.counters.flush_seconds += time.perf_counter() - started
-        for region, page in own:
-            region.meta[page, META + self.rank] = interval
+        if self.replay is None:
+            self.hook("dsm_interval_closing", interval=interval)
+            started = time.perf_counter()
+            self._send_diffs(outgoing, interval)
+            self.counters.flush_seconds += time.perf_counter() - started
+            for region, page in own:
+                region.meta[page, META + self.rank] = interval
+        # else replayed: its log shows it complete, so its diffs are in the homes' copies already (a later
+        # writer's may be too: sending them again could undo it)
         self.vt[self.rank] = interval
         self.known[(self.rank, interval)] = written
         self.counters.intervals += 1
@@ -453,6 +488,8 @@ class Memory(RequestClient):
         """Fire DSM hook `name` through the rank's plugin host (its order; a failure is a PluginError naming the
         plugin), if any plugin implements it: a set look-up is all the hot path pays otherwise."""
         if name in self._fire and self._plugins is not None:
+            if self.replay is not None and name not in HANDLER_HOOKS:
+                return  # replaying: what the program thread does was logged the first time
             self._plugins.call(name, memory=self, **kwargs)
 
     def _live(self) -> None:

@@ -35,6 +35,11 @@ def split_gid(gid: int) -> tuple[int, int]:
 class Region:
     """The pages of one shared array on this rank."""
 
+    #: While this rank replays its logs (`dsm._replay`): the program's own copy of the pages, apart from
+    #: `data`, which stays the master copy the handler and one-sided peers use.  A class default: images
+    #: written before it existed unpickle without it.
+    view: np.ndarray | None = None
+
     def __init__(self, pd: verbs.PD, aid: int, nbytes: int, unit: int, page_size: int, rank: int, size: int) -> None:
         self.aid, self.page_size, self.rank, self.size = aid, page_size, rank, size
         self.unit = unit  # bytes its diffs compare at a time: the element size (_diff.diff_unit)
@@ -65,7 +70,17 @@ class Region:
         return (self.aid + page) % self.size
 
     def page(self, page: int) -> np.ndarray:
+        """The page in `data`: the master copy of a home, what the handler and peers read and write."""
         return self.data[page * self.page_size : (page + 1) * self.page_size]
+
+    @property
+    def local(self) -> np.ndarray:
+        """The bytes the program reads and writes: `data`, or its replay view."""
+        return self.data if self.view is None else self.view
+
+    def program_page(self, page: int) -> np.ndarray:
+        """The page as the program sees it (in `local`)."""
+        return self.local[page * self.page_size : (page + 1) * self.page_size]
 
     # remote addresses ------------------------------------------------------------
     def remote_page(self, home: int, page: int) -> tuple[int, int]:

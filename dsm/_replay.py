@@ -18,9 +18,27 @@
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
+import numpy as np
+
+from ckpt.plugin import RANKS_NS
+
+from ._diff import apply_diff
+from ._errors import ReplayDiverged
 from ._messages import Notice
+from ._region import split_gid
+
+if TYPE_CHECKING:
+    from ._memory import Memory
+
+log = logging.getLogger("dsm")
+_T = TypeVar("_T")
+#: How often (seconds) a replaying rank publishes its progress for ``ckpt status``.
+PROGRESS_EVERY = 0.5
 
 Runs = list[tuple[int, bytes]]
 
@@ -80,3 +98,132 @@ class PageVersions(Protocol):
 
 def as_notices(notices: list[Any]) -> list[Notice]:
     return [[int(q), int(i), list(flat)] for q, i, flat in notices]
+
+
+# ---------------------------------------------------------------------- the DSM's replay mode
+# `Memory` calls these while `memory.replay` is set; each returns whether the operation was
+# replayed (False: the caller does it live).  Program thread only.
+
+
+def start(mem: Memory, replay: Replay) -> None:
+    """Enter replay mode: the program gets a view of every region apart from the master copies."""
+    for region in mem.regions:
+        region.view = region.data.copy()
+    mem.replay = replay
+    mem.replay_started = time.perf_counter()
+    mem.replay_published = 0.0
+    _, total = replay.progress()
+    log.info("rank %d: replaying %d logged operations", mem.rank, total)
+    if replay.done:
+        finish(mem)
+
+
+def finish(mem: Memory) -> None:
+    """Leave replay mode: the view's pages this rank is not home of become the program's pages in `data`;
+    its home pages are the master copies, which hold everything the replay showed and what came since."""
+    replay = mem.replay
+    if replay is None:
+        return
+    for region in mem.regions:
+        view, region.view = region.view, None
+        if view is None:
+            continue
+        pages = np.flatnonzero(region.home != mem.rank)
+        size = region.page_size
+        for page in pages:
+            region.data[page * size : (page + 1) * size] = view[page * size : (page + 1) * size]
+    mem.replay = None
+    seconds = time.perf_counter() - mem.replay_started
+    mem.counters.replay_seconds += seconds
+    done, total = replay.progress()
+    _publish(mem, done, total)
+    log.info("rank %d: replayed %d of %d logged operations in %.3f s: live", mem.rank, done, total, seconds)
+    done_hook = getattr(mem.handler, "replay_done", None)  # TODO(merge): part C's Handler.replay_done
+    if done_hook is not None:
+        done_hook()
+    if total:
+        mem.rt.release_checkpoints()
+
+
+def _call(mem: Memory, what: Callable[[Replay], _T]) -> _T:
+    replay = mem.replay
+    assert replay is not None
+    try:
+        return what(replay)
+    except ReplayDiverged as exc:
+        reason = f"rank {mem.rank}: its re-execution left its log ({exc}): it cannot be replayed"
+        log.error("%s", reason)
+        mem.rt.fall_back(reason)
+        raise
+
+
+def _stepped(mem: Memory) -> None:
+    """After a replayed operation: show the home pages' logged changes it covers, publish progress, maybe end."""
+    replay = mem.replay
+    assert replay is not None
+    for gid, runs in replay.home_diffs(list(mem.vt)):
+        aid, page = split_gid(gid)
+        apply_diff(mem.regions[aid].program_page(page), runs)
+    done, total = replay.progress()
+    now = time.perf_counter()
+    if now - mem.replay_published > PROGRESS_EVERY:
+        mem.replay_published = now
+        _publish(mem, done, total)
+    if replay.done:
+        finish(mem)
+
+
+def _publish(mem: Memory, done: int, total: int) -> None:
+    kv = getattr(mem.rt, "kv", None)
+    if kv is not None:
+        kv.publish(RANKS_NS, f"replay/{mem.rank}", [done, total])
+
+
+def acquire(mem: Memory, lock: int) -> bool:
+    """Acquisition `mem.acquires` of `lock` from the log: its notices merged, no message to the lock's home."""
+    logged = _call(mem, lambda r: r.acquire(lock, mem.acquires))
+    if logged is None:
+        finish(mem)
+        return False
+    vt, notices = logged
+    mem._merge(vt, as_notices(notices), f"lock {lock} (replayed)")
+    # what the lock's own vector timestamp was at the grant is not logged: the barrier's floor is below it,
+    # so a release sent live later publishes every notice this rank knows since (more is safe, never fewer)
+    mem.held[lock] = list(mem.floor)
+    mem.tokens[lock] = mem.acquires
+    mem.counters.replayed_acquires += 1
+    mem.counters.lock_acquires += 1
+    _stepped(mem)
+    return True
+
+
+def release(mem: Memory, lock: int) -> bool:
+    """A release the log shows done: nothing is sent.  False: the caller sends it (the home drops a duplicate)."""
+    if not _call(mem, lambda r: r.release(lock, mem.tokens.get(lock, 0))):
+        finish(mem)
+        return False
+    mem.tokens.pop(lock, None)
+    del mem.held[lock]
+    mem.counters.replayed_releases += 1
+    _stepped(mem)
+    return True
+
+
+def barrier(mem: Memory, epoch: int) -> str:
+    """Barrier `epoch` from the log, arrival and exit both logged: "replayed", no message to the manager.
+    "rearrive": its arrival is logged but not its exit (sent again; the manager answers a repeated
+    arrival of its last barrier); "live": neither."""
+    if not _call(mem, lambda r: r.arrive(epoch)):
+        finish(mem)
+        return "live"
+    logged = _call(mem, lambda r: r.barrier(epoch))
+    if logged is None:
+        finish(mem)
+        return "rearrive"
+    vt, notices = logged
+    mem._merge(vt, as_notices(notices), "barrier (replayed)")
+    mem.passed_barrier()
+    mem.counters.replayed_barriers += 1
+    mem.counters.barriers += 1
+    _stepped(mem)
+    return "replayed"
