@@ -38,7 +38,7 @@ import numpy as np
 from ckpt import verbs
 from dsm import DsmError
 
-from ._records import HEADER_SIZE, Record, commit_word, walk
+from ._records import HEADER_SIZE, Record, commit_word, scan, walk
 from ._ring import CONTROL, REMOTE, spans
 
 LOG, HOME = "log", "home"  # the two rings every rank holds
@@ -235,8 +235,11 @@ class RingWriter:
         self.landing[slot] = value
         self.memory.client.run(peer, [_write(self._land(slot), ring["rkey"], ring["addr"] + offset)], self.memory.seq)
 
-    def read_ring(self, peer: int, which: str) -> tuple[list[Record], int]:
-        """The committed records of a ring from its head (RDMA READ), and that head."""
+    def read_ring(self, peer: int, which: str, holes: bool = False) -> tuple[list[Record], int]:
+        """The committed records of a ring from its head (RDMA READ), and that head.
+
+        Up to the first hole, or (`holes`, a recovery) every committed record past holes too.
+        """
         ring = self.peers[peer][which]
         capacity, addr, rkey = ring["capacity"], ring["addr"], ring["rkey"]
         tail, head = self.read_word(peer, which, 0), self.read_word(peer, which, 8)
@@ -248,7 +251,8 @@ class RingWriter:
         if nbytes:
             self.memory.client.run(peer, wrs, self.memory.seq)
             self.memory.counters.count("log_read", nbytes)
-        return walk(self.staging[:nbytes].tobytes(), head), head
+        data = self.staging[:nbytes].tobytes()
+        return (scan(data, head, len(self.peers)) if holes else walk(data, head)), head
 
     def _slot(self, peer: int, which: str) -> int:
         return 4 * peer + (0 if which == LOG else 2)
