@@ -55,7 +55,8 @@ any interval that depends on it does -- the invariant above.
 
 Bounded memory: a reservation that finds its ring half full asks for the ring owner's
 checkpoint (``rt.checkpoint_rank(owner)`` where the runtime has it, else
-``rt.checkpoint()``; counted in ``log_full_checkpoints``); one that does not fit waits,
+``rt.checkpoint()``; for a home diff log always ``rt.checkpoint()``, as only a
+coordinated checkpoint releases it; counted in ``log_full_checkpoints``); one that does not fit waits,
 re-reading ``head``, for the owner to checkpoint and discard.  That wait cannot be
 unbounded: the owner may be blocked on this very writer (a lock it holds, a barrier it
 has not reached), so after `FULL_TIMEOUT` seconds it fails with a DsmError naming the
@@ -276,9 +277,9 @@ class RemoteLog:
         self.memory.account("log_full_checkpoints")
         log.info("rank %d: the %s ring of rank %d is filling: asking for its checkpoint", self.rank, which, owner)
         by_rank = getattr(self.rt, "checkpoint_rank", None)
-        if by_rank is not None:
+        if by_rank is not None and which == LOG:
             by_rank(owner)
-        else:
+        else:  # a home diff log is released at coordinated checkpoints only (`_versions`)
             self.rt.checkpoint()
 
     # ------------------------------------------------------------------ discard at checkpoint

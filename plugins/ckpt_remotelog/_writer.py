@@ -207,9 +207,10 @@ class RingWriter:
         self.memory.account("log_full_waits")
         owner, what = self.owner(peer, which), "log ring" if which == LOG else "home diff log"
         full = f"the {what} of rank {owner} at rank {peer} is full"
-        if getattr(self.memory.rt, "checkpoint_rank", None) is None:
-            # only coordinated checkpoints: one needs this rank at a step boundary, which it cannot reach
-            # while it waits here, so waiting could only end in the timeout
+        if which == HOME or getattr(self.memory.rt, "checkpoint_rank", None) is None:
+            # only a coordinated checkpoint can empty it (a home diff log is kept since the last one, for
+            # minimal versions), and one needs this rank at a step boundary, which it cannot reach while it
+            # waits here, so waiting could only end in the timeout
             raise DsmError(f"{full} and no checkpoint can empty it mid-step: raise --log-ring-bytes")
         deadline = time.monotonic() + FULL_TIMEOUT
         pause = 1e-4
