@@ -310,7 +310,7 @@ def test_a_tiny_ring_asks_for_the_owners_checkpoint_waits_and_loses_nothing(prot
         with lock_asked:
             wanted, asked[rank] = bool(asked[rank]), set()
         if wanted:
-            log.ckpt_precheckpoint()
+            log.ckpt_precheckpoint(independent=False)  # as coordinated: it releases the home diff log too
             discarded.extend(log.discard())
 
     def body(rt: ThreadRuntime) -> Any:
@@ -376,7 +376,7 @@ def test_a_checkpoint_discards_what_it_covers_and_nothing_after_it(protocol: str
 
         work(1.0)
         rt.barrier()  # every rank at a "step boundary": a coordinated checkpoint
-        log.ckpt_precheckpoint()
+        log.ckpt_precheckpoint(independent=False)
         rt.barrier()
         dropped = log.discard()
         rt.barrier()

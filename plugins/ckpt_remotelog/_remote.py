@@ -324,7 +324,7 @@ class RemoteLog:
         return dropped
 
     @ckpt.hookimpl
-    def ckpt_precheckpoint(self, independent: bool = False) -> None:
+    def ckpt_precheckpoint(self, independent: bool) -> None:  # no default: pluggy would never pass it
         memory = self.memory
         self.snapshot = {
             "applied": [region.meta[:, 2:].copy() for region in memory.regions],
