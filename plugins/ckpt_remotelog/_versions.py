@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from ._records import Record, RecordKind, diff_runs, parse, walk
+from ._records import Record, RecordKind, diff_runs, parse, scan, walk
 from ._ring import LogRing
 
 
@@ -83,7 +83,8 @@ class HomeVersions:
                 self._indexed = record.position + record.size
             found = list(self._index.get(gid, []))
             # past the first hole (a writer still writing): not indexed, since the hole may fill in later
-            found += [r for r in ring.scan(self.memory.size) if r.position >= self._indexed and r.gid == gid]
+            rest = ring.contents(self._indexed, max(self._indexed, tail))
+            found += [r for r in scan(rest, self._indexed, self.memory.size) if r.gid == gid]
             found += [r for r in map(parse, list(self.overflow)) if r.gid == gid]
         return [r for r in found if r.kind == RecordKind.HOME_DIFF]
 
