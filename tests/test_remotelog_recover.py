@@ -110,6 +110,11 @@ def test_a_recovered_rank_rebuilds_its_home_pages_from_its_log_home_and_replays_
         with pytest.raises(dsm.DsmError, match="log home"):
             log.dsm_recovering(incarnation=2, reports={})
         logs[(R + 1) % SIZE].ring.control[2] = 0
+        # the log home unreachable (it failed too): the same
+        memory.client.state[(R + 1) % SIZE], up = "failed", memory.client.state[(R + 1) % SIZE]
+        with pytest.raises(dsm.DsmError, match=f"its log home, rank {(R + 1) % SIZE}, is lost too"):
+            log.dsm_recovering(incarnation=3, reports={})
+        memory.client.state[(R + 1) % SIZE] = up
         _put_back(memory, live)
         rt.barrier()
         between = [r for r in log.home_log.scan(SIZE) if home_tail <= r.position < live_tail]
@@ -136,7 +141,8 @@ def test_a_recovered_rank_rebuilds_its_home_pages_from_its_log_home_and_replays_
     assert all(r.kind == RecordKind.HOME_DIFF for r in appended)
     # c, g: the replay holds every operation of R since the image, with what R received then
     (replay,) = started
-    assert held == [f"rank {R} is replaying its logs"] and fell and "\n" not in fell[0]
+    assert held == [f"rank {R} is replaying its logs"] and len(fell) == 2
+    assert all("\n" not in why and why.startswith(f"rank {R} failed together with its log home") for why in fell)
     assert replay.progress() == (0, len(seen) + sum(1 for op in seen if op[0] == "barrier"))
     assert serial_after == live_serial == serial + replay.progress()[1]
     for kind, tag, token, vt in seen:

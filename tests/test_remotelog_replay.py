@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pickle
 from collections import Counter
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -28,6 +29,7 @@ from ckpt.testing import ThreadRuntime, run_threads
 from ckpt_remotelog._records import Record, RecordKind, commit_word, diff_payload, encode, notices_payload, walk
 from ckpt_remotelog._replay import LogReplay
 from ckpt_remotelog._ring import LogRing
+from ckpt_remotelog._versions import HomeVersions
 from dsm._handler import Handler
 from dsm._messages import BarrierRequest, ReleaseRequest, decode
 
@@ -159,6 +161,38 @@ def test_a_home_regenerates_every_version_since_the_coordinated_checkpoint(proto
     assert any(versions[s] != kept[-1][1] for s in range(coordinated, steps - 1))  # they are old versions
     records, pages = after
     assert records == [] and pages == final
+
+
+def test_a_version_is_the_base_and_the_covered_diffs_in_log_order_overflow_last() -> None:
+    """Unit: a base with applied columns, diffs in the ring, the rest in the async overflow list (the ring was
+    full); the same bytes written twice, so a wrong order shows."""
+    ctx, ring = _ring()
+    try:
+        memory = SimpleNamespace(rank=0, size=SIZE, page_size=64, regions=[])
+        overflow: list[bytearray] = []
+        versions = HomeVersions(memory, ring, overflow)
+        gid, other = 1 << 32 | 3, 1 << 32 | 4
+        versions.base = {gid: (bytes([9]) * 64, np.array([0, 1, 0, 0]))}  # holds writer 1's interval 1
+
+        def home_diff(writer: int, interval: int, byte: int, page: int = gid) -> bytearray:
+            payload = diff_payload([(0, bytes([byte]) * 8), (32, bytes([byte]))])
+            return encode(RecordKind.HOME_DIFF, writer, payload, interval=interval, gid=page)
+
+        for record in (home_diff(1, 1, 50), home_diff(2, 1, 1), home_diff(1, 2, 2), home_diff(2, 1, 77, other)):
+            assert ring.append_local(record)
+        overflow += [home_diff(3, 1, 3), home_diff(2, 2, 4)]
+        page = lambda vt: versions.page(gid, vt)  # noqa: E731
+        assert page([0, 0, 0, 0]) == bytes([9]) * 64  # interval 1 of writer 1 is in the base: not applied again
+        assert page([0, 5, 1, 0])[:9] == bytes([2]) * 8 + bytes([9])  # writer 2's 1, then writer 1's 2 over it
+        assert page([0, 1, 1, 0])[:8] == bytes([1]) * 8
+        assert page([0, 9, 9, 9])[:8] == bytes([4]) * 8 and page([0, 9, 9, 9])[32] == 4  # the overflow, last
+        assert page([0, 9, 1, 9])[:8] == bytes([3]) * 8
+        assert versions.page(other, [0, 0, 1, 0])[:8] == bytes([77]) * 8 and versions.page(other, [0] * 4) == bytes(64)
+        copy = HomeVersions.__new__(HomeVersions)  # as unpickled from an image (its ring's MR needs ckpt_ib)
+        copy.__setstate__(versions.__getstate__())  # the index is not in the state: rebuilt from the ring
+        assert copy.page(gid, [0, 5, 1, 0]) == page([0, 5, 1, 0])
+    finally:
+        ctx.close()
 
 
 # ---------------------------------------------------------------------- holes
