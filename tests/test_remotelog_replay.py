@@ -24,6 +24,7 @@ from dsm_util import FIRST_HCA
 import ckpt_remotelog
 import dsm
 from ckpt import verbs
+from ckpt.plugin import RANKS_NS
 from ckpt.runtime.plugins import PluginHost
 from ckpt.testing import ThreadRuntime, run_threads
 from ckpt_remotelog._records import Record, RecordKind, commit_word, diff_payload, encode, notices_payload, walk
@@ -193,6 +194,31 @@ def test_a_version_is_the_base_and_the_covered_diffs_in_log_order_overflow_last(
         assert copy.page(gid, [0, 5, 1, 0]) == page([0, 5, 1, 0])
     finally:
         ctx.close()
+
+
+def test_the_owners_checkpoint_clears_the_lost_mark_unless_its_log_home_was_recovered_meanwhile() -> None:
+    def body(rt: ThreadRuntime) -> Any:
+        memory = dsm.attach(rt, "async")
+        rt.at_end(memory.close)
+        log = memory.extensions["remotelog"]
+        held = log.ring  # rank 0's log ring at rank 1, rank 1's at rank 0
+        marks = []
+        for recovered_meanwhile in (False, True):
+            rt.barrier()
+            if rt.rank == 1:
+                held.mark_lost()  # rank 1 came back from its image: the ring of rank 0 it holds is lost
+            rt.barrier()
+            if rt.rank == 0:
+                log.ckpt_precheckpoint(independent=True)
+                if recovered_meanwhile:  # rank 1 failed and came back once more before the discard
+                    rt.kv.publish(RANKS_NS, "incarnation/1", 1)
+                log.discard()
+            rt.barrier()
+            marks.append(held.lost)
+        return marks
+
+    marks = run_threads(2, body, first_device=FIRST_HCA, plugins=_hosts, options=_options("async"))[1]
+    assert marks == [False, True]
 
 
 # ---------------------------------------------------------------------- holes

@@ -83,6 +83,7 @@ import time
 from typing import Any
 
 import ckpt
+from ckpt.plugin import RANKS_NS
 from dsm import DsmError
 
 from . import _recover
@@ -313,7 +314,10 @@ class RemoteLog:
             dropped.append(record)
             head = record.position + record.size
         self.writer.write_word(self.log_home(self.rank), LOG, 8, head)
-        self.writer.write_word(self.log_home(self.rank), LOG, 16, 0)  # after head: the ring holds what it should
+        if self._holder_incarnation() == snapshot["holder"]:
+            # the holder was not recovered since the image was taken: whatever it lost, this image covers (after
+            # head: the ring holds what it should); else a checkpoint after its recovery clears the mark
+            self.writer.write_word(self.log_home(self.rank), LOG, 16, 0)
         self.replay = None  # the image is past every replayed operation
         if not snapshot["independent"]:
             # the new base holds what the home diff log held: kept since the last coordinated checkpoint
@@ -332,10 +336,15 @@ class RemoteLog:
             "epoch": memory.epoch,
             "overflow": len(self.overflow),
             "independent": bool(independent),
+            "holder": self._holder_incarnation(),
         }
         self.home_flush = self.home_log.committed_end()  # what the image holds of the home diff log
         if not independent:
             self.versions.take_base()  # in the image: a whole-job restart goes back to this checkpoint
+
+    def _holder_incarnation(self) -> int:
+        """The incarnation of this rank's log home, as the coordinator knows it (0: never recovered)."""
+        return int(self.rt.kv.get(RANKS_NS, f"incarnation/{self.log_home(self.rank)}", 0))
 
     @ckpt.hookimpl
     def ckpt_checkpointed(self) -> None:
