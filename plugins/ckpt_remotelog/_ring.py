@@ -15,7 +15,8 @@ hold records in reservation order, each committed or still being written.
 from an image, so records written after that image are gone (FT-KDSM: "the process whose
 log home is the failed process takes a checkpoint").  The holder sets it (with head =
 tail) when it recovers; the owner clears it, after its head, in the discard that follows
-its next checkpoint (if the holder was not recovered again since that checkpoint's image).  A recovery that finds its ring lost cannot replay: it falls back.
+its next checkpoint (if the holder was not recovered again since that checkpoint's
+image).  A recovery that finds its ring lost cannot replay: it falls back.
 """
 
 from __future__ import annotations
