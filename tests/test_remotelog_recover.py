@@ -101,7 +101,8 @@ def test_a_recovered_rank_rebuilds_its_home_pages_from_its_log_home_and_replays_
         memory.start_replay = started.append  # part B's, on dsm.Memory
         rt.hold_checkpoints = held.append  # type: ignore[attr-defined]  (the runtime's, part D)
         rt.fall_back = fell.append  # type: ignore[attr-defined]
-        log.dsm_recovering(incarnation=1, reports={})
+        assert "dsm_recovering" in memory._fire  # the plugin's object implements it: the DSM fires it
+        memory.hook("dsm_recovering", incarnation=1, reports={})  # as dsm._reconnect does, in REFRESH
         rebuilt = _state(memory)
         appended = [r for r in log.home_log.scan(SIZE) if r.position >= live_tail]
         lost, asked = log.ring.lost, list(rt.rank_checkpoints_requested)
