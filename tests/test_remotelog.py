@@ -29,6 +29,7 @@ from ckpt.testing import ThreadRuntime, run_threads
 from ckpt_remotelog import RemoteLog
 from ckpt_remotelog._records import (
     HEADER_SIZE,
+    OWN_KINDS,
     Record,
     RecordKind,
     decode_at,
@@ -176,7 +177,7 @@ def test_every_ring_holds_exactly_the_records_the_paper_requires(name: str, argv
         assert log.ring.records() == rings[log.rank] and log.home_log.records() == homes[log.rank]
     for records in [*rings.values(), *homes.values()]:
         assert all(r.position < next_r.position for r, next_r in itertools.pairwise(records))
-    # diffs: at the log home of the page's home (not its own writes) and in the home's diff log
+    # diffs: at the log home of the page's home (its own writes too) and in the home's diff log
     for s in seen:
         for gid, home, interval, runs in s.diffs:
             key = (s.rank, gid, interval)
@@ -184,13 +185,12 @@ def test_every_ring_holds_exactly_the_records_the_paper_requires(name: str, argv
             assert len(in_home_log) == 1, (key, home)
             assert _runs(in_home_log[0]) == runs
             logged = [r for r in ring_of[home] if r.kind == RecordKind.DIFF and (r.writer, r.gid, r.interval) == key]
-            assert len(logged) == (0 if home == s.rank else 1), (key, home)
-    made = Counter((s.rank if h != s.rank else -1, h) for s in seen for _, h, _, _ in s.diffs)
+            assert len(logged) == 1, (key, home)
+            assert _runs(logged[0]) == runs
+    made = Counter(h for s in seen for _, h, _, _ in s.diffs)
     for home in range(SIZE):
-        assert sum(1 for r in ring_of[home] if r.kind == RecordKind.DIFF) == sum(
-            n for (w, h), n in made.items() if h == home and w >= 0
-        )
-        assert len(homes[home]) == sum(n for (_, h), n in made.items() if h == home)
+        assert sum(1 for r in ring_of[home] if r.kind == RecordKind.DIFF) == made[home]
+        assert len(homes[home]) == made[home]
     # notices: one record per acquire and per barrier, in order, holding what the rank received
     for s, program in zip(seen, programs, strict=True):
         assert not s.late, s.late
@@ -202,10 +202,24 @@ def test_every_ring_holds_exactly_the_records_the_paper_requires(name: str, argv
         assert [notices_of(r.payload)[1] for r in acquires] == s.grants
         assert [notices_of(r.payload)[1] for r in barriers] == s.barrier_notices
         assert [r.tag for r in barriers] == list(range(1, stats.barriers + 1))
-    # barrier phase 1: every rank's arrival at every barrier, at the manager's (rank 0's) log home
-    arrivals = Counter((r.writer, r.tag) for r in ring_of[0] if r.kind == RecordKind.BARRIER_ARRIVAL)
-    nbarriers = programs[0].mem.statistics().barriers
-    assert arrivals == Counter({(rank, epoch): 1 for rank in range(SIZE) for epoch in range(1, nbarriers + 1)})
+        # every own record -- acquires, releases, arrivals, barrier exits -- in program order by serial
+        every = sorted(
+            (r for r in ring_of[s.rank] if r.writer == s.rank and r.kind in OWN_KINDS), key=lambda r: r.serial
+        )
+        assert [r.serial for r in every] == list(range(len(every)))
+        assert [r.position for r in every] == sorted(r.position for r in every)
+        releases = [r for r in every if r.kind == RecordKind.RELEASE]
+        assert len(releases) == len(acquires)
+        assert [(r.tag, r.interval) for r in releases] == [(r.tag, r.interval) for r in acquires]  # lock, token
+        assert [r.interval for r in acquires] == sorted({r.interval for r in acquires}) and all(
+            r.interval > 0 for r in acquires
+        )
+        arrivals = [r.tag for r in every if r.kind == RecordKind.BARRIER_ARRIVAL]
+        assert arrivals == list(range(1, stats.barriers + 1))  # phase 1, at the rank's own log home
+        phases = [(r.kind, r.tag) for r in every if r.kind in (RecordKind.BARRIER_ARRIVAL, RecordKind.BARRIER)]
+        assert phases == [
+            (k, e) for e in range(1, stats.barriers + 1) for k in (RecordKind.BARRIER_ARRIVAL, RecordKind.BARRIER)
+        ]
 
 
 def _runs(record: Record) -> bytes:
@@ -296,7 +310,7 @@ def test_a_tiny_ring_asks_for_the_owners_checkpoint_waits_and_loses_nothing(prot
         with lock_asked:
             wanted, asked[rank] = bool(asked[rank]), set()
         if wanted:
-            log.ckpt_precheckpoint()
+            log.ckpt_precheckpoint(independent=False)  # as coordinated: it releases the home diff log too
             discarded.extend(log.discard())
 
     def body(rt: ThreadRuntime) -> Any:
@@ -340,8 +354,8 @@ def test_a_tiny_ring_asks_for_the_owners_checkpoint_waits_and_loses_nothing(prot
     every = [r for r in discarded + out[0][1] if r.kind == RecordKind.DIFF]
     assert sorted((r.writer, r.interval) for r in every) == [(1, i) for i in range(1, intervals + 1)]
     assert len({(r.writer, r.position) for r in every}) == len(every)
-    own = [r for r in discarded + out[1][1] if r.writer == 1 and r.kind in (RecordKind.NOTICES, RecordKind.BARRIER)]
-    assert sorted(r.serial for r in own) == list(range(len(own)))  # rank 1's every acquire and barrier
+    own = [r for r in discarded + out[1][1] if r.writer == 1 and r.kind in OWN_KINDS]
+    assert sorted(r.serial for r in own) == list(range(len(own)))  # rank 1's every acquire, release and barrier
     assert sum(1 for r in own if r.kind == RecordKind.NOTICES) == intervals
 
 
@@ -362,7 +376,7 @@ def test_a_checkpoint_discards_what_it_covers_and_nothing_after_it(protocol: str
 
         work(1.0)
         rt.barrier()  # every rank at a "step boundary": a coordinated checkpoint
-        log.ckpt_precheckpoint()
+        log.ckpt_precheckpoint(independent=False)
         rt.barrier()
         dropped = log.discard()
         rt.barrier()

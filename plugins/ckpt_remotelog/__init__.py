@@ -6,7 +6,9 @@ each home keeps a diff log of its pages; ``--logging stable`` fsyncs them to a l
 file at every release and barrier instead; ``off`` (the default) costs nothing: no DSM
 hook of this plugin but ``dsm_attached`` is implemented unless logging is on.  The
 plugin answers ``ckpt_single_rank_recovery`` for the DSM and the verbs plugin beneath
-it.  Recovery by replay is not built yet (see README.md).
+it; under ``remote`` it serves minimal page versions (``memory.versions``) and, on a
+recovered rank (``dsm_recovering``), rebuilds its home pages from its log home and
+hands the DSM the replay of its log (`_recover`).
 """
 
 from __future__ import annotations

@@ -17,7 +17,13 @@
 #
 # Payloads: a diff (DIFF, HOME_DIFF) is its runs, each ``<offset u32, length u32, bytes>``;
 # NOTICES, BARRIER and BARRIER_ARRIVAL carry msgpack ``[vector timestamp, notices]``
-# (notices as the DSM carries them: ``[writer, interval, [gid, home, ...]]``).
+# (notices as the DSM carries them: ``[writer, interval, [gid, home, ...]]``); RELEASE none.
+#
+# Holes: a writer that dies between its reservation and its commit word leaves a hole
+# that no later write fills.  A plain `walk` stops there (what discard needs: it never
+# passes a record it cannot prove covered); a recovery, which needs every record after
+# it, `scan`s forward 8 bytes at a time for the next word that is its own position + 1
+# followed by a plausible header (known kind, writer < N, payload within the ring).
 
 from __future__ import annotations
 
@@ -36,11 +42,17 @@ ALIGN = 8
 class RecordKind(IntEnum):
     """What a record logs (FT-KDSM §4.2, §4.3)."""
 
-    DIFF = 1  # a writer's diff for a page, at the log home of the page's home
+    DIFF = 1  # a writer's diff for a page, at the log home of the page's home (its own home pages too)
     HOME_DIFF = 2  # a diff a home applied (or made, of its own writes), in the home's own diff log
-    NOTICES = 3  # write notices an acquirer received with a lock grant, at the acquirer's log home
-    BARRIER_ARRIVAL = 4  # barrier phase 1: a rank's arrival notices, at the barrier manager's log home
-    BARRIER = 5  # barrier phase 2: the merged notices a rank received, at that rank's log home
+    NOTICES = 3  # write notices an acquirer received with a lock grant (tag lock, interval token), at its log home
+    BARRIER_ARRIVAL = 4  # barrier phase 1: a rank's arrival notices (tag epoch), at its own log home
+    BARRIER = 5  # barrier phase 2: the merged notices a rank received (tag epoch), at its own log home
+    RELEASE = 6  # a lock release (tag lock, interval token), at the releaser's log home, before it leaves
+
+
+#: The kinds a rank writes about its own synchronisation, numbered by its serial, in program order.
+OWN_KINDS = frozenset({RecordKind.NOTICES, RecordKind.RELEASE, RecordKind.BARRIER_ARRIVAL, RecordKind.BARRIER})
+KINDS = frozenset(int(kind) for kind in RecordKind)
 
 
 class Record(NamedTuple):
@@ -125,7 +137,7 @@ def decode_at(data: bytes | bytearray | memoryview, at: int, position: int) -> R
     if at + HEADER_SIZE > len(data):
         return None
     commit, kind, writer, interval, gid, tag, pointer, serial, length = HEADER.unpack_from(data, at)
-    if commit != position + 1 or at + record_size(length) > len(data):
+    if commit != position + 1 or kind not in KINDS or at + record_size(length) > len(data):
         return None
     payload = bytes(data[at + HEADER_SIZE : at + HEADER_SIZE + length])
     return Record(position, RecordKind(kind), writer, interval, gid, tag, pointer, serial, payload)
@@ -138,3 +150,28 @@ def walk(data: bytes | bytearray | memoryview, start: int) -> list[Record]:
         records.append(record)
         at += record.size
     return records
+
+
+def scan(data: bytes | bytearray | memoryview, start: int, size: int) -> list[Record]:
+    """Like `walk`, but past holes: the committed records of `data` (ranks < `size` wrote them), from `start`.
+
+    After a position that holds no committed record, the next candidate is the next 8-byte word equal
+    to its own position + 1 whose header is plausible; a garbage word inside a hole that passes all
+    that is not expected (a payload would have to hold its own ring position and a valid header).
+    """
+    records, at, end = [], 0, len(data)
+    while at + HEADER_SIZE <= end:
+        record = decode_at(data, at, start + at)
+        if record is not None and 0 <= record.writer < size:
+            records.append(record)
+            at += record.size
+        else:
+            at += ALIGN
+    return records
+
+
+def parse(record: bytes | bytearray) -> Record:
+    """A record as `encode` made it (its commit word not filled in: position -1), e.g. one kept off the ring."""
+    _, kind, writer, interval, gid, tag, pointer, serial, length = HEADER.unpack_from(record, 0)
+    payload = bytes(record[HEADER_SIZE : HEADER_SIZE + length])
+    return Record(-1, RecordKind(kind), writer, interval, gid, tag, pointer, serial, payload)

@@ -4,7 +4,10 @@ Rationale.  Rank R's *log home* is L(R) = (R + offset) mod N.  Every rank holds 
 rings in registered memory (`_ring.LogRing`): the *log ring* of the one rank whose log
 home it is, and its own *home diff log*.  What goes where, and when:
 
-* a diff of a page homed at H != writer -> a DIFF record in H's log ring at L(H), and,
+* a diff of a page homed at H -> a DIFF record in H's log ring at L(H) (H's own writes to
+  its pages too: so H's ring holds every change to its home pages since its image, in
+  application order, which is what a recovery of H rebuilds its home copies from); if
+  H != writer,
   under ``onesided`` (where H's CPU never sees the diff), a HOME_DIFF record in H's home
   diff log by RDMA too.  Both are written in ``dsm_interval_closing``, i.e. before the
   diff itself leaves: "the page writer can complete an interval only after the diffs are
@@ -24,8 +27,11 @@ home it is, and its own *home diff log*.  What goes where, and when:
   after every DIFF record reserved before it; ``pointer`` is the acquirer's home diff
   log tail at that moment ("a pointer to the last diff log entry that precedes the
   acquire").
-* barriers, two-phase: each rank writes its arrival notices (BARRIER_ARRIVAL) into the
-  manager's (rank 0's) ring at L(0) before its arrival leaves (``dsm_barrier_arriving``);
+* at a release, a RELEASE record (tag lock, interval the acquisition's token) at
+  L(releaser), completed in ``dsm_lock_releasing``: after the interval's diffs are home,
+  before the release leaves.  A replay then knows which releases reached the home.
+* barriers, two-phase: each rank writes its arrival (BARRIER_ARRIVAL, its notices) into
+  its *own* ring at L(rank), completed before its arrival leaves (``dsm_barrier_arriving``);
   the merged reply is logged by each *receiving rank itself* (BARRIER at L(rank)) before
   ``Memory.barrier`` returns (``dsm_barrier_passed``).  Chosen over the manager writing
   N records: the manager's handler thread would have to drive RDMA on a client endpoint
@@ -33,6 +39,10 @@ home it is, and its own *home diff log*.  What goes where, and when:
   writes at one rank; written by the receiver, the invariant -- nothing a rank uses is
   unlogged at its log home when the interval that depends on it completes -- holds
   because the record is complete before the rank leaves the barrier.
+* so a rank's own records (NOTICES, RELEASE, BARRIER_ARRIVAL, BARRIER) carry its serial
+  in program order, and everything of it another rank can observe (a release, an
+  arrival) is logged before it leaves: once a recovery has replayed the last one, no
+  home holds a write that happened after the rank's current point (`_replay`).
 
 How (`_writer`): records are queued and appended in batches -- one round of
 FETCH_AND_ADDs on the rings' tails, one of RDMA WRITEs (each record's body before its
@@ -45,7 +55,8 @@ any interval that depends on it does -- the invariant above.
 
 Bounded memory: a reservation that finds its ring half full asks for the ring owner's
 checkpoint (``rt.checkpoint_rank(owner)`` where the runtime has it, else
-``rt.checkpoint()``; counted in ``log_full_checkpoints``); one that does not fit waits,
+``rt.checkpoint()``; for a home diff log always ``rt.checkpoint()``, as only a
+coordinated checkpoint releases it; counted in ``log_full_checkpoints``); one that does not fit waits,
 re-reading ``head``, for the owner to checkpoint and discard.  That wait cannot be
 unbounded: the owner may be blocked on this very writer (a lock it holds, a barrier it
 has not reached), so after `FULL_TIMEOUT` seconds it fails with a DsmError naming the
@@ -58,8 +69,11 @@ Discard: at its checkpoint the owner R snapshots what its image holds (the home'
 ``applied`` columns, its record serial, its barrier epoch); once the checkpoint exists
 (``ckpt_checkpointed``) it reads its log ring at L(R) by RDMA and advances ``head`` past
 the longest prefix of committed records the image covers -- exact under independent
-checkpoints too, where writers keep appending meanwhile.  The home diff log is in the
-image (the ring is pickled with the memory): its committed prefix is then released too.
+checkpoints too, where writers keep appending meanwhile -- and clears the ring's ``lost``
+word (`_ring`).  The home diff log is in the image (the ring is pickled with the memory),
+and is kept since the last *coordinated* checkpoint, whose base copies it completes
+(`_versions`): it is released only at the next coordinated checkpoint, once the new base
+is taken.  Recovery from the logs: `_recover`.
 """
 
 from __future__ import annotations
@@ -69,17 +83,22 @@ import time
 from typing import Any
 
 import ckpt
+from ckpt.plugin import RANKS_NS
 from dsm import DsmError
 
+from . import _recover
 from ._records import (
     HEADER_SIZE,
+    OWN_KINDS,
     Record,
     RecordKind,
     diff_payload,
     encode,
     notices_payload,
 )
+from ._replay import LogReplay
 from ._ring import LogRing
+from ._versions import HomeVersions
 from ._writer import HIGH_WATER, HOME, LOG, RingWriter
 
 log = logging.getLogger(__name__)
@@ -98,7 +117,7 @@ class RemoteLog:
         ring_bytes = max(4 * HEADER_SIZE, -(-ring_bytes // 8) * 8)
         self.ring = LogRing(memory.pd, ring_bytes)  # the log ring of rank (rank - offset) mod size
         self.home_log = LogRing(memory.pd, ring_bytes)  # this rank's home diff log
-        self.serial = 0  # records of this rank's own (NOTICES, BARRIER) so far
+        self.serial = 0  # records of this rank's own (NOTICES, RELEASE, BARRIER_ARRIVAL, BARRIER) so far
         self.diffs: list[tuple[int, int, int, list[tuple[int, bytes]]]] = []  # this interval's (gid, home, i, diff)
         self.notices: list[Any] = []  # received at the current acquire / barrier
         self.overflow: list[bytearray] = []  # async home diff log records that found it full (in the image)
@@ -109,6 +128,9 @@ class RemoteLog:
             {LOG: self.ring.address(), HOME: self.home_log.address()}
         )
         self.writer = RingWriter(memory, self.peers, ring_bytes, self.owner, self._ask_checkpoint)
+        self.versions = HomeVersions(memory, self.home_log, self.overflow)
+        self.replay: LogReplay | None = None  # after a recovery: the log it replayed (until the next checkpoint)
+        memory.versions = self.versions
         memory.twin_homes = True
         self.register()
 
@@ -135,15 +157,25 @@ class RemoteLog:
         return (peer - self.offset) % self.size if which == LOG else peer
 
     # ------------------------------------------------------------------ DSM hooks (program thread unless noted)
+    def replaying(self) -> bool:
+        """The DSM is replaying this rank's log: what it does is logged already."""
+        return self.memory.replay is not None
+
+    def replayed(self, kind: RecordKind, tag: int, token: int = 0) -> bool:
+        """Is this operation one the last replay answered from the log (whenever the DSM fires its hook)?"""
+        return self.replaying() or (self.replay is not None and self.replay.replayed(kind, tag, token))
+
     @ckpt.hookimpl
     def dsm_diff_created(self, gid: int, home: int, interval: int, diff: list[tuple[int, bytes]]) -> None:
-        self.diffs.append((gid, home, interval, diff))
+        if not self.replaying():
+            self.diffs.append((gid, home, interval, diff))
 
     @ckpt.hookimpl
     def dsm_interval_closing(self, interval: int) -> None:
         records: list[tuple[int, str, bytearray]] = []
         for gid, home, i, diff in self.diffs:
             payload = diff_payload(diff)
+            records.append((self.log_home(home), LOG, encode(RecordKind.DIFF, self.rank, payload, interval=i, gid=gid)))
             if home == self.rank:
                 own = encode(RecordKind.HOME_DIFF, self.rank, payload, interval=i, gid=gid)
                 if self.onesided:
@@ -151,7 +183,6 @@ class RemoteLog:
                 else:
                     self._append_home_local(own)
                 continue
-            records.append((self.log_home(home), LOG, encode(RecordKind.DIFF, self.rank, payload, interval=i, gid=gid)))
             if self.onesided:
                 records.append((home, HOME, encode(RecordKind.HOME_DIFF, self.rank, payload, interval=i, gid=gid)))
         self.diffs.clear()
@@ -170,40 +201,52 @@ class RemoteLog:
 
     @ckpt.hookimpl
     def dsm_write_notices_received(self, source: str, notices: list[Any]) -> None:
-        self.notices.extend(notices)
+        if not self.replaying():  # a replayed grant's or barrier's notices are in its record already
+            self.notices.extend(notices)
 
     @ckpt.hookimpl
     def dsm_lock_acquired(self, lock: int, seconds: float) -> None:
+        token = int(self.memory.tokens.get(lock, 0))
+        if self.replayed(RecordKind.NOTICES, lock, token):
+            self.notices = []
+            return
         payload = notices_payload(list(self.memory.vt), self.notices)
-        record = encode(
-            RecordKind.NOTICES, self.rank, payload, tag=lock, pointer=self.home_log.tail, serial=self._serial()
-        )
         self.notices = []
-        self.writer.add(self.log_home(self.rank), LOG, record, self.serial - 1)
+        self._own(RecordKind.NOTICES, payload, lock, token)
         self.writer.start()
         self.writer.write()  # complete before the next interval completes (no hole left in the ring meanwhile)
 
     @ckpt.hookimpl
-    def dsm_lock_releasing(self) -> None:
-        self.writer.complete()  # this rank's state becomes visible through the lock
+    def dsm_lock_releasing(self, lock: int) -> None:
+        token = int(self.memory.tokens.get(lock, 0))
+        if self.replayed(RecordKind.RELEASE, lock, token):
+            return
+        self._own(RecordKind.RELEASE, b"", lock, token)
+        self.writer.flush()  # this rank's state becomes visible through the lock: logged (diffs first) before
 
     @ckpt.hookimpl
     def dsm_barrier_arriving(self, epoch: int, notices: list[Any]) -> None:
-        payload = notices_payload(list(self.memory.vt), notices)
-        record = encode(RecordKind.BARRIER_ARRIVAL, self.rank, payload, tag=epoch)
-        self.writer.add(self.log_home(0), LOG, record)
-        self.writer.start()  # overlaps the wait at the barrier (FT-KDSM §4.3)
+        if self.replayed(RecordKind.BARRIER_ARRIVAL, epoch):
+            return
+        self._own(RecordKind.BARRIER_ARRIVAL, notices_payload(list(self.memory.vt), notices), epoch)
+        self.writer.flush()  # the manager can observe the arrival: logged before it leaves
 
     @ckpt.hookimpl
     def dsm_barrier_passed(self, epoch: int) -> None:
+        if self.replayed(RecordKind.BARRIER, epoch):
+            self.notices = []
+            return
         payload = notices_payload(list(self.memory.vt), self.notices)
-        record = encode(
-            RecordKind.BARRIER, self.rank, payload, tag=epoch, pointer=self.home_log.tail, serial=self._serial()
-        )
         self.notices = []
-        self.writer.add(self.log_home(self.rank), LOG, record, self.serial - 1)
-        self.writer.start()  # writes phase 1's records, reserves this one
+        self._own(RecordKind.BARRIER, payload, epoch)
+        self.writer.start()  # reserves it (the arrival's record is complete already)
         self.writer.write()  # complete before the next interval completes (no hole left in the ring meanwhile)
+
+    def _own(self, kind: RecordKind, payload: bytes, tag: int, token: int = 0) -> None:
+        """Queue one of this rank's own records, at its log home, with its next serial."""
+        serial = self._serial()
+        record = encode(kind, self.rank, payload, interval=token, tag=tag, pointer=self.home_log.tail, serial=serial)
+        self.writer.add(self.log_home(self.rank), LOG, record, serial)
 
     def flush(self) -> None:
         """Append and complete every queued record now (tests; the hooks do it as the invariant needs)."""
@@ -215,7 +258,8 @@ class RemoteLog:
 
     def _append_home_local(self, record: bytearray) -> None:
         started = time.perf_counter()
-        if not self.home_log.append_local(record):
+        # once one record overflowed, later ones follow it there: the log's order is the order applied
+        if self.overflow or not self.home_log.append_local(record):
             self.overflow.append(record)  # kept (and checkpointed) until the home's checkpoint: never lost
             self.memory.account("log_full_waits")
             self._ask_checkpoint(self.rank, HOME, self.home_log.head)
@@ -235,9 +279,9 @@ class RemoteLog:
         self.memory.account("log_full_checkpoints")
         log.info("rank %d: the %s ring of rank %d is filling: asking for its checkpoint", self.rank, which, owner)
         by_rank = getattr(self.rt, "checkpoint_rank", None)
-        if by_rank is not None:
+        if by_rank is not None and which == LOG:
             by_rank(owner)
-        else:
+        else:  # a home diff log is released at coordinated checkpoints only (`_versions`)
             self.rt.checkpoint()
 
     # ------------------------------------------------------------------ discard at checkpoint
@@ -251,12 +295,12 @@ class RemoteLog:
             aid, page = record.gid >> 32, record.gid & 0xFFFFFFFF
             applied = snapshot["applied"]
             return aid < len(applied) and bool(applied[aid][page, record.writer] >= record.interval)
-        if record.kind == RecordKind.BARRIER_ARRIVAL:
-            return record.tag <= int(snapshot["epoch"])
-        return record.writer == self.rank and record.serial < int(snapshot["serial"])
+        return record.kind in OWN_KINDS and record.writer == self.rank and record.serial < int(snapshot["serial"])
 
     def discard(self) -> list[Record]:
-        """Advance this rank's log ring's head past what the checkpoint covers; the records discarded."""
+        """Advance this rank's log ring's head past what the checkpoint covers, and clear its ``lost`` word
+        (the checkpoint the ring's recovered holder asked for); release the home diff log if the checkpoint
+        was a coordinated one; the records discarded."""
         if self.snapshot is None:
             return []
         snapshot, self.snapshot = self.snapshot, None
@@ -271,25 +315,46 @@ class RemoteLog:
             dropped.append(record)
             head = record.position + record.size
         self.writer.write_word(self.log_home(self.rank), LOG, 8, head)
-        with self.home_log.mutex:
-            self.home_log.set_head(max(self.home_log.head, self.home_flush))
-            del self.overflow[: snapshot["overflow"]]  # those are in the image; later ones are not
+        if self._holder_incarnation() == snapshot["holder"]:
+            # the holder was not recovered since the image was taken: whatever it lost, this image covers (after
+            # head: the ring holds what it should); else a checkpoint after its recovery clears the mark
+            self.writer.write_word(self.log_home(self.rank), LOG, 16, 0)
+        self.replay = None  # the image is past every replayed operation
+        if not snapshot["independent"]:
+            # the new base holds what the home diff log held: kept since the last coordinated checkpoint
+            # (`_versions`), it is released at the next one only
+            with self.home_log.mutex:
+                self.home_log.set_head(max(self.home_log.head, self.home_flush))
+                del self.overflow[: snapshot["overflow"]]  # those are in the base; later ones are not
         return dropped
 
     @ckpt.hookimpl
-    def ckpt_precheckpoint(self) -> None:
+    def ckpt_precheckpoint(self, independent: bool) -> None:  # no default: pluggy would never pass it
         memory = self.memory
         self.snapshot = {
             "applied": [region.meta[:, 2:].copy() for region in memory.regions],
             "serial": self.serial,
             "epoch": memory.epoch,
             "overflow": len(self.overflow),
+            "independent": bool(independent),
+            "holder": self._holder_incarnation(),
         }
         self.home_flush = self.home_log.committed_end()  # what the image holds of the home diff log
+        if not independent:
+            self.versions.take_base()  # in the image: a whole-job restart goes back to this checkpoint
+
+    def _holder_incarnation(self) -> int:
+        """The incarnation of this rank's log home, as the coordinator knows it (0: never recovered)."""
+        return int(self.rt.kv.get(RANKS_NS, f"incarnation/{self.log_home(self.rank)}", 0))
 
     @ckpt.hookimpl
     def ckpt_checkpointed(self) -> None:
         self.discard()
+
+    @ckpt.hookimpl
+    def dsm_recovering(self, incarnation: int, reports: dict[int, dict[str, Any]]) -> None:
+        """This rank replaced a failed one: rebuild its home copies from its log ring and start its replay."""
+        _recover.recover(self, incarnation)
 
     @ckpt.hookimpl
     def ckpt_resume(self, restarted: bool, aborted: bool) -> None:
@@ -299,7 +364,9 @@ class RemoteLog:
             # a whole-job restart: every rank is back at one coordinated checkpoint, so nothing logged before
             # it is needed any more (the rings came back from the images as they were when it was taken)
             self.ring.set_head(self.ring.tail)
+            self.ring.control[2] = 0  # its owner is back at the same checkpoint: nothing it logged is missing
             self.home_log.set_head(self.home_log.committed_end())
             self.overflow.clear()
             self.snapshot = None
+            self.replay = None
             self.writer.drop_own(self.serial)

@@ -1,4 +1,4 @@
-"""A log ring in registered memory: two control words (tail, head) and a circular byte area.
+"""A log ring in registered memory: three control words (tail, head, lost) and a circular byte area.
 
 Rationale.  A ring is written by remote ranks with no help from the rank that holds it
 (FT-KDSM §4.1): a writer reserves ``n`` bytes with one FETCH_AND_ADD on ``tail`` (the
@@ -10,6 +10,13 @@ commit word never straddles the end.  ``head`` is written by the ring's *owner* 
 made everything before it useless; writers only read it, and a stale value is
 conservative (head only grows).  Invariant: ``head <= tail`` and the bytes between
 hold records in reservation order, each committed or still being written.
+
+``lost`` is 1 while the ring cannot be trusted: the rank holding it was itself recovered
+from an image, so records written after that image are gone (FT-KDSM: "the process whose
+log home is the failed process takes a checkpoint").  The holder sets it (with head =
+tail) when it recovers; the owner clears it, after its head, in the discard that follows
+its next checkpoint (if the holder was not recovered again since that checkpoint's
+image).  A recovery that finds its ring lost cannot replay: it falls back.
 """
 
 from __future__ import annotations
@@ -21,9 +28,9 @@ import numpy as np
 
 from ckpt import verbs
 
-from ._records import HEADER_SIZE, commit_word, walk
+from ._records import HEADER_SIZE, commit_word, scan, walk
 
-CONTROL = 16  # tail, head (int64)
+CONTROL = 24  # tail, head, lost (int64)
 REMOTE = (
     verbs.IBV_ACCESS_LOCAL_WRITE
     | verbs.IBV_ACCESS_REMOTE_READ
@@ -55,8 +62,22 @@ class LogRing:
     def head(self) -> int:
         return int(self.control[1])
 
+    @property
+    def lost(self) -> bool:
+        return bool(self.control[2])
+
     def set_head(self, position: int) -> None:
         self.control[1] = position
+
+    def mark_lost(self) -> None:
+        """What this ring held since the image it came back from is gone: empty it, and say so."""
+        self.control[1] = self.control[0]
+        self.control[2] = 1
+
+    def scan(self, size: int) -> list[Any]:
+        """The committed records from head to tail, past holes (local: no RDMA; `_records.scan`)."""
+        head = self.head
+        return scan(self.contents(head, max(head, self.tail)), head, size)
 
     def address(self) -> dict[str, int]:
         return {"addr": self.mr.buf, "rkey": self.mr.rkey, "capacity": self.capacity}

@@ -38,7 +38,7 @@ import numpy as np
 from ckpt import verbs
 from dsm import DsmError
 
-from ._records import HEADER_SIZE, Record, commit_word, walk
+from ._records import HEADER_SIZE, Record, commit_word, scan, walk
 from ._ring import CONTROL, REMOTE, spans
 
 LOG, HOME = "log", "home"  # the two rings every rank holds
@@ -207,9 +207,10 @@ class RingWriter:
         self.memory.account("log_full_waits")
         owner, what = self.owner(peer, which), "log ring" if which == LOG else "home diff log"
         full = f"the {what} of rank {owner} at rank {peer} is full"
-        if getattr(self.memory.rt, "checkpoint_rank", None) is None:
-            # only coordinated checkpoints: one needs this rank at a step boundary, which it cannot reach
-            # while it waits here, so waiting could only end in the timeout
+        if which == HOME or getattr(self.memory.rt, "checkpoint_rank", None) is None:
+            # only a coordinated checkpoint can empty it (a home diff log is kept since the last one, for
+            # minimal versions), and one needs this rank at a step boundary, which it cannot reach while it
+            # waits here, so waiting could only end in the timeout
             raise DsmError(f"{full} and no checkpoint can empty it mid-step: raise --log-ring-bytes")
         deadline = time.monotonic() + FULL_TIMEOUT
         pause = 1e-4
@@ -235,8 +236,11 @@ class RingWriter:
         self.landing[slot] = value
         self.memory.client.run(peer, [_write(self._land(slot), ring["rkey"], ring["addr"] + offset)], self.memory.seq)
 
-    def read_ring(self, peer: int, which: str) -> tuple[list[Record], int]:
-        """The committed records of a ring from its head (RDMA READ), and that head."""
+    def read_ring(self, peer: int, which: str, holes: bool = False) -> tuple[list[Record], int]:
+        """The committed records of a ring from its head (RDMA READ), and that head.
+
+        Up to the first hole, or (`holes`, a recovery) every committed record past holes too.
+        """
         ring = self.peers[peer][which]
         capacity, addr, rkey = ring["capacity"], ring["addr"], ring["rkey"]
         tail, head = self.read_word(peer, which, 0), self.read_word(peer, which, 8)
@@ -248,7 +252,8 @@ class RingWriter:
         if nbytes:
             self.memory.client.run(peer, wrs, self.memory.seq)
             self.memory.counters.count("log_read", nbytes)
-        return walk(self.staging[:nbytes].tobytes(), head), head
+        data = self.staging[:nbytes].tobytes()
+        return (scan(data, head, len(self.peers)) if holes else walk(data, head)), head
 
     def _slot(self, peer: int, which: str) -> int:
         return 4 * peer + (0 if which == LOG else 2)

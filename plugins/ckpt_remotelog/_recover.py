@@ -1,0 +1,142 @@
+"""Recovery of one rank from its log home (FT-KDSM §5): the `dsm_recovering` side of remote logging."""
+
+# Rationale (design of issue 13 part 5, §2.2).  Rank R was respawned from its image (taken at
+# T_R) while the others ran on; its links are up, and no survivor uses its memory until this
+# returns.  R's log ring at L(R) holds, in ring order, every change to R's home pages since its
+# image (DIFF records, its own writes too) and, by serial, R's own synchronisation since then.
+#
+# a. Without that ring there is nothing to replay from: L(R) is not reachable (it failed with
+#    R), or the ring is marked lost (L(R) was itself recovered since, and R has not
+#    checkpointed after that).  Then only a whole-job restart is consistent: `rt.fall_back`.
+# b. The ring is read by RDMA, past holes (a writer may have died mid-record).
+# c. The replay (`_replay.LogReplay`) is built against the image -- which diffs the image's
+#    home copies hold -- and handed to the DSM, which copies every page into the program's
+#    view: the program re-executes against the image's state.
+# d. The *master* copies (``region.data``, the applied columns) of R's home pages are rebuilt:
+#    each DIFF the image lacks is applied in ring order (= the order the home applied it) and
+#    appended to the home diff log, as the lost incarnation had done.  The survivors fetch
+#    from the master: it must hold everything they may already have seen.
+# e. Pages whose DIFF records are here are homed at R: R's home table says so for those whose
+#    default home is R (a first touch after the image claimed them).
+# f. The ring R holds (of O = R - offset) came back from the image too: what O logged since is
+#    gone.  It is marked lost and O is asked to checkpoint; O's discard clears the mark.
+# g. While the replay runs, no checkpoint may be taken of R: its state is not one an image may
+#    hold (the DSM releases the hold when the replay ends).
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from dsm import DsmError
+
+from ._records import Record, RecordKind, diff_runs, encode
+from ._replay import LogReplay
+from ._writer import LOG
+
+if TYPE_CHECKING:
+    from ._remote import RemoteLog
+
+log = logging.getLogger(__name__)
+UP = "up"  # dsm._net's link state of a usable link
+META = 2  # the applied columns start after a home page's two seqlock counters (dsm._region)
+
+
+def recover(rlog: RemoteLog, incarnation: int) -> LogReplay:
+    """Steps a-g above, on the recovered rank's program thread; the replay started (maybe empty)."""
+    memory, rt, rank = rlog.memory, rlog.rt, rlog.rank
+    home = rlog.log_home(rank)
+    if memory.client.state[home] != UP:
+        _fall_back(rlog, f"its log home, rank {home}, is lost too")
+    if rlog.writer.read_word(home, LOG, 16):
+        _fall_back(rlog, f"its log ring at rank {home} was lost when rank {home} was recovered")
+    records, _ = rlog.writer.read_ring(home, LOG, holes=True)
+    replay = LogReplay(rank, rlog.serial, records, lambda gid: _applied(memory, gid))
+    if not replay.done:
+        memory.start_replay(replay)  # the view: the image's pages, before the master moves on
+    rebuilt = rebuild_master(rlog, records)
+    rlog.serial = replay.next_serial  # the next own record follows the last replayed one
+    rlog.replay = replay
+    _lose_held_ring(rlog)
+    done, total = replay.progress()
+    log.info(
+        "rank %d (incarnation %d): %d home-page diff(s) rebuilt, %d operation(s) to replay",
+        rank,
+        incarnation,
+        rebuilt,
+        total - done,
+    )
+    if not replay.done:
+        rt.hold_checkpoints(f"rank {rank} is replaying its logs")
+    return replay
+
+
+def _fall_back(rlog: RemoteLog, why: str) -> None:
+    reason = (
+        f"rank {rlog.rank} failed together with its log home, rank {rlog.log_home(rlog.rank)} ({why}): "
+        "restarting the whole job from its last coordinated checkpoint"
+    )
+    rlog.rt.fall_back(reason)
+    raise DsmError(reason)  # fall_back stops this process; should it return, nothing here may go on
+
+
+def _applied(memory: Any, gid: int) -> np.ndarray | None:
+    """The applied columns of page `gid` as this rank's copy holds them (None: its array is not made yet)."""
+    aid, page = gid >> 32, gid & 0xFFFFFFFF
+    if aid >= len(memory.regions):
+        return None
+    columns: np.ndarray = memory.regions[aid].meta[page, META:]
+    return columns.copy()
+
+
+def rebuild_master(rlog: RemoteLog, records: list[Record]) -> int:
+    """Apply to this rank's home copies every DIFF record in `records` (ring order) they do not hold, raise
+    their applied columns, append each to the home diff log, and claim the pages in the home table; the
+    number applied.  Also settles the one-sided seqlock of every page: a writer that was between its two
+    FETCH_AND_ADDs when the image was taken finished long ago, on the lost incarnation."""
+    memory, rank = rlog.memory, rlog.rank
+    for region in memory.regions:
+        settled = np.maximum(region.meta[:, 0], region.meta[:, 1])
+        region.meta[:, 0] = settled
+        region.meta[:, 1] = settled
+    applied, missing = 0, 0
+    for record in records:
+        if record.kind != RecordKind.DIFF:
+            continue
+        aid, page = record.gid >> 32, record.gid & 0xFFFFFFFF
+        if aid >= len(memory.regions):
+            missing += 1  # its array was made after the image: not built yet (see docs/remotelog.md)
+            continue
+        region = memory.regions[aid]
+        region.home[page] = rank
+        if region.default_home(page) == rank and region.table[page] == 0:
+            region.table[page] = rank + 1
+        column = META + record.writer
+        if record.interval <= int(region.meta[page, column]):
+            continue  # the image holds it
+        data = region.page(page)
+        for offset, run in diff_runs(record.payload):
+            data[offset : offset + len(run)] = np.frombuffer(run, dtype=np.uint8)
+        region.meta[page, column] = record.interval
+        own = encode(RecordKind.HOME_DIFF, record.writer, record.payload, interval=record.interval, gid=record.gid)
+        rlog._append_home_local(own)  # nobody else appends while this runs (the survivors wait)
+        applied += 1
+    if missing:
+        log.warning("rank %d: %d logged diff(s) of arrays made after its image are not rebuilt", rank, missing)
+    return applied
+
+
+def _lose_held_ring(rlog: RemoteLog) -> None:
+    """The ring this rank holds came back from its image: mark it lost and ask its owner to checkpoint."""
+    owner = (rlog.rank - rlog.offset) % rlog.size
+    if owner == rlog.rank:
+        return
+    rlog.ring.mark_lost()
+    log.info("rank %d: the log ring of rank %d it holds is lost: asking for its checkpoint", rlog.rank, owner)
+    by_rank = getattr(rlog.rt, "checkpoint_rank", None)
+    if by_rank is not None:
+        by_rank(owner)
+    else:
+        rlog.rt.checkpoint()
