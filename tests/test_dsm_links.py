@@ -82,7 +82,7 @@ def test_the_handler_forgets_what_a_failed_rank_waited_for_and_nothing_else() ->
     def body(mem: dsm.Memory, rt: ThreadRuntime) -> tuple[list[int], list[int], list[int], int]:
         handler = mem.handler
         with handler.mutex:
-            handler.locks[7] = LockState([0, 0, 0], holder=1, queue=deque([(2, 11, [0] * 3), (0, 12, [0] * 3)]))
+            handler.locks[7] = LockState([0, 0, 0], holder=1, queue=deque([(2, 11, [0] * 3, 1), (0, 12, [0] * 3, 1)]))
             handler.waiting = [(2, 13, 0, [0] * 3), (0, 14, 0, [0] * 3)]
             handler.arrivals = [(2, 15, 1, [0] * 3, []), (1, 16, 1, [0] * 3, [])]
         handler.forget(2)
