@@ -13,8 +13,10 @@ their notices; when all have come, everyone gets the union and the
 element-wise maximum of the vector timestamps).
 
 The program thread of the same rank touches none of this state except through
-`prune`, under the handler's mutex; the runtime thread that runs the recovery
-hooks only through `forget` and `forget_queues`, under the same mutex.
+`prune` and `replay_done`, under the handler's mutex; the runtime thread that
+runs the recovery hooks only through `forget`, `forget_queues` and
+`hold_locks`, under the same mutex (and `reports`, set before this rank's
+handler thread starts).
 
 After a peer fails (single-rank recovery, `dsm._reconnect`), nothing is owed to
 its dead incarnation: `forget` drops its queued lock requests, its waiting

@@ -39,13 +39,14 @@
 # them; what it had received in the previous life is forgotten (the
 # survivors re-send whatever they still wait for).
 #
-# R is *reconnected* here, not *replayed*: it continues from its image with
-# the state it had then, and the survivors' re-sent requests are served from
-# that state.  Synchronisation that R re-executes after a real failure (a
-# lock it had acquired, a barrier it had passed, diffs the homes already
-# applied) needs the logs of remote logging (ckpt_remotelog) to give the same
-# answers as the first time; until then the lock home lets the rank it
-# believes holds a lock acquire it again (`dsm._handler`).
+# R is *reconnected* here: it continues from its image with the state it had
+# then.  Synchronisation that R re-executes after a real failure (a lock it
+# had acquired, a barrier it had passed, diffs the homes already applied)
+# needs the logs of remote logging to give the same answers as the first
+# time: ckpt_remotelog starts a replay in `dsm_recovering` (below).  Without
+# it, the lock home lets the rank it believes holds a lock acquire it again
+# (`dsm._handler`), and the survivors' re-sent requests are served from the
+# image's state.
 #
 # Several ranks failing and recovering at once (DESIGN §8).  A link is named
 # by the incarnations at both of its ends: <tag> = "<lo>.<Klo>-<hi>.<Khi>"
