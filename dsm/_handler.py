@@ -233,6 +233,17 @@ class Handler:
                 with server.lock:  # `poll` appends to the inbox under it
                     server.inbox.insert(0, (self.mem.rank, WAKE, 0, server.link[self.mem.rank]))
 
+    def replayed_barrier(self, epoch: int, vt: list[int], notices: list[Notice]) -> None:
+        """Rank 0 replayed barrier `epoch` from its log (program thread): keep its reply for an arrival
+        sent again, whose reply may have been lost with this rank's previous incarnation.
+
+        `notices` must hold every notice of the barrier's union; a superset (this rank's notices since
+        the previous barrier) does no harm: a rank merges only what it lacks.
+        """
+        with self.mutex:
+            if self.last_barrier is None or epoch > self.last_barrier[0]:
+                self.last_barrier = (epoch, list(vt), [[q, i, list(flat)] for q, i, flat in notices])
+
     def _rebuild_locks(self) -> None:
         mem, reports, self.reports = self.mem, self.reports, {}
         vt = list(mem.vt)

@@ -82,6 +82,27 @@ def test_the_barrier_manager_answers_an_arrival_at_its_last_barrier_from_its_sto
     assert sorted((q, i) for q, i, _ in notices) == [(0, 1), (1, 1)]
 
 
+def test_a_barrier_the_manager_replayed_answers_an_arrival_at_it() -> None:
+    answered = threading.Event()
+    mem_of: dict[int, dsm.Memory] = {}
+
+    def body(mem: dsm.Memory, rt: ThreadRuntime) -> tuple[list[int], list[list[object]]] | None:
+        mem_of[rt.rank] = mem
+        mem.barrier()
+        if rt.rank == 0:  # replayed barrier 2 from its log: its predecessor completed it
+            mem.handler.replayed_barrier(2, [3, 4], [[1, 4, [7, 1]]])
+            mem.handler.replayed_barrier(1, [9, 9], [])  # older than the one kept: ignored
+            assert answered.wait(HANG)
+            return None
+        wait_for(lambda: (mem_of[0].handler.last_barrier or [0])[0] == 2, HANG, "rank 0 to replay barrier 2")
+        again = BarrierRequest(mem._next_rid(), 2, [0, 4], [])
+        reply = mem._request(0, again, BarrierReply, "barrier 2 again", ANSWER)
+        answered.set()
+        return reply.vt, reply.notices
+
+    assert run_ranks(2, body, "async")[1] == ([3, 4], [[1, 4, [7, 1]]])
+
+
 class Versions:
     """A fake `dsm.PageVersions`: every version is the page filled with the sum of its timestamp."""
 
