@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from types import SimpleNamespace
 from typing import Any, cast
 
 import numpy as np
@@ -267,3 +268,22 @@ def test_a_recovered_rank_rebuilds_its_locks_from_the_survivors_reports_once_its
     assert recorder.reports[0]["claims"] == [gid_of(0, 4)]
     assert recorder.reports[2]["held"] == {} and recorder.reports[2]["claims"] == []
     assert {(q, i) for q, i, _ in recorder.reports[0]["known"]} == set()  # rank 0's interval is still open
+
+
+def test_a_survivors_report_leaves_out_an_interval_caught_between_its_timestamp_and_its_notice() -> None:
+    """`Memory._close_interval` raises vt[me] just before it records the interval's notice: a report read in
+    between must not name an interval whose notice it lacks (a grant would then carry no notice for it)."""
+    memory = SimpleNamespace(
+        rank=0,
+        size=2,
+        vt=[3, 1],
+        floor=[1, 1],
+        known={(0, 2): [5, 0]},  # interval 3 of rank 0: its timestamp raised, its notice not yet recorded
+        held={1: [3, 1], 0: [1, 1]},
+        tokens={1: 4, 0: 2},
+        regions=[],
+    )
+    report = _reconnect.survivor_report(cast(Any, memory), 1)
+    assert report == {"vt": [2, 1], "known": [[0, 2, [5, 0]]], "held": {1: [4, [3, 1]]}, "claims": []}
+    memory.known[(0, 3)] = [5, 0]
+    assert _reconnect.survivor_report(cast(Any, memory), 1)["vt"] == [3, 1]
