@@ -291,8 +291,9 @@ def survivor_report(mem: Memory, rank: int) -> dict[str, Any]:
 
     Runs on the runtime thread while this rank's program thread runs on.  Safe without a lock:
     every container is copied by one C-level call (list(), dict.copy()), which the GIL makes
-    atomic, so each copy is some state it had; a page's home is one word, read once (a claim
-    made meanwhile is in the home table at `rank` already, or is sent there after the reconnection).  The vector timestamp is
+    atomic, so each copy is some state it had; a page's home is one word, read once.  (A claim
+    answered by `rank`'s dead incarnation but not yet recorded here is missed: a window of a few
+    instructions in `Memory._lookup_home`.  A claim asked later goes to the next incarnation.)  The vector timestamp is
     copied before the notices, and raised only after them (`Memory._merge`) -- except this rank's
     own entry, raised just before its interval's notice is recorded: that interval is left out
     (its diffs went to their homes, but nothing was released through `rank`'s locks yet).  The
