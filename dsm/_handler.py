@@ -13,8 +13,10 @@ their notices; when all have come, everyone gets the union and the
 element-wise maximum of the vector timestamps).
 
 The program thread of the same rank touches none of this state except through
-`prune`, under the handler's mutex; the runtime thread that runs the recovery
-hooks only through `forget` and `forget_queues`, under the same mutex.
+`prune` and `replay_done`, under the handler's mutex; the runtime thread that
+runs the recovery hooks only through `forget`, `forget_queues` and
+`hold_locks`, under the same mutex (and `reports`, set before this rank's
+handler thread starts).
 
 After a peer fails (single-rank recovery, `dsm._reconnect`), nothing is owed to
 its dead incarnation: `forget` drops its queued lock requests, its waiting
@@ -25,6 +27,31 @@ it or, re-executing, asks for it again -- which the home grants at once,
 since the requester already holds it.  A rank that was itself restored from
 its image clears every queue (`forget_queues`): the survivors send again
 whatever they still wait for.
+
+Recovery by replay (FT-KDSM §5, issue 13 part 5).  A rank restored from its
+image replays its logs (`dsm._replay`) before it runs live; meanwhile:
+
+* lock requests to it wait (`hold_locks` .. `replay_done`): the lock states
+  of its image are older than what the survivors did since.  When the replay
+  ends, each lock homed here is rebuilt from the survivors' reports (taken by
+  `dsm._reconnect.survivor_report` after the failure) and this rank's own
+  state -- holder and token from whoever holds it, vector timestamp the
+  element-wise maximum of everyone's, notices the union of everyone's since
+  the last barrier.  That over-approximates what the lock's last release
+  published: a grant then invalidates more than needed, never less (a rank
+  knows the notice of every interval its vector timestamp covers, and nobody
+  can pass a barrier a lock acquirer has not reached).  Then the held-back
+  requests are served, in arrival order, before any later one;
+* a release may reach a home twice (sent again after the replay, since its
+  log record cannot say whether it left): the home keeps each lock's holder
+  token and, per rank, the last token it released; a release that is not the
+  holder's current one and is not newer than that rank's last is acked and
+  changes nothing;
+* the barrier manager keeps its last completed barrier's reply: an arrival for
+  that barrier (sent again by a rank whose reply was lost with the manager's
+  previous incarnation, or by a replaying rank gone live there) gets it at once;
+* minimal page versions (`OldPageRequest`) are served from `Memory.versions`,
+  by the home's CPU under both protocols (recovery only, so off the hot path).
 """
 
 from __future__ import annotations
@@ -65,6 +92,9 @@ from ._stats import Counters
 if TYPE_CHECKING:
     from ._memory import Memory
 
+#: Put in the server's inbox by `replay_done` (never sent): wakes the handler thread to serve what waited.
+WAKE = "dsm-replay-done"
+
 
 @dataclass
 class LockState:
@@ -72,8 +102,10 @@ class LockState:
 
     vt: list[int]
     holder: int = -1
-    queue: deque[tuple[int, int, list[int]]] = field(default_factory=deque)  # (rank, request id, its vt)
+    queue: deque[tuple[int, int, list[int], int]] = field(default_factory=deque)  # rank, request id, vt, token
     notices: dict[tuple[int, int], list[int]] = field(default_factory=dict)
+    token: int = 0  # the holder's acquisition token (`AcquireRequest.token`)
+    released: dict[int, int] = field(default_factory=dict)  # rank -> the last token it released
 
 
 class Handler:
@@ -86,6 +118,15 @@ class Handler:
         self.waiting: list[tuple[int, int, int, list[int]]] = []  # page requests: rank, rid, gid, need
         self.counters = Counters()  # the handler's own: two threads never add to one counter
         self.mutex = threading.Lock()
+        #: Rank 0: the last completed barrier's reply (epoch, vt, notices), for an arrival sent again.
+        self.last_barrier: tuple[int, list[int], list[Notice]] | None = None
+        #: While this rank, restored from its image, replays its logs: lock requests wait (`replay_done`).
+        self.holding = False
+        self.held_back: list[tuple[int, Any, int]] = []  # lock requests that wait: rank, request, link
+        #: The survivors' reports of this rank's recovery (`dsm._reconnect`), until `replay_done` uses them.
+        self.reports: dict[int, dict[str, Any]] = {}
+        #: After a recovery: the rebuilt state a lock homed here starts from when it was never seen here.
+        self.template: LockState | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -102,31 +143,43 @@ class Handler:
 
         A request of an incarnation declared lost is dropped: it arrived on a link replaced since, or
         the link is FAILED (`forget` ran or is about to).  Checked under the mutex that `forget`
-        takes, so a request is either forgotten there or never queued / granted here.
+        takes, so a request is either forgotten there or never queued / granted here.  Lock requests
+        held back during a replay are served first, once it is done (`replay_done` wakes this thread
+        with `WAKE`).
         """
+        with self.mutex:
+            if self.held_back and not self.holding:
+                backlog, self.held_back = self.held_back, []
+                for entry in backlog:
+                    self._serve(*entry)
+            if not (isinstance(raw, str) and raw == WAKE):
+                self._serve(src, raw, link)
+
+    def _serve(self, src: int, raw: Any, link: int | None) -> None:
         try:
             msg = decode(raw)
-            with self.mutex:
-                server = self.mem.server
-                if server.state[src] == FAILED or (link is not None and link != server.link[src]):
-                    return
-                match msg:
-                    case HomeRequest():
-                        self._home(src, msg.rid, msg.gid)
-                    case PageRequest():
-                        self._page(src, msg.rid, msg.gid, msg.need)
-                    case DiffRequest():
-                        self._diff(src, msg.rid, msg.gid, msg.interval, msg.runs)
-                    case AcquireRequest():
-                        self._acquire(src, msg.rid, msg.lock, msg.vt)
-                    case ReleaseRequest():
-                        self._release(src, msg.rid, msg.lock, msg.vt, msg.notices)
-                    case OldPageRequest():
-                        raise DsmError("minimal page versions are not served yet (issue 13 part 5)")
-                    case BarrierRequest():
-                        self._barrier(src, msg.rid, msg.epoch, msg.vt, msg.notices)
-                    case _:
-                        raise DsmError(f"a {type(msg).__name__} is not a request")
+            server = self.mem.server
+            if server.state[src] == FAILED or (link is not None and link != server.link[src]):
+                return
+            match msg:
+                case HomeRequest():
+                    self._home(src, msg.rid, msg.gid)
+                case PageRequest():
+                    self._page(src, msg.rid, msg.gid, msg.need)
+                case DiffRequest():
+                    self._diff(src, msg.rid, msg.gid, msg.interval, msg.runs)
+                case AcquireRequest() | ReleaseRequest() if self.holding:
+                    self.held_back.append((src, raw, server.link[src] if link is None else link))
+                case AcquireRequest():
+                    self._acquire(src, msg.rid, msg.lock, msg.vt, msg.token)
+                case ReleaseRequest():
+                    self._release(src, msg.rid, msg.lock, msg.vt, msg.notices, msg.token)
+                case OldPageRequest():
+                    self._old_page(src, msg.rid, msg.gid, msg.vt)
+                case BarrierRequest():
+                    self._barrier(src, msg.rid, msg.epoch, msg.vt, msg.notices)
+                case _:
+                    raise DsmError(f"a {type(msg).__name__} is not a request")
         except Exception as exc:  # a bad request, or a plugin hook that failed: the requester gets the error
             rid = raw[0] if isinstance(raw, list) and raw and isinstance(raw[0], int) else 0  # msgpack: a list
             # DsmError and PluginError (which names the failing plugin and hook) say enough as they are
@@ -146,6 +199,7 @@ class Handler:
                 state.queue = deque(entry for entry in state.queue if entry[0] != rank)
             self.waiting = [entry for entry in self.waiting if entry[0] != rank]
             self.arrivals = [entry for entry in self.arrivals if entry[0] != rank]
+            self.held_back = [entry for entry in self.held_back if entry[0] != rank]
 
     def forget_queues(self) -> None:
         """This rank was restored from its image: forget the requests it held then (they are sent again)."""
@@ -154,6 +208,63 @@ class Handler:
                 state.queue.clear()
             self.waiting = []
             self.arrivals = []
+            self.held_back = []
+
+    def hold_locks(self) -> None:
+        """This rank was restored from its image: lock requests wait until `replay_done` rebuilt the locks."""
+        with self.mutex:
+            self.holding = True
+
+    def replay_done(self) -> None:
+        """This rank's replay ended (or there was none): rebuild the locks homed here, serve what waited.
+
+        Called on the program thread (by the DSM when the replay's last logged operation is done, or
+        by `dsm._reconnect` right after `dsm_recovering` when no replay started).  The requests held
+        back are served by the handler thread, which this call wakes: only it sends on the server
+        endpoint.
+        """
+        with self.mutex:
+            if not self.holding:
+                return
+            self._rebuild_locks()
+            self.holding = False
+            if self.held_back:
+                server = self.mem.server
+                with server.lock:  # `poll` appends to the inbox under it
+                    server.inbox.insert(0, (self.mem.rank, WAKE, 0, server.link[self.mem.rank]))
+
+    def replayed_barrier(self, epoch: int, vt: list[int], notices: list[Notice]) -> None:
+        """Rank 0 replayed barrier `epoch` from its log (program thread): keep its reply for an arrival
+        sent again, whose reply may have been lost with this rank's previous incarnation.
+
+        `notices` must hold every notice of the barrier's union; a superset (this rank's notices since
+        the previous barrier) does no harm: a rank merges only what it lacks.
+        """
+        with self.mutex:
+            if self.last_barrier is None or epoch > self.last_barrier[0]:
+                self.last_barrier = (epoch, list(vt), [[q, i, list(flat)] for q, i, flat in notices])
+
+    def _rebuild_locks(self) -> None:
+        mem, reports, self.reports = self.mem, self.reports, {}
+        vt = list(mem.vt)
+        notices = {(q, i): flat for (q, i), flat in mem.known.items() if i > mem.floor[q]}
+        holders = {lock: (mem.rank, mem.tokens.get(lock, 0)) for lock in mem.held if lock % mem.size == mem.rank}
+        for peer, report in sorted(reports.items()):
+            vt = [max(a, b) for a, b in zip(vt, report["vt"], strict=True)]
+            for q, i, flat in report["known"]:
+                notices[(q, i)] = flat
+            for lock, (token, _) in report["held"].items():
+                if lock in holders:
+                    raise DsmError(f"lock {lock} is held by both rank {holders[lock][0]} and rank {peer}")
+                holders[lock] = (peer, token)
+        for state in self.locks.values():
+            notices.update(state.notices)  # what the image knew released through its locks: still true
+        self.template = LockState(vt, notices=notices)
+        for lock in set(self.locks) | set(holders):
+            old = self.locks.get(lock)
+            holder, token = holders.get(lock, (-1, 0))
+            released = dict(old.released) if old is not None else {}
+            self.locks[lock] = LockState(list(vt), holder, deque(), dict(notices), token, released)
 
     # ------------------------------------------------------------------ pages
     def _home(self, src: int, rid: int, gid: int) -> None:
@@ -185,6 +296,20 @@ class Handler:
         for request in waiting:
             self._page(*request)
 
+    def _old_page(self, src: int, rid: int, gid: int, vt: list[int]) -> None:
+        """The minimal version of page `gid` at `vt`, for a rank replaying its logs (FT-KDSM §5)."""
+        region, page = self._region(gid)
+        versions = self.mem.versions
+        if versions is None:
+            raise DsmError(f"no page versions are kept here for page {gid:#x} (remote logging is not loaded)")
+        if int(region.home[page]) != self.mem.rank:
+            raise DsmError(f"page {gid:#x} is not homed here: no versions of it are kept")
+        data = versions.page(gid, [int(x) for x in vt])
+        if len(data) != region.page_size:
+            raise DsmError(f"page {gid:#x}: a version of {len(data)} bytes, not {region.page_size}")
+        self.reply(src, PageReply(rid, data), "page_reply")
+        self.counters.versions_served += 1
+
     def _region(self, gid: int) -> tuple[Any, int]:
         aid, page = split_gid(gid)
         if aid >= len(self.mem.regions) or page >= self.mem.regions[aid].npages:
@@ -194,30 +319,39 @@ class Handler:
     # ------------------------------------------------------------------ locks
     def _lock(self, lock: int) -> LockState:
         if lock not in self.locks:
-            self.locks[lock] = LockState([0] * self.mem.size)
+            template = self.template  # a lock first seen here after a recovery: its release may predate the image
+            if template is None:
+                self.locks[lock] = LockState([0] * self.mem.size)
+            else:
+                self.locks[lock] = LockState(list(template.vt), notices=dict(template.notices))
         return self.locks[lock]
 
-    def _acquire(self, src: int, rid: int, lock: int, vt: list[int]) -> None:
+    def _acquire(self, src: int, rid: int, lock: int, vt: list[int], token: int) -> None:
         state = self._lock(lock)
         # a holder asking again is its next incarnation (a rank never re-acquires a lock it holds)
         if state.holder < 0 or state.holder == src:
-            self._grant(state, src, rid, vt)
+            self._grant(state, src, rid, vt, token)
         else:
-            state.queue.append((src, rid, vt))
+            state.queue.append((src, rid, vt, token))
 
-    def _grant(self, state: LockState, src: int, rid: int, vt: list[int]) -> None:
-        state.holder = src
+    def _grant(self, state: LockState, src: int, rid: int, vt: list[int], token: int) -> None:
+        state.holder, state.token = src, token
         notices = [[q, i, flat] for (q, i), flat in state.notices.items() if i > vt[q]]
         self.reply(src, Grant(rid, state.vt, notices), "grant")
 
-    def _release(self, src: int, rid: int, lock: int, vt: list[int], notices: list[Notice]) -> None:
+    def _release(self, src: int, rid: int, lock: int, vt: list[int], notices: list[Notice], token: int) -> None:
         state = self._lock(lock)
+        current = state.holder == src and state.token == token
+        if token > 0 and not current and token <= state.released.get(src, 0):
+            self.reply(src, Ack(rid), "release_ack")  # done before: sent again after a recovery
+            return
         if state.holder != src:
             raise DsmError(f"rank {src} released lock {lock}, which it does not hold")
         state.vt = [max(a, b) for a, b in zip(state.vt, vt, strict=True)]
         for q, i, flat in notices:
             state.notices[(q, i)] = flat
-        state.holder = -1
+        state.holder, state.token = -1, 0
+        state.released[src] = max(state.released.get(src, 0), token)
         self.reply(src, Ack(rid), "release_ack")
         if state.queue:
             self._grant(state, *state.queue.popleft())
@@ -225,11 +359,15 @@ class Handler:
     def prune(self, floor: list[int]) -> None:
         """Forget notices every rank has had since the barrier whose vector timestamp is `floor`."""
         with self.mutex:
-            for state in self.locks.values():
+            for state in [*self.locks.values(), *([self.template] if self.template is not None else [])]:
                 state.notices = {key: flat for key, flat in state.notices.items() if key[1] > floor[key[0]]}
 
     # ------------------------------------------------------------------ barriers (rank 0)
     def _barrier(self, src: int, rid: int, epoch: int, vt: list[int], notices: list[Notice]) -> None:
+        last = self.last_barrier
+        if last is not None and epoch == last[0]:  # arrived again: its reply was lost in a recovery
+            self.reply(src, BarrierReply(rid, last[1], last[2]), "barrier_reply")
+            return
         self.arrivals.append((src, rid, epoch, vt, notices))
         if len(self.arrivals) < self.mem.size:
             return
@@ -246,5 +384,6 @@ class Handler:
             for q, i, flat in a[4]:
                 merged[(q, i)] = flat
         union = [[q, i, flat] for (q, i), flat in merged.items()]
+        self.last_barrier = (arrivals[0][2], merged_vt, union)
         for a in arrivals:
             self.reply(a[0], BarrierReply(a[1], merged_vt, union), "barrier_reply")

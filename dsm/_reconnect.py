@@ -39,13 +39,14 @@
 # them; what it had received in the previous life is forgotten (the
 # survivors re-send whatever they still wait for).
 #
-# R is *reconnected* here, not *replayed*: it continues from its image with
-# the state it had then, and the survivors' re-sent requests are served from
-# that state.  Synchronisation that R re-executes after a real failure (a
-# lock it had acquired, a barrier it had passed, diffs the homes already
-# applied) needs the logs of remote logging (ckpt_remotelog) to give the same
-# answers as the first time; until then the lock home lets the rank it
-# believes holds a lock acquire it again (`dsm._handler`).
+# R is *reconnected* here: it continues from its image with the state it had
+# then.  Synchronisation that R re-executes after a real failure (a lock it
+# had acquired, a barrier it had passed, diffs the homes already applied)
+# needs the logs of remote logging to give the same answers as the first
+# time: ckpt_remotelog starts a replay in `dsm_recovering` (below).  Without
+# it, the lock home lets the rank it believes holds a lock acquire it again
+# (`dsm._handler`), and the survivors' re-sent requests are served from the
+# image's state.
 #
 # Several ranks failing and recovering at once (DESIGN §8).  A link is named
 # by the incarnations at both of its ends: <tag> = "<lo>.<Klo>-<hi>.<Khi>"
@@ -63,6 +64,19 @@
 # events queued behind the wait (its RankFailed, its next RankRecovered) run.
 # A link already joined to an incarnation newer than an event's is not
 # touched by that event (`_joined`): the event is stale.
+#
+# Recovery by replay (design of issue 13 part 5, §2.1).  R's memory must be
+# R's alone while `dsm_recovering` rebuilds it from the logs: R publishes
+# its `ready` keys only after that hook returned, having waited for the
+# survivors' (they publish theirs without waiting for ours, so no cycle).
+# Until R's `ready`, a survivor's link to R is JOINING: it sends nothing and
+# its one-sided operations on R wait; R's one-sided reads of its log home
+# (its links are up) produce no message there.  Each survivor's `conn`
+# record carries its report for R (`survivor_report`): its vector timestamp
+# and notices, the locks homed at R it holds, the pages homed at it whose
+# default home is R (R's home table, from the image, may not know them).
+# Two ranks recovering at once (each `conn` says "recovering") publish
+# their `ready` to each other at once and exchange no reports.
 
 from __future__ import annotations
 
@@ -71,10 +85,13 @@ import time
 import weakref
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from ckpt import CoordinatorError
 from ckpt.plugin import RANKS_NS
 
 from ._errors import DsmError
+from ._region import gid_of, split_gid
 
 if TYPE_CHECKING:
     from ._memory import Memory
@@ -156,13 +173,15 @@ def peer_recovered(mem: Memory, rank: int, incarnation: int) -> None:
 
 
 def recovered(mem: Memory, incarnation: int) -> None:
-    """The process that replaced a failed rank, restored from its image: fresh links to every rank."""
+    """The process that replaced a failed rank, restored from its image: fresh links to every rank, then
+    `dsm_recovering` (with the survivors' reports) before any of them may use this rank's memory."""
     mem.rid = max(mem.rid, incarnation << 40)
     mem.pending.clear()
     mem.replies.clear()
     mem.client.forget_everything()
     mem.server.forget_everything()
     mem.handler.forget_queues()
+    mem.handler.hold_locks()  # until the replay is done (or at once below, if there is none)
     _joined[mem] = {}
     kv = mem.rt.kv
     peers = {mem.rank: incarnation}
@@ -171,12 +190,17 @@ def recovered(mem: Memory, incarnation: int) -> None:
             known = int(kv.get(RANKS_NS, f"incarnation/{j}", 0))
             if not _lost(mem, j, known):  # else it connects to us when it comes back
                 peers[j] = known
-    reconnect(mem, peers, incarnation)
+    reconnect(mem, peers, incarnation, recovering=True)
 
 
-def reconnect(mem: Memory, peers: dict[int, int], mine: int) -> None:
+def reconnect(mem: Memory, peers: dict[int, int], mine: int, recovering: bool = False) -> None:
     """Fresh QPs to `peers` (rank -> the incarnation met), this rank being incarnation `mine`, met through
-    the KV; the links are up on return, but for peers lost meanwhile (their links are FAILED)."""
+    the KV; the links are up on return, but for peers lost meanwhile (their links are FAILED).
+
+    `recovering`: this rank was restored from its image; it fires `dsm_recovering` once every link is
+    up and publishes its `ready` keys to the survivors only after it.  Else each `conn` record carries
+    this survivor's report for the peer (`survivor_report`).
+    """
     kv = mem.rt.kv
     started = time.perf_counter()
     fresh = {j: (mem.client.new_qp(), mem.server.new_qp()) for j in peers}
@@ -185,8 +209,15 @@ def reconnect(mem: Memory, peers: dict[int, int], mine: int) -> None:
     regions = [region.address() for region in mem.regions]
     for j, (client, server) in fresh.items():
         record = {"lid": lid, "client": client.qp_num, "server": server.qp_num, "regions": regions}
+        if recovering:
+            record["recovering"] = True
+        elif j != mem.rank:
+            record["report"] = survivor_report(mem, j)
         kv.publish(KV_NS, conn_key(mem.mid, mem.rank, j, tags[j]), record)
     abandoned: list[int] = []
+    reports: dict[int, dict[str, Any]] = {}
+    later: list[int] = []  # survivors: our `ready` for them waits for dsm_recovering
+    both: list[int] = []  # peers recovering at the same time as this rank
     for j, (client, server) in fresh.items():
         theirs = _await_key(mem, conn_key(mem.mid, j, mem.rank, tags[j]), j, peers[j])
         if theirs is None:
@@ -198,21 +229,120 @@ def reconnect(mem: Memory, peers: dict[int, int], mine: int) -> None:
             region.peers[j] = dict(address)  # before the link is up: no operation uses the old ones after
         mem.client.attach(j, client, int(theirs["lid"]), int(theirs["server"]))
         mem.server.attach(j, server, int(theirs["lid"]), int(theirs["client"]))
-        kv.publish(KV_NS, ready_key(mem.mid, mem.rank, j, tags[j]), True)
-    for j in fresh:
-        if j in abandoned:
-            continue
-        if _await_key(mem, ready_key(mem.mid, j, mem.rank, tags[j]), j, peers[j]) is None:
-            abandoned.append(j)
-            continue
-        mem.client.up(j)
-        mem.server.up(j)
-        _joined.setdefault(mem, {})[j] = peers[j]
-    for j in abandoned:  # lost again before it met us: its link waits for its next incarnation
+        if "report" in theirs:
+            reports[j] = _report(theirs["report"], mem.size)
+        if recovering and j != mem.rank and theirs.get("recovering", False):
+            both.append(j)
+        if recovering and j != mem.rank and not theirs.get("recovering", False):
+            later.append(j)
+        else:
+            kv.publish(KV_NS, ready_key(mem.mid, mem.rank, j, tags[j]), True)
+
+    def join(ranks: list[int]) -> None:
+        """Wait for the `ready` keys of `ranks`: their links are up (or, lost meanwhile, abandoned)."""
+        for j in ranks:
+            if j in abandoned:
+                continue
+            if _await_key(mem, ready_key(mem.mid, j, mem.rank, tags[j]), j, peers[j]) is None:
+                abandoned.append(j)
+                continue
+            mem.client.up(j)
+            mem.server.up(j)
+            _joined.setdefault(mem, {})[j] = peers[j]
+
+    # a recovering rank meets other recovering ranks last: they wait for survivors that may be
+    # waiting for our `ready`, published only after dsm_recovering
+    join([j for j in fresh if j not in both])
+    failed = len(abandoned)
+    if recovering:
+        _fail_abandoned(mem, peers, abandoned)
+        reports = {j: report for j, report in reports.items() if j not in abandoned}
+        _apply_claims(mem, reports)
+        mem.handler.reports = reports  # the handler thread is not running yet (it starts at RESUME)
+        mem.hook("dsm_recovering", incarnation=mine, reports=reports)
+        if mem.replay is None:
+            mem.handler.replay_done()
+        for j in later:  # only now may the survivors send here and use this rank's memory
+            if j not in abandoned:
+                kv.publish(KV_NS, ready_key(mem.mid, mem.rank, j, tags[j]), True)
+        join(both)
+        _fail_abandoned(mem, peers, abandoned[failed:])
+    else:
+        _fail_abandoned(mem, peers, abandoned)
+    seconds = time.perf_counter() - started
+    ranks = ", ".join(str(j) for j in peers if j not in abandoned) or "none"
+    log.info("rank %d: reconnected to rank(s) %s (incarnation %d) in %.3f s", mem.rank, ranks, mine, seconds)
+
+
+def _fail_abandoned(mem: Memory, peers: dict[int, int], abandoned: list[int]) -> None:
+    """Peers lost again before they met us: their links wait for their next incarnations."""
+    for j in abandoned:
         why = f"incarnation {peers[j]} of rank {j} was lost while reconnecting"
         mem.client.fail(j, why)
         mem.server.fail(j, why)
         mem.handler.forget(j)
-    seconds = time.perf_counter() - started
-    ranks = ", ".join(str(j) for j in peers if j not in abandoned) or "none"
-    log.info("rank %d: reconnected to rank(s) %s (incarnation %d) in %.3f s", mem.rank, ranks, mine, seconds)
+
+
+# ---------------------------------------------------------------------- the survivors' reports
+
+
+def survivor_report(mem: Memory, rank: int) -> dict[str, Any]:
+    """What this survivor tells recovering `rank` (msgpack-able): see `dsm_recovering`.
+
+    Runs on the runtime thread while this rank's program thread runs on.  Safe without a lock:
+    every container is copied by one C-level call (list(), dict.copy()), which the GIL makes
+    atomic, so each copy is some state it had; a page's home is one word, read once.  (A claim
+    answered by `rank`'s dead incarnation but not yet recorded here is missed: a window of a few
+    instructions in `Memory._lookup_home`.  A claim asked later goes to the next incarnation.)  The vector timestamp is
+    copied before the notices, and raised only after them (`Memory._merge`) -- except this rank's
+    own entry, raised just before its interval's notice is recorded: that interval is left out
+    (its diffs went to their homes, but nothing was released through `rank`'s locks yet).  The
+    locks homed at `rank` cannot change meanwhile: their requests wait for `rank`'s next incarnation.
+    """
+    vt = list(mem.vt)
+    floor = list(mem.floor)
+    known = mem.known.copy()
+    held, tokens = mem.held.copy(), mem.tokens.copy()
+    me = mem.rank
+    if vt[me] > floor[me] and (me, vt[me]) not in known:
+        vt[me] -= 1  # caught between `vt[me] = interval` and its notice (`Memory._close_interval`)
+    claims: list[int] = []
+    for region in list(mem.regions):
+        pages = np.flatnonzero(region.home == me)
+        owners = (region.aid + pages) % mem.size  # `Region.default_home`
+        claims += [gid_of(region.aid, int(page)) for page in pages[owners == rank]]
+    return {
+        "vt": vt,
+        "known": [[q, i, flat] for (q, i), flat in known.items() if i > floor[q]],
+        "held": {lock: [tokens.get(lock, 0), list(at)] for lock, at in held.items() if lock % mem.size == rank},
+        "claims": claims,
+    }
+
+
+def _report(raw: Any, size: int) -> dict[str, Any]:
+    """A survivor's report as it came through the KV, in the types `survivor_report` made (a fresh copy)."""
+    try:
+        vt = [int(x) for x in raw["vt"]]
+        if len(vt) != size:
+            raise ValueError(f"a vector timestamp of {len(vt)} entries, not {size}")
+        return {
+            "vt": vt,
+            "known": [[int(q), int(i), [int(x) for x in flat]] for q, i, flat in raw["known"]],
+            "held": {int(lock): [int(token), [int(x) for x in at]] for lock, (token, at) in raw["held"].items()},
+            "claims": [int(gid) for gid in raw["claims"]],
+        }
+    except (KeyError, TypeError, ValueError) as exc:
+        raise DsmError(f"DSM: a survivor's recovery report is malformed ({exc})") from None
+
+
+def _apply_claims(mem: Memory, reports: dict[int, dict[str, Any]]) -> None:
+    """The pages the survivors claimed (first touch) at this rank since its image: into its home table."""
+    for peer, report in reports.items():
+        for gid in report["claims"]:
+            aid, page = split_gid(gid)
+            if aid >= len(mem.regions) or page >= mem.regions[aid].npages:
+                continue  # an array made after the image: its table starts empty when the replay makes it
+            region = mem.regions[aid]
+            region.table[page] = peer + 1
+            if int(region.home[page]) < 0:
+                region.home[page] = peer

@@ -79,17 +79,19 @@ def test_the_lock_home_grants_a_lock_again_to_the_rank_it_believes_holds_it(prot
 
 
 def test_the_handler_forgets_what_a_failed_rank_waited_for_and_nothing_else() -> None:
-    def body(mem: dsm.Memory, rt: ThreadRuntime) -> tuple[list[int], list[int], list[int], int]:
+    def body(mem: dsm.Memory, rt: ThreadRuntime) -> tuple[list[int], list[int], list[int], list[int], int]:
         handler = mem.handler
         with handler.mutex:
-            handler.locks[7] = LockState([0, 0, 0], holder=1, queue=deque([(2, 11, [0] * 3), (0, 12, [0] * 3)]))
+            handler.locks[7] = LockState([0, 0, 0], holder=1, queue=deque([(2, 11, [0] * 3, 1), (0, 12, [0] * 3, 1)]))
             handler.waiting = [(2, 13, 0, [0] * 3), (0, 14, 0, [0] * 3)]
             handler.arrivals = [(2, 15, 1, [0] * 3, []), (1, 16, 1, [0] * 3, [])]
+            handler.held_back = [(2, [17], 0), (1, [18], 0)]  # lock requests held back during a replay
         handler.forget(2)
         state = handler.locks[7]
         left = [entry[1] for entry in state.queue], [w[1] for w in handler.waiting], [a[1] for a in handler.arrivals]
+        held_back = [entry[1][0] for entry in handler.held_back]
         handler.forget_queues()
-        assert not state.queue and not handler.waiting and not handler.arrivals
-        return (*left, state.holder)
+        assert not state.queue and not handler.waiting and not handler.arrivals and not handler.held_back
+        return (*left, held_back, state.holder)
 
-    assert run_ranks(3, body, "async")[0] == ([12], [14], [16], 1)
+    assert run_ranks(3, body, "async")[0] == ([12], [14], [16], [18], 1)
