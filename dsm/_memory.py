@@ -413,7 +413,8 @@ class Memory(RequestClient):
             self._send_diffs(outgoing, interval)
             self.counters.flush_seconds += time.perf_counter() - started
             for region, page in own:
-                region.meta[page, META + self.rank] = interval
+                # max: a recovered rank's rebuilt master may hold this interval already (re-executed live)
+                region.meta[page, META + self.rank] = max(int(region.meta[page, META + self.rank]), interval)
         # else replayed: its log shows it complete, so its diffs are in the homes' copies already (a later
         # writer's may be too: sending them again could undo it)
         self.vt[self.rank] = interval

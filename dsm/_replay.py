@@ -138,9 +138,7 @@ def finish(mem: Memory) -> None:
     done, total = replay.progress()
     _publish(mem, done, total)
     log.info("rank %d: replayed %d of %d logged operations in %.3f s: live", mem.rank, done, total, seconds)
-    done_hook = getattr(mem.handler, "replay_done", None)  # TODO(merge): part C's Handler.replay_done
-    if done_hook is not None:
-        done_hook()
+    mem.handler.replay_done()  # lock requests held back meanwhile are served from here on
     if total:
         mem.rt.release_checkpoints()
 
@@ -222,6 +220,9 @@ def barrier(mem: Memory, epoch: int) -> str:
         return "rearrive"
     vt, notices = logged
     mem._merge(vt, as_notices(notices), "barrier (replayed)")
+    if mem.rank == 0:  # the manager: a rank that arrives again at this barrier gets its reply (a superset of it)
+        union = [[q, i, flat] for (q, i), flat in mem.known.items() if i > mem.floor[q]]
+        mem.handler.replayed_barrier(epoch, list(mem.vt), union)
     mem.passed_barrier()
     mem.counters.replayed_barriers += 1
     mem.counters.barriers += 1
