@@ -350,6 +350,9 @@ class _Job:
             message = f"cannot restart the job from checkpoint {number} after rank {outcome['rank']} fell back: {exc}"
             self.coordinator.fallback_failed(message)
             return {**outcome, "status": "failed", "message": message}
+        # generation + 1 of the job that fell back, not of the checkpoint's: restarting the same checkpoint again
+        # must not reuse a generation (the key-value store and the ranks' barrier scopes are per generation)
+        manifest["generation"] = max(int(manifest["generation"]), int(self.coordinator.status()["generation"]))
         self.opts.restart = manifest
         self.coordinator.next_job()
         threading.Thread(target=self._watch_coordinator, daemon=True).start()
