@@ -133,7 +133,7 @@ def checkpoint(wait: bool, kill: bool, rank: int | None, coordinator: str | None
     elif answer.get("queued"):
         click.echo(
             f"{what}{of} requested (it starts once every rank has joined the job or is back from a failure, "
-            "and no other checkpoint runs)"
+            "no rank holds checkpoints, and no other checkpoint runs)"
         )
     else:
         click.echo(f"{what} {answer['number']}{of} requested")

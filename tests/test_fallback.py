@@ -257,3 +257,17 @@ def test_the_replay_progress_a_rank_publishes_is_in_the_status_until_it_is_lost(
     assert [r["replay"] for r in status(coordinator)["ranks"]] == [None, [12, 40], None]
     lose(coordinator, ranks[1])
     assert status(coordinator)["ranks"][1]["replay"] is None
+
+
+# ----------------------------------------------------------------- the doubles
+def test_the_runtime_doubles_record_fallbacks_and_holds() -> None:
+    from ckpt.plugin import Runtime
+    from ckpt.testing import FakeRuntime, ThreadGroup, ThreadRuntime
+
+    rt = FakeRuntime()
+    assert isinstance(rt, Runtime) and isinstance(ThreadRuntime(ThreadGroup(1), 0), Runtime)
+    rt.hold_checkpoints("replaying")
+    assert rt.held == "replaying"
+    rt.release_checkpoints()
+    rt.fall_back(REASON)  # returns (a real rank is stopped): the code under test returns right after
+    assert (rt.holds, rt.releases, rt.held, rt.fall_backs) == (["replaying"], 1, None, [REASON])
