@@ -65,8 +65,8 @@ def test_a_job_that_keeps_falling_back_fails_in_one_line(tmp_path: Path) -> None
     assert done.returncode == 1
     errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
     assert errors == [
-        f"error: rank 1 cannot go on alone: {REASON.format(MAX_RECOVERY_ATTEMPTS - 1)}; the job fell back to a "
-        f"whole-job restart {MAX_RECOVERY_ATTEMPTS} times without committing a checkpoint "
+        f"error: rank 1 cannot go on alone: {REASON.format(MAX_RECOVERY_ATTEMPTS - 1)}; a whole-job restart was "
+        f"asked for {MAX_RECOVERY_ATTEMPTS} times with no checkpoint committed in between "
         f"(limit {MAX_RECOVERY_ATTEMPTS}); the latest checkpoint is 1"
     ]
     for generation in range(MAX_RECOVERY_ATTEMPTS - 1):  # each restart in a generation of its own

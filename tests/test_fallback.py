@@ -129,9 +129,8 @@ def test_fallbacks_without_a_checkpoint_in_between_are_bounded_and_a_checkpoint_
     outcome = ended(coordinator)
     assert outcome["status"] == "failed"
     assert outcome["message"] == (
-        f"rank 0 cannot go on alone: once too often; the job fell back to a whole-job restart "
-        f"{MAX_RECOVERY_ATTEMPTS} times without committing a checkpoint (limit {MAX_RECOVERY_ATTEMPTS}); "
-        "the latest checkpoint is 1"
+        f"rank 0 cannot go on alone: once too often; a whole-job restart was asked for {MAX_RECOVERY_ATTEMPTS} "
+        f"times with no checkpoint committed in between (limit {MAX_RECOVERY_ATTEMPTS}); the latest checkpoint is 1"
     )
     coordinator.fallback_failed("unused")  # the launcher's call applies to a "fallback" outcome only
     assert coordinator.outcome is outcome and outcome["status"] == "failed"

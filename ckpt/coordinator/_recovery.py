@@ -309,8 +309,8 @@ class RankRecovery:
             return
         if record.in_a_row + 1 >= MAX_RECOVERY_ATTEMPTS:
             job.fail(
-                f"{asked}; the job fell back to a whole-job restart {record.in_a_row + 1} times without "
-                f"committing a checkpoint (limit {MAX_RECOVERY_ATTEMPTS}); the latest checkpoint is {number}"
+                f"{asked}; a whole-job restart was asked for {record.in_a_row + 1} times with no checkpoint "
+                f"committed in between (limit {MAX_RECOVERY_ATTEMPTS}); the latest checkpoint is {number}"
             )
             return
         record.count += 1
