@@ -133,7 +133,7 @@ def checkpoint(wait: bool, kill: bool, rank: int | None, coordinator: str | None
     elif answer.get("queued"):
         click.echo(
             f"{what}{of} requested (it starts once every rank has joined the job or is back from a failure, "
-            "and no other checkpoint runs)"
+            "no rank holds checkpoints, and no other checkpoint runs)"
         )
     else:
         click.echo(f"{what} {answer['number']}{of} requested")
@@ -153,6 +153,8 @@ def _starting_status(ckpt_dir: Path, holder: dict[str, Any] | None) -> dict[str,
         "independent_in_progress": None,
         "independent_queued": [],
         "last_rank_checkpoint": None,
+        "fallbacks": None,
+        "checkpoint_holds": [],
         "message": "the launcher holds the directory; its coordinator is not up yet",
         "coordinator": None,
         "ckpt_dir": str(ckpt_dir),
@@ -196,9 +198,11 @@ def _print_status(state: dict[str, Any]) -> None:
     for r in state["ranks"]:
         latest = r.get("latest_image")
         image = f"  latest image {latest}" if latest is not None else ""
+        replay = r.get("replay")  # [done, total] while its replay runs (single-rank recovery)
+        replaying = f"  replaying {replay[0]}/{replay[1]}" if replay and replay[0] < replay[1] else ""
         click.echo(
             f"  rank {r['rank']:>3}  {r['state']:<11} step {r['step']:<8} pid {r['pid']:<8} "
-            f"incarnation {r.get('incarnation', 0):<3} {r['host']}{image}"
+            f"incarnation {r.get('incarnation', 0):<3} {r['host']}{image}{replaying}"
         )
     for r in state["ranks"]:
         if r["state"] == "failed" and state["state"] not in ("failed", "killed", "finished"):
@@ -206,6 +210,14 @@ def _print_status(state: dict[str, Any]) -> None:
                 f"rank {r['rank']} failed (incarnation {r.get('incarnation', 0)} was lost); its next incarnation "
                 f"is {r.get('incarnation', 0) + 1} (ckpt restart --rank {r['rank']}, if no launcher respawns it)"
             )
+    for hold in state.get("checkpoint_holds") or []:
+        click.echo(f"checkpoints held by rank {hold['rank']}: {hold['reason']}")
+    fallbacks = state.get("fallbacks")
+    if fallbacks:
+        click.echo(
+            f"whole-job fallbacks: {fallbacks['count']}, the last from checkpoint {fallbacks['number']} "
+            f"(rank {fallbacks['rank']}: {fallbacks['reason']})"
+        )
     independent = state.get("independent_in_progress")
     if independent:
         click.echo(

@@ -7,6 +7,13 @@
 # checkpoint `number`, the one the coordinator names (`recovery_spec`); a
 # respawn that fails in any way fails the job in one line.  A process that dies before it has joined is the job's end
 # as ever: the coordinator never heard of it.
+#
+# A rank that cannot be recovered alone calls `rt.fall_back(reason)`: the job
+# ends with the outcome "fallback" (checkpoint N, the newest coordinated one),
+# and this launcher prints the reason in one line, kills every rank process by
+# PID, and restarts the job from N as `ckpt restart` would (same options, still
+# under recover), on the same coordinator (`Coordinator.next_job`).  Respawns
+# asked for by the ended job are tagged with its epoch and dropped.
 
 from __future__ import annotations
 
@@ -257,7 +264,9 @@ class _Job:
         #: each rank's current process (a respawned rank's replaces its lost one) and its exit status
         self.current: dict[int, subprocess.Popen[bytes]] = {}
         self.exited: dict[int, int] = {}
-        self._respawns: queue.SimpleQueue[tuple[int, int, int]] = queue.SimpleQueue()
+        self._respawns: queue.SimpleQueue[tuple[int, int, int, int]] = queue.SimpleQueue()
+        #: one more per whole-job restart after a fallback: a respawn the job before asked for is not done
+        self.epoch = 0
         restart = opts.restart
         # One token per checkpoint directory: a new job launched into it keeps the token, so the
         # checkpoints already there stay restartable (their HMACs are keyed with it).
@@ -305,7 +314,7 @@ class _Job:
             self.address = self.coordinator.address
             threading.Thread(target=self._watch_coordinator, daemon=True).start()
             if opts.on_failure == "recover":
-                self.coordinator.set_respawn(lambda *asked: self._respawns.put(asked))
+                self.coordinator.set_respawn(lambda *asked: self._respawns.put((self.epoch, *asked)))
                 threading.Thread(target=self._respawner, name="ckpt-respawner", daemon=True).start()
             self._write_job_file()
             log.info("coordinator of job %s listening on %s", self.job_id, self.address)
@@ -313,10 +322,42 @@ class _Job:
             self.address = opts.coordinator  # its own coordinator.json stays as `ckpt coordinator` wrote it
 
     def _watch_coordinator(self) -> None:
+        """Wake `wait` once the coordinator's job has ended (a fallback's restart starts another watcher)."""
         assert self.coordinator is not None
         self.coordinator.ended.wait()
         with self.changed:
             self.changed.notify_all()
+
+    def restart_after_fallback(self, outcome: dict[str, Any]) -> dict[str, Any] | None:
+        """The job ended with the outcome "fallback": stop every rank process and restart the job from checkpoint
+        `outcome["number"]` on the same coordinator.  None once it runs; the job's failed outcome if it cannot."""
+        assert self.coordinator is not None
+        print(f"ckpt: {outcome['message']}", file=sys.stderr, flush=True)
+        with self.changed:
+            self.epoch += 1
+            stopping, self.current, self.exited = list(self.current.values()), {}, {}
+        for process in stopping:  # by PID, as a user would: none of them may run on beside the restarted job
+            if process.poll() is None:
+                process.kill()
+        for process in stopping:
+            process.wait()
+        self.coordinator.remove_aborted_images()
+        number = int(outcome["number"])
+        try:
+            path = self.opts.ckpt_dir / manifests.manifest_name(Path(self.opts.program).stem, number)
+            manifest, _ = prepare_restart(path, self.opts.ckpt_dir, self.token)
+        except (CkptError, OSError) as exc:
+            message = f"cannot restart the job from checkpoint {number} after rank {outcome['rank']} fell back: {exc}"
+            self.coordinator.fallback_failed(message)
+            return {**outcome, "status": "failed", "message": message}
+        # generation + 1 of the job that fell back, not of the checkpoint's: restarting the same checkpoint again
+        # must not reuse a generation (the key-value store and the ranks' barrier scopes are per generation)
+        manifest["generation"] = max(int(manifest["generation"]), int(self.coordinator.status()["generation"]))
+        self.opts.restart = manifest
+        self.coordinator.next_job()
+        threading.Thread(target=self._watch_coordinator, daemon=True).start()
+        self.spawn()
+        return None
 
     def spawn(self) -> None:
         for rank in range(self.opts.ranks):
@@ -348,17 +389,17 @@ class _Job:
         """Start the processes the coordinator asks for (its callback only queues them: it holds its lock)."""
         assert self.coordinator is not None
         while True:
-            rank, incarnation, number = self._respawns.get()
+            epoch, rank, incarnation, number = self._respawns.get()
             try:
-                self._respawn(rank, incarnation, number)
+                self._respawn(epoch, rank, incarnation, number)
             except Exception as exc:  # any failure (a bad image, Popen's OSError) ends the job
                 self.coordinator.fail(f"cannot respawn rank {rank}: {exc}")
 
-    def _respawn(self, rank: int, incarnation: int, number: int) -> None:
+    def _respawn(self, epoch: int, rank: int, incarnation: int, number: int) -> None:
         spec = recovery_spec(self.opts, rank, incarnation, number, self.address, self.token, self.job_id)
         with self.changed:
-            if self.outcome() is not None:
-                return
+            if self.outcome() is not None or epoch != self.epoch:
+                return  # the job ended, or a fallback restarted it: that rank is in a whole-job restart now
             lost = self.current.get(rank)
             if lost is not None and lost.poll() is None:
                 lost.kill()  # silent rather than dead: the coordinator gave up on it (its reaper reaps it)
@@ -504,6 +545,11 @@ def run_job(opts: JobOptions) -> int:
             if total >= _PROGRESS_MIN_BYTES:
                 progress = _Progress(job.coordinator, total)
         outcome = job.wait(progress)
+        while outcome["status"] == "fallback":  # a rank could not be recovered alone: a whole-job restart
+            if progress:
+                progress.close()
+                progress = None
+            outcome = job.restart_after_fallback(outcome) or job.wait(None)
     except KeyboardInterrupt:
         print("ckpt: interrupted; killing the job's ranks", file=sys.stderr)
         if job.coordinator is not None:

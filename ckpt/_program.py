@@ -180,6 +180,22 @@ class Runtime:
         """
         return self._engine.request_checkpoint(rank)
 
+    def fall_back(self, reason: str) -> None:
+        """This rank cannot be recovered alone (`reason`, one line): ask for a whole-job restart from the last
+        coordinated checkpoint (``--on-failure recover``; under ``abort`` the job fails with `reason`).
+        Does not return: the launcher stops every rank (this process exits if nobody has stopped it within
+        ``FALLBACK_WAIT`` seconds)."""
+        self._engine.fall_back(reason)
+
+    def hold_checkpoints(self, reason: str) -> None:
+        """Checkpoints of any kind wait (queued) until `release_checkpoints` or until this rank is lost:
+        its state is not one an image may hold (`reason` is what ``ckpt status`` shows).  Not nested."""
+        self._engine.hold_checkpoints(reason)
+
+    def release_checkpoints(self) -> None:
+        """End `hold_checkpoints`: queued checkpoints go ahead (a no-op without a hold)."""
+        self._engine.release_checkpoints()
+
     def coordinator_barrier(self, name: str, value: Any = None) -> list[Any]:
         """A named global barrier for plugin hooks; returns every rank's `value` in rank order.
 

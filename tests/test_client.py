@@ -214,9 +214,11 @@ def test_status_shape(coordinator: Coordinator, ranks: Callable[..., list[Coordi
     assert st["state"] == "running"
     assert st["unanimous"] is True
     assert st["last_checkpoint"] is None
+    assert (st["fallbacks"], st["checkpoint_holds"]) == (None, [])
+    shown = {"step": 0, "host": "h", "incarnation": 0, "replay": None, "latest_image": None}
     assert st["ranks"] == [
-        {"rank": 0, "state": "running", "step": 0, "host": "h", "pid": 1000, "incarnation": 0, "latest_image": None},
-        {"rank": 1, "state": "running", "step": 0, "host": "h", "pid": 1001, "incarnation": 0, "latest_image": None},
+        {"rank": 0, "state": "running", "pid": 1000, **shown},
+        {"rank": 1, "state": "running", "pid": 1001, **shown},
     ]
 
 

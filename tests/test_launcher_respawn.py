@@ -100,9 +100,14 @@ def test_a_respawn_that_cannot_start_its_process_fails_the_job_in_one_line(
     job.opts, job.address, job.token, job.job_id = _opts(tmp_path), "127.0.0.1:1", TOKEN, "j1"
     job.coordinator = coordinator  # type: ignore[assignment]
     job.changed, job.processes, job.current, job.exited = threading.Condition(), [], {}, {}
-    job._respawns, job.services_env, job.heartbeat = queue.SimpleQueue(), {}, Heartbeat()
+    job._respawns, job.services_env, job.heartbeat, job.epoch = queue.SimpleQueue(), {}, Heartbeat(), 0
     threading.Thread(target=job._respawner, daemon=True).start()
-    job._respawns.put((1, 1, 1))
+    job._respawns.put((0, 1, 1, 1))
     assert coordinator.failures.get(timeout=WAIT) == "cannot respawn rank 1: [Errno 24] Too many open files"
-    job._respawns.put((0, 1, 9))  # the thread lives on: a later failure is said too
+    job._respawns.put((0, 0, 1, 9))  # the thread lives on: a later failure is said too
     assert "cannot respawn rank 0: rank 0's latest image is checkpoint 9" in coordinator.failures.get(timeout=WAIT)
+    # after a fallback's whole-job restart (epoch 1), a respawn the job before asked for is dropped
+    job.epoch = 1
+    job._respawns.put((0, 1, 1, 1))
+    job._respawns.put((1, 0, 1, 1))
+    assert coordinator.failures.get(timeout=WAIT) == "cannot respawn rank 0: [Errno 24] Too many open files"

@@ -117,7 +117,7 @@ class IndependentCheckpoints(JobMembership):
             and self.all_joined()
             and all(info.connected for info in self.ranks.values())  # not while a lost rank is dealt with
             and not self.restarting
-            and not self.recovery.busy()  # nor while a failed rank is away or still restarting
+            and not self.recovery.checkpoints_wait()  # nor while a failed rank is away, or a rank holds them
         )
 
     def _start_queued_rank(self) -> None:
@@ -221,6 +221,7 @@ class IndependentCheckpoints(JobMembership):
     def _commit(self, manifest: Manifest) -> str:
         """Write `manifest`, then prune (--keep); its path.  A "job" manifest gives every rank a latest image."""
         path = manifests.write_manifest(self.settings.ckpt_dir, manifest, token=self.settings.token.encode())
+        self.recovery.committed_any()  # progress: a later fallback is not part of a loop
         if manifest.kind == "job":
             self.latest_images = {entry.rank: (manifest.number, entry) for entry in manifest.ranks}
         if self.settings.keep:

@@ -37,7 +37,8 @@ log = logging.getLogger("ckpt.coordinator.job")
 #: one's RESUME; neither counts in the job's state, which stays the live ranks'); when the job
 #: ends, ranks that had not finished are "killed" (by a request, or because
 #: another rank failed).  The job's own state is also "waiting" (ranks still joining), "recovering"
-#: (no rank live but the job not over: every one failed or recovering) or its end.
+#: (no rank live but the job not over: every one failed or recovering) or its end ("finished", "failed",
+#: "killed", or "fallback": a rank asked for a whole-job restart, which its launcher runs as a new job).
 STATES = (
     "running",
     *dict.fromkeys(phase.state for phase in (*Phase.checkpoint_sequence(), *Phase.restart_sequence())),
@@ -445,6 +446,7 @@ class JobMembership(abc.ABC):
                 "host": info.host,
                 "pid": info.pid,
                 "incarnation": info.incarnation,
+                "replay": self.recovery.replay_progress(r),  # [done, total] (RANKS_NS replay/<r>) or None
             }
             for r, info in sorted(self.ranks.items())
         ]
@@ -470,6 +472,8 @@ class JobMembership(abc.ABC):
             "checkpoint_in_progress": self._ckpt.number if self._ckpt else None,
             "message": self.message,
             "on_failure": self.recovery.policy,
+            "fallbacks": self.recovery.fallbacks.status(),
+            "checkpoint_holds": [{"rank": r, "reason": why} for r, why in sorted(self.recovery.holds.items())],
             "program": self.program.name if self.program is not None else None,
             "coordinator": self.settings.address,
             "ckpt_dir": str(self.settings.ckpt_dir),

@@ -35,6 +35,18 @@
 # other image is refused.  Each phase of a recovering incarnation must complete
 # within the phase timeout, or that incarnation counts as lost (killed, one
 # attempt used): a hung RESTART would otherwise keep every checkpoint waiting.
+#
+# When single-rank recovery cannot bring a rank back (its logs went with its log
+# home, its replay diverged: FT-KDSM §5's limits), the rank calls `rt.fall_back`:
+# under recover, with a launcher, the job ends with the outcome "fallback" and
+# the launcher kills every rank and restarts the job from its newest coordinated
+# checkpoint on this same coordinator (a new `Job`, generation + 1).  The
+# `FallbackRecord` outlives the jobs of one launch: it bounds a loop (a rank that
+# falls back MAX_RECOVERY_ATTEMPTS times with no checkpoint committed in between
+# fails the job) and `ckpt status` shows it.  A rank whose state an image must
+# not hold (it is replaying its logs) holds checkpoints (`rt.hold_checkpoints`):
+# every request waits, queued, as while a rank is away, until it releases them
+# or is lost.
 
 from __future__ import annotations
 
@@ -69,6 +81,24 @@ MAX_RECOVERY_ATTEMPTS: Final = 3
 Respawn = Callable[[int, int, int], None]
 
 
+@dataclass
+class FallbackRecord:
+    """The whole-job fallbacks of one launch (it outlives each restarted `Job`)."""
+
+    count: int = 0
+    #: the last one: the asking rank, its reason and the checkpoint the job restarted from
+    rank: int | None = None
+    reason: str = ""
+    number: int | None = None
+    #: fallbacks since a checkpoint (of either kind) was last committed
+    in_a_row: int = 0
+
+    def status(self) -> dict[str, Any] | None:
+        if not self.count:
+            return None
+        return {"count": self.count, "rank": self.rank, "reason": self.reason, "number": self.number}
+
+
 @dataclass(frozen=True)
 class _Recorded:
     kind: str
@@ -95,6 +125,10 @@ class RankRecovery:
         self._trimmed = 0
         #: rank -> the phase timer of its recovering incarnation
         self._timers: dict[int, Timer] = {}
+        #: rank -> why it holds checkpoints (rt.hold_checkpoints)
+        self.holds: dict[int, str] = {}
+        #: shared with the launch's later jobs by the coordinator (Coordinator._new_job)
+        self.fallbacks = FallbackRecord()
 
     @property
     def on(self) -> bool:
@@ -103,6 +137,10 @@ class RankRecovery:
     def busy(self) -> bool:
         """Is a rank failed or recovering? (No checkpoint can start, no collective can be called stuck.)"""
         return bool(self.failed or self.recovering)
+
+    def checkpoints_wait(self) -> bool:
+        """Must a checkpoint (of either kind) wait: a rank is failed or recovering, or one holds them?"""
+        return self.busy() or bool(self.holds)
 
     def absent(self) -> set[int]:
         """Ranks whose live incarnation cannot take part in the job's own barriers."""
@@ -174,6 +212,9 @@ class RankRecovery:
     def lost(self, rank: int, info: RankInfo, cause: str) -> bool:
         """Rank `rank` was lost (its connection closed or went silent); False when the job is to fail as ever."""
         job = self.job
+        if self.holds.pop(rank, None) is not None:
+            log.info("job %s: rank %d was lost: its hold on checkpoints ends", job.job_id, rank)
+        job.kv.publish(RANKS_NS, f"replay/{rank}", None)  # a lost incarnation's replay progress is no one's
         if not self.on or job.restarting:
             return False  # a whole-job restart waits for every rank in its own phases: it fails as ever
         why = f" ({cause})" if cause else ""
@@ -229,6 +270,69 @@ class RankRecovery:
         for name in list(job._barriers):
             if name in job._barriers and job.participants(name) <= set(job._barriers[name]):
                 job._release_barrier(name)
+
+    # ----------------------------------------------------------- holds and the whole-job fallback
+    def hold(self, rank: int, reason: str) -> None:
+        """Rank `rank` holds checkpoints (`reason`) until it releases them or is lost (not nested)."""
+        self.holds[rank] = reason
+        log.info("job %s: rank %d holds checkpoints: %s", self.job.job_id, rank, reason)
+
+    def release(self, rank: int) -> None:
+        """Rank `rank` no longer holds checkpoints: what was queued meanwhile starts (if nothing else waits)."""
+        if self.holds.pop(rank, None) is None:
+            return
+        log.info("job %s: rank %d released checkpoints", self.job.job_id, rank)
+        self.job._start_queued()  # the queued coordinated one first, then independent ones
+
+    def fall_back(self, rank: int, reason: str) -> None:
+        """Rank `rank` cannot be recovered alone: end the job for a whole-job restart from its newest coordinated
+        checkpoint (outcome "fallback", the launcher's part), or fail it with `reason` in one line."""
+        job = self.job
+        if job.outcome is not None:
+            return  # another rank asked first, or the job ended: this rank is stopped with the others
+        asked = f"rank {rank} cannot go on alone: {reason}"
+        if not self.on:
+            latest = job.last_checkpoint["number"] if job.last_checkpoint else None
+            tail = f"; the latest checkpoint is {latest}" if latest else "; there is no checkpoint to restart from"
+            job.fail(asked + tail)
+            return
+        job._ending = True  # the checkpoint's abort must not start anything
+        job._end_checkpoint(asked)  # one in progress is aborted, unless it is already committed (then it is C)
+        job._ending = False
+        last = job.last_checkpoint
+        if last is None:
+            job.fail(f"{asked}; the job has no coordinated checkpoint to restart from")
+            return
+        number, record = int(last["number"]), self.fallbacks
+        if self.respawn is None:  # a standalone coordinator: nobody here can start the ranks again
+            job.fail(f"{asked}; restart the whole job from checkpoint {number} (ckpt restart)")
+            return
+        if record.in_a_row + 1 >= MAX_RECOVERY_ATTEMPTS:
+            job.fail(
+                f"{asked}; a whole-job restart was asked for {record.in_a_row + 1} times with no checkpoint "
+                f"committed in between (limit {MAX_RECOVERY_ATTEMPTS}); the latest checkpoint is {number}"
+            )
+            return
+        record.count += 1
+        record.in_a_row += 1
+        record.rank, record.reason, record.number = rank, reason, number
+        message = f"{asked}; restarting the whole job from checkpoint {number}"
+        job.message = message
+        log.info("job %s: %s", job.job_id, message)
+        job._ending = True
+        job._end({"status": "fallback", "message": message, "number": number, "rank": rank, "reason": reason})
+
+    def committed_any(self) -> None:
+        """A checkpoint (of either kind) was committed: the job made progress since its last fallback."""
+        self.fallbacks.in_a_row = 0
+
+    def replay_progress(self, rank: int) -> list[int] | None:
+        """[done, total] of rank `rank`'s replay while it runs (`RANKS_NS` replay/<rank>), else None."""
+        found, value = self.job.kv.get(RANKS_NS, f"replay/{rank}")
+        if not found or not isinstance(value, list) or len(value) != 2:
+            return None
+        done, total = value
+        return [int(done), int(total)] if isinstance(done, int) and isinstance(total, int) else None
 
     # ----------------------------------------------------------- a recovering rank's own phases
     def barrier_released(self, name: str) -> None:

@@ -134,7 +134,7 @@ class Job(IndependentCheckpoints):
         target = self._ckpt or self._queued
         if target is None:
             target = Checkpoint(0, kill, time.time())
-            free = self._rank_ckpt is None and not self.recovery.busy()
+            free = self._rank_ckpt is None and not self.recovery.checkpoints_wait()
             if self.all_joined() and not self.restarting and free:
                 self._start(target)
             else:
@@ -159,7 +159,7 @@ class Job(IndependentCheckpoints):
             and self.outcome is None
             and self.all_joined()
             and not self.restarting
-            and not self.recovery.busy()
+            and not self.recovery.checkpoints_wait()
         ):
             queued, self._queued = self._queued, None
             self._start(queued)

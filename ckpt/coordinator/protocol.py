@@ -56,6 +56,9 @@ class Op(enum.StrEnum):
     FATAL = "fatal"
     ABORT_CHECKPOINT = "abort_checkpoint"
     PROGRESS = "progress"
+    FALL_BACK = "fall_back"
+    HOLD_CHECKPOINTS = "hold_checkpoints"
+    RELEASE_CHECKPOINTS = "release_checkpoints"
     # control (`ckpt status / checkpoint / kill`); a rank may send these too
     STATUS = "status"
     CHECKPOINT = "checkpoint"
@@ -145,6 +148,23 @@ class Progress(Request, tag=Op.PROGRESS.value, frozen=True):
     total: int
 
 
+class FallBack(Request, tag=Op.FALL_BACK.value, frozen=True):
+    """The rank cannot be recovered alone (`reason`): restart the whole job from its last coordinated
+    checkpoint (``rt.fall_back``); the rank waits to be stopped."""
+
+    reason: str
+
+
+class HoldCheckpoints(Request, tag=Op.HOLD_CHECKPOINTS.value, frozen=True):
+    """Checkpoints of any kind wait until this rank sends `release_checkpoints` (``rt.hold_checkpoints``)."""
+
+    reason: str
+
+
+class ReleaseCheckpoints(Request, tag=Op.RELEASE_CHECKPOINTS.value, frozen=True):
+    """End this rank's hold (``rt.release_checkpoints``): queued checkpoints go ahead."""
+
+
 class Status(Request, tag=Op.STATUS.value, frozen=True):
     control: ClassVar[bool] = True
 
@@ -181,6 +201,9 @@ REQUESTS: Final[Mapping[Op, type[Request]]] = {
     Op.FATAL: Fatal,
     Op.ABORT_CHECKPOINT: AbortCheckpoint,
     Op.PROGRESS: Progress,
+    Op.FALL_BACK: FallBack,
+    Op.HOLD_CHECKPOINTS: HoldCheckpoints,
+    Op.RELEASE_CHECKPOINTS: ReleaseCheckpoints,
     Op.STATUS: Status,
     Op.CHECKPOINT: Checkpoint,
     Op.KILL: Kill,

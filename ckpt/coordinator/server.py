@@ -29,7 +29,7 @@ from ckpt import _wire
 from ckpt._errors import CkptError, CoordinatorError, ProtocolError
 from ckpt._server import PeerConnection, Server
 from ckpt.coordinator import protocol
-from ckpt.coordinator._recovery import Respawn
+from ckpt.coordinator._recovery import FallbackRecord, Respawn
 from ckpt.coordinator._scheduler import Scheduler, Timer
 from ckpt.coordinator.job import Job, JobSettings
 from ckpt.coordinator.kvstore import Reply
@@ -104,13 +104,34 @@ class Coordinator(Server[_Connection]):
         self._kv_timer: Timer | None = None
         self._ranks: dict[int, _Connection] = {}
         self._respawn: Respawn | None = None
+        self._fallbacks = FallbackRecord()  # across the jobs a fallback starts (next_job)
         self.job = self._new_job()
 
     def _new_job(self) -> Job:
         job = Job(self._settings, self._push, self._scheduler)
         job.on_end = self._job_ended
         job.recovery.respawn = self._respawn
+        job.recovery.fallbacks = self._fallbacks
         return job
+
+    def next_job(self) -> None:
+        """The job ended with the outcome "fallback" and its ranks are stopped: serve its whole-job restart as a
+        fresh job (the same address, token and directory).  What is left of the old ranks' connections is
+        dropped, so nothing of theirs reaches the new job."""
+        with self._lock:
+            for conn in self._ranks.values():
+                conn.abort()
+            self._ranks.clear()
+            self.job = self._new_job()
+            self.ended.clear()
+
+    def fallback_failed(self, message: str) -> None:
+        """The whole-job restart a fallback asked for cannot start (`message`): the job's end is a failure."""
+        with self._lock:
+            outcome = self.job.outcome
+            if outcome is not None and outcome["status"] == "fallback":
+                outcome.update(status="failed", message=message)
+                self.job.message = message
 
     def set_respawn(self, respawn: Respawn | None) -> None:
         """Under --on-failure recover, call `respawn(rank, incarnation, number)` (under the coordinator's lock: it
@@ -225,6 +246,8 @@ class Coordinator(Server[_Connection]):
                 conn.post({"op": "reply", "id": rid, "error": f"the coordinator refused the request: {exc}"})
             raise
         with self._lock:
+            if conn.role == protocol.ROLE_RANK and self._ranks.get(conn.rank) is not conn:
+                return False  # a rank of a job a fallback replaced (next_job): its connection is going
             _HANDLERS[type(request)](self, conn, request, conn.reply_to(request.id))
         return False
 
@@ -301,6 +324,18 @@ class Coordinator(Server[_Connection]):
 
     def _op_progress(self, conn: _Connection, request: protocol.Progress, reply: Reply) -> None:
         self.job.progress[conn.rank] = (request.done, request.total)
+
+    def _op_fall_back(self, conn: _Connection, request: protocol.FallBack, reply: Reply) -> None:
+        reply({})  # first: a fallback's end of the job may push KillRank to this very rank
+        self.job.recovery.fall_back(conn.rank, request.reason)
+
+    def _op_hold_checkpoints(self, conn: _Connection, request: protocol.HoldCheckpoints, reply: Reply) -> None:
+        self.job.recovery.hold(conn.rank, request.reason)
+        reply({})
+
+    def _op_release_checkpoints(self, conn: _Connection, request: protocol.ReleaseCheckpoints, reply: Reply) -> None:
+        self.job.recovery.release(conn.rank)
+        reply({})
 
     def _op_fatal(self, conn: _Connection, request: protocol.Fatal, reply: Reply) -> None:
         if self.job.outcome is None:

@@ -31,7 +31,11 @@ ENTRY_POINT_GROUP = "ckpt.plugins"
 #: The key-value namespace where the coordinator says which ranks failed and came back
 #: (``--on-failure recover``): ``failed/<rank>`` = the incarnation that was lost, published when
 #: the coordinator notices; ``incarnation/<rank>`` = the rank's new incarnation, published once it
-#: has run ``ckpt_restart`` (just before ``ckpt_rank_recovered`` fires on the survivors).
+#: has run ``ckpt_restart`` (just before ``ckpt_rank_recovered`` fires on the survivors).  A rank
+#: replaying its logs after a recovery publishes ``replay/<rank>`` = ``[done, total]`` (operations
+#: replayed, operations logged; a few times a second at most: each publish is a round trip), and
+#: ``ckpt status`` shows "replaying done/total" while done < total (``--json``: ``ranks[i].replay``);
+#: the coordinator clears it (None) when that rank is lost.
 RANKS_NS = "ckpt.ranks"
 
 __all__ = [

@@ -44,6 +44,8 @@ from ckpt.runtime.plugins import PluginHost
 log = logging.getLogger(__name__)
 
 SPEC_ENV = "CKPT_RANK_SPEC"
+#: How long a rank that asked for a whole-job restart (rt.fall_back) waits to be stopped before it exits.
+FALLBACK_WAIT = 60.0
 
 
 class RankEngine:
@@ -284,6 +286,26 @@ class RankEngine:
             log.info("checkpoint request ignored: checkpoints are disabled under --native")
             return 0
         return int(self.client.call("checkpoint", **({} if rank is None else {"rank": rank}))["number"])
+
+    def fall_back(self, reason: str) -> NoReturn:
+        """rt.fall_back: the coordinator ends the job for a whole-job restart (or fails it), and the launcher
+        (or a KillRank push) stops this process; it never runs on, whichever thread asked."""
+        try:
+            self.client.call("fall_back", reply_timeout=10.0, reason=reason)
+        except CoordinatorError as exc:
+            say(f"ckpt rank {self.rank}: cannot ask for a whole-job restart ({reason}): {exc}")
+            _exit(1)
+        threading.Event().wait(FALLBACK_WAIT)  # nothing sets it: the wait ends with this process
+        say(f"ckpt rank {self.rank}: asked for a whole-job restart ({reason}), not stopped within {FALLBACK_WAIT:g} s")
+        _exit(1)
+
+    def hold_checkpoints(self, reason: str) -> None:
+        if not self.native:  # --native takes no checkpoints: nothing to hold
+            self.client.call("hold_checkpoints", reason=reason)
+
+    def release_checkpoints(self) -> None:
+        if not self.native:
+            self.client.call("release_checkpoints")
 
     def _fatal(self, message: str, traceback_text: str = "") -> NoReturn:
         """Report why this rank cannot go on, and exit.  Under `ckpt launch` the launcher prints it, once

@@ -104,6 +104,13 @@ class RuntimeDouble:
         self.steps = 0
         #: the ranks `checkpoint_rank` was asked for, in order (nothing is taken)
         self.rank_checkpoints_requested: list[int] = []
+        #: the reasons `fall_back` was called with, in order
+        self.fall_backs: list[str] = []
+        #: the reasons `hold_checkpoints` was called with, in order, and how often `release_checkpoints` was
+        self.holds: list[str] = []
+        self.releases = 0
+        #: the reason of the hold in force (None: checkpoints are not held)
+        self.held: str | None = None
 
     @property
     def step(self) -> int:
@@ -116,6 +123,20 @@ class RuntimeDouble:
         self.rank_checkpoints_requested.append(rank)
         return 0
 
+    def fall_back(self, reason: str) -> None:
+        """Record the request and return: a real rank never returns from it (it is stopped for the
+        whole-job restart), so code under test should return right after calling it."""
+        self.fall_backs.append(reason)
+
+    def hold_checkpoints(self, reason: str) -> None:
+        """Record the hold (`held` is its reason until `release_checkpoints`)."""
+        self.holds.append(reason)
+        self.held = reason
+
+    def release_checkpoints(self) -> None:
+        self.releases += 1
+        self.held = None
+
     @property
     def coordinator(self) -> str:
         return "127.0.0.1:0"  # there is none: an address nothing listens on
@@ -127,7 +148,8 @@ class FakeRuntime(RuntimeDouble):
     Enough to drive a plugin's hooks by hand: `kv` is a `FakeKeyValue` that `new_generation` (a
     restart) replaces with an empty one, while `allocate_global`'s counters go on across
     generations as the coordinator's do; `coordinator_barrier` and `allgather` return this one
-    rank's value; `checkpoint` only counts the requests, `checkpoint_rank` records them.  What the
+    rank's value; `checkpoint` only counts the requests, `checkpoint_rank`, `fall_back`,
+    `hold_checkpoints` and `release_checkpoints` record theirs.  What the
     plugin asked for is kept for assertions: `allocated` (every ID handed out, by namespace) and
     `barriers` (their names).
     """
