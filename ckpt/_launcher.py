@@ -8,12 +8,10 @@
 # respawn that fails in any way fails the job in one line.  A process that dies before it has joined is the job's end
 # as ever: the coordinator never heard of it.
 #
-# A rank that cannot be recovered alone calls `rt.fall_back(reason)`: the job
-# ends with the outcome "fallback" (checkpoint N, the newest coordinated one),
-# and this launcher prints the reason in one line, kills every rank process by
-# PID, and restarts the job from N as `ckpt restart` would (same options, still
-# under recover), on the same coordinator (`Coordinator.next_job`).  Respawns
-# asked for by the ended job are tagged with its epoch and dropped.
+# A rank that cannot be recovered alone calls `rt.fall_back(reason)`: the job ends with the outcome
+# "fallback"; this launcher prints the reason in one line, kills every rank process by PID and restarts
+# the job from the newest coordinated checkpoint as `ckpt restart` would (same options, still under
+# recover) on the same coordinator (`Coordinator.next_job`); the old job's respawns are dropped (epoch).
 
 from __future__ import annotations
 
@@ -321,8 +319,7 @@ class _Job:
         else:
             self.address = opts.coordinator  # its own coordinator.json stays as `ckpt coordinator` wrote it
 
-    def _watch_coordinator(self) -> None:
-        """Wake `wait` once the coordinator's job has ended (a fallback's restart starts another watcher)."""
+    def _watch_coordinator(self) -> None:  # one per job on the coordinator: a fallback's restart starts another
         assert self.coordinator is not None
         self.coordinator.ended.wait()
         with self.changed:
@@ -335,10 +332,10 @@ class _Job:
         print(f"ckpt: {outcome['message']}", file=sys.stderr, flush=True)
         with self.changed:
             self.epoch += 1
-            stopping, self.current, self.exited = list(self.current.values()), {}, {}
-        for process in stopping:  # by PID, as a user would: none of them may run on beside the restarted job
-            if process.poll() is None:
-                process.kill()
+            self.current, self.exited = {}, {}  # what the stopped processes' exits say is no rank's
+        stopping = [process for process in self.processes if process.poll() is None]
+        for process in stopping:  # by PID: none of them may run on beside the restarted job
+            process.kill()
         for process in stopping:
             process.wait()
         self.coordinator.remove_aborted_images()
@@ -350,8 +347,7 @@ class _Job:
             message = f"cannot restart the job from checkpoint {number} after rank {outcome['rank']} fell back: {exc}"
             self.coordinator.fallback_failed(message)
             return {**outcome, "status": "failed", "message": message}
-        # generation + 1 of the job that fell back, not of the checkpoint's: restarting the same checkpoint again
-        # must not reuse a generation (the key-value store and the ranks' barrier scopes are per generation)
+        # generation + 1 of the job that fell back: a restart of the same checkpoint again must not reuse one
         manifest["generation"] = max(int(manifest["generation"]), int(self.coordinator.status()["generation"]))
         self.opts.restart = manifest
         self.coordinator.next_job()
@@ -546,10 +542,7 @@ def run_job(opts: JobOptions) -> int:
                 progress = _Progress(job.coordinator, total)
         outcome = job.wait(progress)
         while outcome["status"] == "fallback":  # a rank could not be recovered alone: a whole-job restart
-            if progress:
-                progress.close()
-                progress = None
-            outcome = job.restart_after_fallback(outcome) or job.wait(None)
+            outcome = job.restart_after_fallback(outcome) or job.wait(None)  # (a progress bar closes at the end)
     except KeyboardInterrupt:
         print("ckpt: interrupted; killing the job's ranks", file=sys.stderr)
         if job.coordinator is not None:

@@ -80,7 +80,8 @@ def test_restart_cycles_chain_from_the_previous_restart(
     cycles: int, start_job: Callable[..., Job], tmp_path: Path
 ) -> None:
     ckpt_dir = tmp_path / "ckpt"
-    program = [str(EXAMPLES / "heat.py"), "1000", "500", "3"]  # 3 ms of work a step: the kills land mid-run
+    steps = str(350 + 150 * cycles)  # the last kill 300 steps before the end at least
+    program = [str(EXAMPLES / "heat.py"), steps, "500", "3"]  # 3 ms of work a step: the kills land mid-run
     plain = run("launch", "-n", "4", "--ckpt-dir", str(tmp_path / "plain"), *program[:3], "0", timeout=120)
     assert plain.returncode == 0, plain.stderr
     job = start_job("launch", "-n", "4", "--ckpt-dir", str(ckpt_dir), *program)

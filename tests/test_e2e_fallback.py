@@ -10,12 +10,16 @@ checkpoints keeps an independent checkpoint asked for meanwhile queued until it 
 from __future__ import annotations
 
 import json
+import os
+import signal
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from ckpt.coordinator._recovery import MAX_RECOVERY_ATTEMPTS
-from ckpt.testing import one_error_line, results, run, uninterrupted
+from ckpt.testing import Job, one_error_line, results, run, uninterrupted, wait_for
 from harness import PROGRAMS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
@@ -57,6 +61,29 @@ def test_a_fallback_restarts_the_whole_job_from_its_coordinated_checkpoint(
     assert final["fallbacks"] == {"count": 1, "rank": 1, "reason": reason, "number": 1}
     shown = run("status", "--ckpt-dir", str(ckpt_dir)).stdout
     assert f"whole-job fallbacks: 1, the last from checkpoint 1 (rank 1: {reason})" in shown
+
+
+def test_a_rank_killed_whose_recovered_incarnation_falls_back_ends_as_uninterrupted(
+    start_job: Callable[..., Job], tmp_path: Path, expected: dict[int, str]
+) -> None:
+    ckpt_dir = tmp_path / "ckpt"
+    job = start_job("launch", "--ckpt-dir", str(ckpt_dir), *RECOVER, PROGRAM, STEPS, AT, "0", ckpt_dir=ckpt_dir)
+
+    def settled() -> dict[str, Any] | None:
+        state = job.poll_status()
+        ready = state and len(state["ranks"]) == 3 and state["last_checkpoint"] and state["state"] == "running"
+        return state if ready and min(r["step"] for r in state["ranks"]) >= 5 else None  # type: ignore[index]
+
+    state = wait_for(settled, 60, "every rank past step 5, after the first checkpoint")
+    os.kill(state["ranks"][2]["pid"], signal.SIGKILL)  # its next incarnation replays nothing: it falls back
+    job.finishes_with(expected)
+    reason = "rank 2 was recovered alone as incarnation 1, but cannot replay"
+    assert job.stderr.count(reason) == 1, job.stderr
+    assert "respawning it from checkpoint 1 as incarnation 1" in job.stderr  # recovered alone first
+    final = job.status()
+    assert final is not None and final["fallbacks"] == {"count": 1, "rank": 2, "reason": reason, "number": 1}
+    assert final["generation"] == 1 and all(r["incarnation"] == 0 for r in final["ranks"])
+    assert not {r["pid"] for r in state["ranks"]} & {r["pid"] for r in final["ranks"]}  # every rank is new
 
 
 def test_a_job_that_keeps_falling_back_fails_in_one_line(tmp_path: Path) -> None:

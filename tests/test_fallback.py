@@ -270,3 +270,25 @@ def test_the_runtime_doubles_record_fallbacks_and_holds() -> None:
     rt.release_checkpoints()
     rt.fall_back(REASON)  # returns (a real rank is stopped): the code under test returns right after
     assert (rt.holds, rt.releases, rt.held, rt.fall_backs) == (["replaying"], 1, None, [REASON])
+
+
+def test_status_text_shows_holds_replay_progress_and_fallbacks(
+    coordinator: Coordinator,
+    join: Callable[..., Rank],
+    pool: ThreadPoolExecutor,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from ckpt._cli_control import _print_status
+
+    ranks = started(pool, join)
+    ranks[1].client.call("hold_checkpoints", reply_timeout=WAIT, reason="rank 1 is replaying its logs")
+    ranks[1].client.call("publish", reply_timeout=WAIT, ns=RANKS_NS, key="replay/1", value=[12, 40])
+    ranks[2].client.call("publish", reply_timeout=WAIT, ns=RANKS_NS, key="replay/2", value=[40, 40])
+    coordinator.job.recovery.fallbacks.count = 2  # as after two whole-job restarts
+    coordinator.job.recovery.fallbacks.rank, coordinator.job.recovery.fallbacks.number = 1, 1
+    coordinator.job.recovery.fallbacks.reason = REASON
+    _print_status(status(coordinator))
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.endswith("replaying 12/40") for line in lines[1:4]] == [False, True, False]  # 40/40: it is done
+    assert "checkpoints held by rank 1: rank 1 is replaying its logs" in lines
+    assert f"whole-job fallbacks: 2, the last from checkpoint 1 (rank 1: {REASON})" in lines

@@ -1,7 +1,9 @@
 """Asks for a whole-job restart from inside a rank (rt.fall_back), and holds checkpoints (rt.hold_checkpoints).
 
 argv: STEPS AT TIMES [HOLD_FROM HOLD_TO]: rank 1 calls rt.fall_back at step AT while the job's generation is
-below TIMES (so a job launched with TIMES 1 falls back once: its restart runs in generation 1).  With HOLD_FROM
+below TIMES (so a job launched with TIMES 1 falls back once: its restart runs in generation 1).  A rank that
+replaced a failed one alone (rt.recovered: killed under --on-failure recover) falls back at its first step, as
+a rank whose logs went with its log home does.  With HOLD_FROM
 and HOLD_TO, rank 1 holds checkpoints from step HOLD_FROM to step HOLD_TO, and rank 0 asks for rank 2's
 independent checkpoint at step HOLD_FROM + 1 (queued meanwhile; its image is taken after the release).
 Each step: local numpy work and an allgather of a partial sum, so the result depends on every rank's every step.
@@ -25,6 +27,8 @@ class FallBack(ckpt.Program):
         self.i = 0
 
     def step(self, rt: ckpt.Runtime) -> bool:
+        if rt.recovered:
+            rt.fall_back(f"rank {rt.rank} was recovered alone as incarnation {rt.incarnation}, but cannot replay")
         if rt.rank == 1 and self.i == self.at and rt.generation < self.times:
             rt.fall_back(f"rank 1 cannot replay (test fallback at step {self.i}, generation {rt.generation})")
         if self.hold is not None:
