@@ -65,22 +65,24 @@ def ckpt_add_options() -> list[dict[str, Any]]:
     ]
 
 
-#: Until recovery by replay exists, a DSM rank respawned alone would re-execute its synchronisation with
-#: live traffic and compute wrong answers: refuse rather than half-restart (issue 13 part 5 lifts this).
-NO_REPLAY_YET = (
-    "remote logging records what a DSM rank needs to recover alone, but recovery by replay of those logs "
-    "is not built yet; without it a respawned DSM rank would re-execute its synchronisation with live traffic"
+#: What remote logging answers for: the DSM's state across ranks, and the queue pairs the DSM reconnects
+#: through the verbs plugin (``ckpt_ib`` refuses alone: a plain verbs program cannot be replayed).
+RECOVERS = ["ib", "dsm"]
+#: Stable logging keeps the logs on the rank's own disk: nothing replays them yet.
+NO_STABLE_REPLAY = (
+    "stable logging keeps each rank's logs on its own disk, but recovery replays remote logs only: "
+    "use --logging remote with --on-failure recover"
 )
 
 
 @ckpt.hookimpl
-def ckpt_single_rank_recovery(job: JobInfo) -> str | None:
-    """With logging off this plugin keeps nothing across ranks: no answer.  With logging on it will answer
-    ``["ib", "dsm"]`` (it owns the DSM's recovery and its connections) once replay is built; until then it
-    refuses, so a DSM program is never half-restarted."""
-    if (job.options.get("logging") or "off") == "off":
+def ckpt_single_rank_recovery(job: JobInfo) -> str | list[str] | None:
+    """With logging off this plugin keeps nothing across ranks: no answer.  With remote logging it recovers
+    a DSM rank by replay and answers for the DSM and its connections; stable logging is refused."""
+    mode = job.options.get("logging") or "off"
+    if mode == "off":
         return None
-    return NO_REPLAY_YET
+    return RECOVERS if mode == "remote" else NO_STABLE_REPLAY
 
 
 @ckpt.hookimpl

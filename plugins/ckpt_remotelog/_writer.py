@@ -29,6 +29,7 @@ large for the send queue is run chunk by chunk (``Endpoint.run``), waiting as it
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -37,10 +38,12 @@ import numpy as np
 
 from ckpt import verbs
 from dsm import DsmError
+from dsm._net import UP
 
 from ._records import HEADER_SIZE, Record, commit_word, scan, walk
 from ._ring import CONTROL, REMOTE, spans
 
+log = logging.getLogger(__name__)
 LOG, HOME = "log", "home"  # the two rings every rank holds
 ONE_SIDED = 3 << 40  # the kind bits `Endpoint.poll` files under one-sided completions
 POST_LIMIT = 128  # WRs posted to one QP without waiting (the send queue holds 512)
@@ -66,14 +69,16 @@ class RingWriter:
         self.landing_mr = verbs.MR(memory.pd, self.landing, REMOTE)
         self.queue: list[tuple[int, str, bytearray]] = []
         self.serials: list[int] = []  # per queued record: its writer's own serial (NOTICES, BARRIER), else -1
-        self.reserved: tuple[dict[tuple[int, str], list[bytearray]], list[int]] | None = None  # records, FAA ids
+        # records, FAA ids, peers not posted to (failed)
+        self.reserved: tuple[dict[tuple[int, str], list[bytearray]], list[int], set[int]] | None = None
         self.writing: list[int] = []  # ids of the signaled WRITEs not yet seen complete
+        self.sent: dict[int, tuple[int, int]] = {}  # signaled WR id -> (peer, its link number when posted)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         # an image is a point every record before it is covered by (ckpt_restart starts over from it): what is
         # queued, reserved or being written belongs to this process only
-        state.update(queue=[], serials=[], reserved=None, writing=[])
+        state.update(queue=[], serials=[], reserved=None, writing=[], sent={})
         return state
 
     # ------------------------------------------------------------------ batches
@@ -109,25 +114,27 @@ class RingWriter:
             reserve.setdefault(peer, []).append(_atomic(self._land(slot), ring["rkey"], ring["addr"], need))
             reserve[peer].append(_read(self._land(slot + 1), ring["rkey"], ring["addr"] + 8))
         ids: list[int] = []
-        for peer, wrs in reserve.items():
-            self._post(peer, wrs, ids)
+        dropped = {peer for peer, wrs in reserve.items() if not self._post(peer, wrs, ids)}
         self.memory.counters.count("log_fetch_add", 8 * len(rings))
-        self.reserved = (rings, ids)
+        self.reserved = (rings, ids, dropped)
 
     def write(self) -> None:
         """Wait for the reservation (if any), then post its records' WRITEs, not waited for."""
         if self.reserved is None:
             return
         started = time.perf_counter()
-        rings, ids = self.reserved
+        rings, ids, dropped = self.reserved
         self.reserved = None
-        self._wait(ids, "room in the log rings")
+        lost = dropped | self._wait(ids, "room in the log rings")
         self._wait(self.writing, "earlier log writes")  # they read from the staging buffer this batch fills
         self.writing = []
         total = sum(len(r) for batch in rings.values() for r in batch)
         writes: dict[int, list[verbs.SendWR]] = {}
         at, big = 0, total > len(self.staging)
         for (peer, which), batch in rings.items():
+            if peer in lost:  # its rings died with it: its recovery marks them lost, their owners checkpoint
+                log.info("rank %d: %d log record(s) for lost rank %d dropped", self.memory.rank, len(batch), peer)
+                continue
             slot = self._slot(peer, which)
             tail, head = int(self.landing[slot]), int(self.landing[slot + 1])
             if big:  # too much for the staging buffer at once: ring by ring, each written and waited for
@@ -137,7 +144,7 @@ class RingWriter:
                 continue
             at = self._place(peer, which, tail, head, batch, at, writes.setdefault(peer, []))
         for peer, wrs in writes.items():
-            self._post(peer, wrs, self.writing)
+            self._post(peer, wrs, self.writing)  # a failed peer is skipped: see above
         self.memory.counters.count("log_write", total)
         self.memory.account("log_records", sum(len(batch) for batch in rings.values()))
         self.memory.account("log_bytes", total)
@@ -179,27 +186,51 @@ class RingWriter:
             position += len(record)
         return at
 
-    def _post(self, peer: int, wrs: list[verbs.SendWR], ids: list[int]) -> None:
-        """Post `wrs` to `peer`, the last one signaled (its id goes to `ids`); no wait unless too many."""
+    def _post(self, peer: int, wrs: list[verbs.SendWR], ids: list[int]) -> bool:
+        """Post `wrs` to `peer`, the last one signaled (its id goes to `ids`); no wait unless too many.
+
+        False, and nothing posted, when the link to `peer` is not up: a failed peer's rings are lost
+        with it (its recovery marks the log ring it held lost and asks its owner's checkpoint; the
+        home diff log is rebuilt from the DIFF records at its log home), so what was meant for them
+        is dropped rather than waited for.
+        """
         client, seq = self.memory.client, self.memory.seq
+        if client.state[peer] != UP:
+            return False
         if len(wrs) > POST_LIMIT:
             client.run(peer, wrs, seq)  # waits chunk by chunk: the send queue is bounded
-            return
-        qp = client.qps[peer]
-        for wr in wrs[:-1]:
-            wr.send_flags, wr.wr_id = 0, ONE_SIDED
-            qp.post_send(wr)
+            return True
         seq[0] += 1
         last = wrs[-1]
-        last.send_flags, last.wr_id = verbs.IBV_SEND_SIGNALED, ONE_SIDED | (seq[0] & 0xFFFFFFFFFF)
-        qp.post_send(last)
+        with client.lock:  # the endpoint's: a post never reaches a QP being replaced (dsm._net)
+            if client.state[peer] != UP:
+                return False
+            qp = client.qps[peer]
+            for wr in wrs[:-1]:
+                wr.send_flags, wr.wr_id = 0, ONE_SIDED
+                qp.post_send(wr)
+            last.send_flags, last.wr_id = verbs.IBV_SEND_SIGNALED, ONE_SIDED | (seq[0] & 0xFFFFFFFFFF)
+            qp.post_send(last)
+            self.sent[last.wr_id] = (peer, client.link[peer])
         ids.append(last.wr_id)
+        return True
 
-    def _wait(self, ids: list[int], what: str) -> None:
-        if ids:
-            client = self.memory.client
-            client.wait(lambda: all(w in client.rdma_done for w in ids), what)
-            client.rdma_done.difference_update(ids)
+    def _wait(self, ids: list[int], what: str) -> set[int]:
+        """Wait for the WRs `ids`; the peers whose link failed or was replaced meanwhile (theirs never complete)."""
+        if not ids:
+            return set()
+        client = self.memory.client
+
+        def gone(wr_id: int) -> bool:
+            peer, link = self.sent[wr_id]
+            return bool(client.state[peer] != UP or client.link[peer] != link)
+
+        client.wait(lambda: all(w in client.rdma_done or gone(w) for w in ids), what)
+        lost = {self.sent[w][0] for w in ids if w not in client.rdma_done}
+        client.rdma_done.difference_update(ids)
+        for wr_id in ids:
+            self.sent.pop(wr_id, None)
+        return lost
 
     # ------------------------------------------------------------------ full rings
     def wait_for_room(self, peer: int, which: str, head_needed: int) -> None:
