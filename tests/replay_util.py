@@ -28,6 +28,7 @@ from dsm_util import run_program
 from ib_cases import HOLD_ENV
 
 from ckpt.testing import Job, results, wait_for
+from ckpt.testing import run as run_ckpt
 from harness import PROGRAMS
 
 RANKS = 4
@@ -172,7 +173,15 @@ class ReplayRun:
         """An assertion naming the run (its seed) and showing the end of the job's output."""
         out, err = self.job.read() if self.job is not None and self.job.process is not None else ("", "")
         tail = "\n".join((out + err).strip().splitlines()[-25:])
-        return AssertionError(f"{self.label}: {what}\n--- job output (end) ---\n{tail}")
+        running = self.job is not None and self.job.process is not None and self.job.process.poll() is None
+        shown = run_ckpt("status", "--ckpt-dir", str(self.ckpt_dir), timeout=30).stdout if running else ""
+        stats = {
+            r: _replay_counters(s) | {"incarnation": s["incarnation"]} for r in range(RANKS) if (s := self.stats(r))
+        }
+        return AssertionError(
+            f"{self.label}: {what}\n--- ckpt status ---\n{shown}--- statistics written ---\n{stats}\n"
+            f"--- job output (end) ---\n{tail}"
+        )
 
     def check(self, condition: object, what: str) -> None:
         if not condition:
