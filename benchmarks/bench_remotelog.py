@@ -1,10 +1,12 @@
-"""Benchmark remote logging's failure-free overhead against no logging and stable logging (FT-KDSM Figure 4)."""
+"""Benchmark remote logging: its failure-free overhead (FT-KDSM Figure 4) and its recovery time (Figure 5)."""
 
 # Usage: python benchmarks/bench_remotelog.py [--rounds 3] [--only water,tsp] [--protocols async,onesided]
 #                                             [--plot docs/remotelog_overhead.png] [--csv FILE] [--json FILE]
 #                                             [--quiet-wait 10] [--dir DIR]
+#        python benchmarks/bench_remotelog.py --recovery [--failures 1,2,3] [the same options]
 #
-# Every job is `ckpt launch -n 4 --logging MODE --dsm-protocol P` (plugins loaded, no
+# Failure-free overhead:
+# every job is `ckpt launch -n 4 --logging MODE --dsm-protocol P` (plugins loaded, no
 # checkpoint taken) of one of dsm/programs through benchmarks/programs/dsm_stats.py,
 # which writes each rank's `statistics()`.  A run's figure is the mean over the ranks
 # of the DSM's `total_seconds` (attach to the last step: the launch and the plugins'
@@ -19,6 +21,25 @@
 # synchronization-heavy programs (most lock acquires + barriers per second under
 # `off`).  Stable logs go to the job's checkpoint directory, on the benchmark's
 # --dir (the machine's disk unless that is a tmpfs: the run records its type).
+#
+# Recovery time (--recovery): for each program and number of concurrent failures F
+# (1 and 2 on 4 ranks; 3 on 8 ranks, since 3 of 4 ranks cannot fail without one
+# being another's log home), a job `ckpt launch --on-failure recover --logging
+# remote` of benchmarks/programs/dsm_recovery.py halts every rank at a gate before
+# its last tenth of steps ("right before the job's end"; the step count is taken
+# from an uninterrupted run first).  The benchmark kills F ranks no one of which
+# is another's log home (1; 1, 3; 1, 3, 5) with SIGKILL and times, on its own
+# clock, from the kill to the moment the last of them, respawned from its image
+# (the coordinated checkpoint taken right after setup) and replayed, reaches the
+# gate again: the *recovery time*.  The baseline is a whole-job `ckpt restart`
+# from that same checkpoint, timed from the command to the moment the same ranks
+# reach the gate: the *re-execution time* (it re-executes with live traffic and
+# logs as it goes; the rings' contents are released at a whole-job restart).  The
+# figure is recovery / re-execution, the median over the rounds; the victims'
+# `replay_seconds` (the replay alone, from their statistics) is reported beside
+# it.  Target (the issue's): a single failure recovers in <= 0.7x re-execution on
+# the two most synchronization-heavy programs.  Both jobs must end with numpy's
+# answer.
 
 from __future__ import annotations
 
@@ -27,16 +48,19 @@ import csv
 import json
 import math
 import os
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 from bench_ib import alternate, launch, results
 from bench_image import machine
-from bench_overhead import Jobs
+from bench_overhead import Jobs, ckpt_cli, wait_quiet
 
 ROOT = Path(__file__).resolve().parent.parent
 WITH_STATS = ROOT / "benchmarks" / "programs" / "dsm_stats.py"
@@ -162,9 +186,208 @@ def plot(table: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=80)
 
 
+# ------------------------------------------------------------------ recovery time (FT-KDSM Figure 5)
+RECOVERY_PROGRAM = ROOT / "benchmarks" / "programs" / "dsm_recovery.py"
+#: Concurrent failures -> (ranks, the killed ranks): with log homes at R + 1, none is another's log home.
+FAILURES: dict[int, tuple[int, list[int]]] = {1: (4, [1]), 2: (4, [1, 3]), 3: (8, [1, 3, 5])}
+RECOVERY_TARGET = 0.7
+GATE_FRACTION = 0.9  # the gate: before the last tenth of the steps
+
+
+def _gated_env(name: str, prefix: Path, gate: int, label: str) -> None:
+    os.environ.update(
+        CKPT_BENCH_DSM_PROGRAM=name, CKPT_BENCH_DSM_STATS=str(prefix), CKPT_BENCH_GATE_STEP=str(gate),
+        CKPT_BENCH_RUN=label,
+    )  # fmt: skip
+
+
+def _answer(out: Path, ranks: int, what: str) -> None:
+    lines = set(results(out.read_text()).values())
+    if len(results(out.read_text())) != ranks or len(lines) != 1 or "numpy=match" not in next(iter(lines)):
+        raise RuntimeError(f"{what} did not give numpy's answer: {lines} ({out.with_suffix('.err').read_text()})")
+
+
+def _gates(prefix: Path, label: str, job: subprocess.Popen[str], want: Any, timeout: float = 300) -> dict[int, Any]:
+    """{rank: (time, incarnation)} of the gate files of run `label` once want(found) is true."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found: dict[int, Any] = {}
+        for path in prefix.parent.glob(f"{prefix.name}.gate.{label}.*"):
+            if path.suffix == ".tmp":
+                continue
+            rank, record = int(path.name.split(".")[-2]), json.loads(path.read_text())
+            if record["incarnation"] >= found.get(rank, {"incarnation": -1})["incarnation"]:
+                found[rank] = record
+        if want(found):
+            return found
+        if job.poll() is not None:
+            raise RuntimeError(f"the job ended (exit {job.returncode}) before its ranks reached the gate: {found}")
+        time.sleep(0.01)  # polling the ranks' gate files
+    raise RuntimeError(f"the ranks did not reach the gate within {timeout} s")
+
+
+def count_steps(jobs: Jobs, directory: Path, name: str, protocol: str, ranks: int) -> dict[str, Any]:
+    """An uninterrupted run without gate: its step count and its synchronization rate (lock acquires + barriers
+    per second per rank)."""
+    prefix = directory / f"steps-{name}-{protocol}-{ranks}"
+    _gated_env(name, prefix, -1, "steps")
+    program = ["--dsm-protocol", protocol, "--logging", "remote", str(RECOVERY_PROGRAM), *BENCH_ARGS[name]]
+    launch(jobs, directory, f"steps-{name}-{protocol}-{ranks}", False, ranks, program)
+    stats = [json.loads(Path(f"{prefix}.stats.steps.{r}").read_text()) for r in range(ranks)]
+    sync = statistics.mean((s["lock_acquires"] + s["barriers"]) / s["total_seconds"] for s in stats)
+    return {"steps": min(s["real_steps"] for s in stats), "sync_per_second": sync}
+
+
+def recovery_round(jobs: Jobs, directory: Path, name: str, protocol: str, failures: int, gate: int, i: int) -> Any:
+    """One recovery and its whole-job re-execution from the same checkpoint: their times, and the replay's."""
+    ranks, victims = FAILURES[failures]
+    tag = f"{name}-{protocol}-{failures}-{i}"
+    prefix, ckpt_dir = directory / f"rec-{tag}", directory / f"ckpt-rec-{tag}"
+    _gated_env(name, prefix, gate, "recover")
+    out = directory / f"rec-{tag}.out"
+    command = ["launch", "-n", str(ranks), "--ckpt-dir", str(ckpt_dir), "--on-failure", "recover"]
+    command += ["--logging", "remote", "--dsm-protocol", protocol, str(RECOVERY_PROGRAM), *BENCH_ARGS[name]]
+    try:
+        job = jobs.start(command, out)
+        before = _gates(prefix, "recover", job, lambda found: len(found) == ranks)
+        state = json.loads(ckpt_cli("status", "--json", "--ckpt-dir", str(ckpt_dir)).stdout)
+        pids = {r["rank"]: r["pid"] for r in state["ranks"]}
+        images = {r["rank"]: r.get("latest_image") for r in state["ranks"] if r["rank"] in victims}
+        killed = time.time()
+        for rank in victims:
+            os.kill(pids[rank], signal.SIGKILL)
+        back = _gates(prefix, "recover", job, lambda found: all(found[v]["incarnation"] > 0 for v in victims))
+        recovery = max(back[v]["time"] for v in victims) - killed
+        Path(f"{prefix}.open.recover").touch()
+        if job.wait(timeout=300) != 0:
+            raise RuntimeError(f"the recovering job failed: {out.with_suffix('.err').read_text()}")
+        _answer(out, ranks, f"{name} on {protocol} recovering {failures} rank(s)")
+        replay = [json.loads(Path(f"{prefix}.stats.recover.{v}").read_text()) for v in victims]
+        # the baseline: every rank re-executes from the same (first, coordinated) checkpoint, with live traffic
+        _gated_env(name, prefix, gate, "reexec")
+        out = directory / f"reexec-{tag}.out"
+        manifests = sorted(ckpt_dir.glob("ckpt_dsm_recovery_*.json"), key=lambda p: int(p.stem.rpartition("_")[2]))
+        started = time.time()
+        job = jobs.start(["restart", str(manifests[0])], out)
+        again = _gates(prefix, "reexec", job, lambda found: all(v in found for v in victims))
+        reexec = max(again[v]["time"] for v in victims) - started
+        Path(f"{prefix}.open.reexec").touch()
+        if job.wait(timeout=300) != 0:
+            raise RuntimeError(f"the re-execution failed: {out.with_suffix('.err').read_text()}")
+        _answer(out, ranks, f"{name} on {protocol} re-executed from {manifests[0].name}")
+    finally:
+        jobs.close()
+        shutil.rmtree(ckpt_dir, ignore_errors=True)
+    return {
+        "recovery": recovery,
+        "reexec": reexec,
+        "ratio": recovery / reexec,
+        "replay_seconds": max(s["replay_seconds"] for s in replay),
+        "replayed": sum(s["replayed_acquires"] + s["replayed_barriers"] for s in replay),
+        "regenerated_pages": sum(s["regenerated_pages"] for s in replay),
+        "images": images,  # the victims' latest images at the kill: 1 (the checkpoint the baseline restarts from)
+        "gate_spread": max(r["time"] for r in before.values()) - min(r["time"] for r in before.values()),
+    }
+
+
+def measure_recovery(jobs: Jobs, directory: Path, args: argparse.Namespace) -> dict[str, Any]:
+    table: dict[str, Any] = {}
+    for name in args.only:
+        for protocol in args.protocols:
+            for failures in args.failures:
+                ranks = FAILURES[failures][0]
+                plain = count_steps(jobs, directory, name, protocol, ranks)
+                gate = max(1, int(plain["steps"] * GATE_FRACTION))
+                rows = []
+                for i in range(args.rounds):
+                    wait_quiet(args.quiet_wait)
+                    rows.append(recovery_round(jobs, directory, name, protocol, failures, gate, i))
+                    row = rows[-1]
+                    print(
+                        f"  {name}/{protocol} {failures} failure(s) round {i}: recovery {row['recovery']:.2f} s, "
+                        f"re-execution {row['reexec']:.2f} s, ratio {row['ratio']:.2f}, replay "
+                        f"{row['replay_seconds']:.2f} s",
+                        file=sys.stderr,
+                    )
+                summary = {key: statistics.median(r[key] for r in rows) for key in ("recovery", "reexec", "ratio")}
+                summary["replay_seconds"] = statistics.median(r["replay_seconds"] for r in rows)
+                table[f"{name}/{protocol}/{failures}"] = {
+                    **summary, "ranks": ranks, "gate": gate, **plain, "rounds": rows,
+                }  # fmt: skip
+    return table
+
+
+def recovery_report(settings: dict[str, Any], table: dict[str, Any]) -> str:
+    lines = [f"machine: {json.dumps(settings['machine'])}", f"command: {settings['command']}", ""]
+    lines.append(
+        "| program / protocol | failures | ranks | gate step | recovery s | re-execution s | ratio | replay s |"
+    )
+    lines.append("|---|---|---|---|---|---|---|---|")
+    for label, row in table.items():
+        name, protocol, failures = label.split("/")
+        lines.append(
+            f"| {name}/{protocol} | {failures} | {row['ranks']} | {row['gate']} | {row['recovery']:.2f} "
+            f"| {row['reexec']:.2f} | {row['ratio']:.2f} | {row['replay_seconds']:.2f} |"
+        )
+    lines.append("")
+    for protocol in settings["protocols"]:
+        single = {k.split("/")[0]: r for k, r in table.items() if k.endswith(f"/{protocol}/1")}
+        busiest = sorted(single, key=lambda n: single[n]["sync_per_second"], reverse=True)[:2]
+        for name in busiest:
+            ratio = single[name]["ratio"]
+            ok = "met" if ratio <= RECOVERY_TARGET else "missed"
+            lines.append(
+                f"{protocol}: {name} ({single[name]['sync_per_second']:.0f} sync/s per rank): one failure recovers in "
+                f"{ratio:.2f}x re-execution (target <= {RECOVERY_TARGET}x: {ok})"
+            )
+    return "\n".join(lines)
+
+
+def write_recovery_csv(table: dict[str, Any], path: Path) -> None:
+    with path.open("w", newline="") as out:
+        writer = csv.writer(out)
+        writer.writerow(["program", "protocol", "failures", "ranks", "recovery_s", "reexec_s", "ratio", "replay_s"])
+        for label, row in table.items():
+            values = [row["ranks"], row["recovery"], row["reexec"], row["ratio"], row["replay_seconds"]]
+            writer.writerow([*label.split("/"), *values])
+
+
+def plot_recovery(table: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({label.rpartition("/")[0] for label in table}, key=list(table).index)
+    counts = sorted({int(label.rpartition("/")[2]) for label in table})
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    width = 0.8 / len(counts)
+    for k, failures in enumerate(counts):
+        values = [table.get(f"{group}/{failures}", {}).get("ratio", 0.0) for group in groups]
+        xs = [x + (k - (len(counts) - 1) / 2) * width for x in range(len(groups))]
+        ranks = FAILURES[failures][0]
+        ax.bar(xs, values, width, label=f"{failures} failure{'s' if failures > 1 else ''} ({ranks} ranks)")
+    ax.axhline(RECOVERY_TARGET, color="grey", linestyle=":", linewidth=1)
+    ax.axhline(1.0, color="black", linewidth=0.5)
+    ax.set_xticks(range(len(groups)), groups, rotation=30)
+    ax.set_ylabel("recovery time / re-execution time")
+    ax.set_title("Recovery by replay vs whole-job re-execution from the same checkpoint (FT-KDSM Fig. 5)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+
+
 def filesystem(path: Path) -> str:
     found = subprocess.run(["df", "-T", str(path)], capture_output=True, text=True, check=False).stdout.splitlines()
     return found[-1].split()[1] if len(found) > 1 else "unknown"
+
+
+def _failures(text: str) -> list[int]:
+    """--failures: a comma-separated list of 1, 2, 3."""
+    counts = [int(part) for part in text.split(",") if part.isdigit()]
+    if len(counts) != len(text.split(",")) or any(c not in FAILURES for c in counts):
+        raise argparse.ArgumentTypeError(f"{text!r}: concurrent failures are 1, 2 or 3 (comma-separated)")
+    return counts
 
 
 def main() -> None:
@@ -177,10 +400,15 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--quiet-wait", type=float, default=10.0)
     parser.add_argument("--dir", type=Path, default=None)
+    parser.add_argument("--recovery", action="store_true", help="measure recovery time (Fig. 5) instead of overhead")
+    parser.add_argument("--failures", type=_failures, default=sorted(FAILURES), help="with --recovery: e.g. 1,2,3")
     args = parser.parse_args()
     for name in args.only:
         if name not in BENCH_ARGS:
             parser.error(f"--only: unknown program {name!r} (choose from {', '.join(BENCH_ARGS)})")
+    for protocol in args.protocols:
+        if protocol not in PROTOCOLS:
+            parser.error(f"--protocols: unknown protocol {protocol!r} (choose from {', '.join(PROTOCOLS)})")
     jobs = Jobs()
     with tempfile.TemporaryDirectory(prefix="bench-remotelog-", dir=args.dir) as tmp:
         directory = Path(tmp)
@@ -192,15 +420,17 @@ def main() -> None:
             "args": {name: BENCH_ARGS[name] for name in args.only},
             "log_fs": filesystem(directory),
         }
+        if args.recovery:
+            settings["failures"] = {f: {"ranks": FAILURES[f][0], "killed": FAILURES[f][1]} for f in args.failures}
         try:
-            table = measure(jobs, directory, args)
+            table = (measure_recovery if args.recovery else measure)(jobs, directory, args)
         finally:
             jobs.close()
-    print(report(settings, table))
+    print((recovery_report if args.recovery else report)(settings, table))
     if args.csv:
-        write_csv(table, args.csv)
+        (write_recovery_csv if args.recovery else write_csv)(table, args.csv)
     if args.plot:
-        plot(table, args.plot)
+        (plot_recovery if args.recovery else plot)(table, args.plot)
     if args.json:
         args.json.write_text(json.dumps({"settings": settings, "data": table}, indent=1))
 

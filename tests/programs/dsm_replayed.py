@@ -1,0 +1,44 @@
+"""tests/programs/dsm_held.py that also writes each rank's DSM statistics once its steps are done.
+
+    CKPT_TEST_DSM_PROGRAM=sor CKPT_TEST_DSM_STATS=PREFIX ckpt launch -n 4 tests/programs/dsm_replayed.py [ARGS]
+
+When its last real step is done (before it idles for $CKPT_TEST_HOLD, if
+set), each rank writes PREFIX.<rank> (JSON): `mem.statistics()` with its pid,
+incarnation and whether the process was restarted or recovered.  Every
+process writes its own once: a rank respawned from its image writes the
+counters of the image plus what it did since (its replay among them), after
+the replay, so a test that waits for it knows the recovered rank needs
+nothing more from the others before they may finish.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from dsm_held import Held
+
+import ckpt
+
+STATS_ENV = "CKPT_TEST_DSM_STATS"
+
+
+class Replayed(Held):  # type: ignore[misc]
+    def step(self, rt: ckpt.Runtime) -> bool:
+        more: bool = super().step(rt)
+        written = getattr(self, "_written_by", None)  # pickled: an image's value is an earlier process's
+        if getattr(self, "_steps_done", False) and written != os.getpid() and os.environ.get(STATS_ENV):
+            self._written_by = os.getpid()
+            stats: dict[str, Any] = self.mem.statistics().as_dict()
+            stats.update(
+                pid=os.getpid(),
+                incarnation=int(getattr(rt, "incarnation", 0)),
+                restarted=bool(rt.restarted),
+                recovered=bool(getattr(rt, "recovered", False)),
+            )
+            path = f"{os.environ[STATS_ENV]}.{rt.rank}"
+            with open(f"{path}.tmp", "w") as out:
+                json.dump(stats, out)
+            os.replace(f"{path}.tmp", path)  # a test polling for it never reads half a file
+        return more
