@@ -58,8 +58,8 @@ import ckpt
 from ckpt import verbs
 from ckpt.plugin import PluginCalls, Runtime
 
-from . import _reconnect, _replay, hookspecs
-from ._diff import Diff, diff_size, diff_unit, make_diff
+from . import _onesided, _reconnect, _replay, hookspecs
+from ._diff import Diff, apply_diff, diff_size, diff_unit, make_diff
 from ._errors import DsmError
 from ._handler import Handler
 from ._messages import (
@@ -79,10 +79,10 @@ from ._messages import (
     Reply,
     Request,
 )
-from ._net import ACCESS, Endpoint, atomic, rdma
+from ._net import ACCESS, Endpoint, atomic
 from ._region import DIRTY, INVALID, META, VALID, Region, gid_of, split_gid
 from ._replay import PageVersions, Replay
-from ._requests import FETCH_TIMEOUT, WINDOW, RequestClient
+from ._requests import WINDOW, RequestClient
 from ._stats import Counters, Statistics
 
 log = logging.getLogger("dsm")
@@ -184,10 +184,11 @@ class Memory(RequestClient):
         """Global barrier: diffs go home, every rank's write notices reach every rank."""
         self._check("barrier()")
         self._close_interval()  # its diffs count as flush time, not barrier time
+        self._caught_up()
         started = time.perf_counter()
         self.epoch += 1
         notices: list[Notice] = [[q, i, flat] for (q, i), flat in self.known.items() if i > self.floor[q]]
-        replayed = _replay.barrier(self, self.epoch) if self.replay is not None else "live"
+        replayed = _replay.barrier(self, self.epoch) if _replay.replaying(self) else "live"
         if replayed == "replayed":
             return
         if replayed == "live":  # else its arrival is logged: sent again, not logged again
@@ -206,6 +207,11 @@ class Memory(RequestClient):
         self.floor = list(self.vt)
         self.known = {key: flat for key, flat in self.known.items() if key[1] > self.floor[key[0]]}
         self.handler.prune(self.floor)
+
+    def _caught_up(self) -> None:
+        """After a synchronisation's interval closed: a catch-up that follows a replay ends here (`dsm._replay`)."""
+        if self.replay is not None and self.replay.done:
+            _replay.finish(self)
 
     def start_replay(self, replay: Replay) -> None:
         """Replay `replay` (this process replaced a failed rank; `dsm._replay`): called by the plugin that keeps
@@ -245,9 +251,10 @@ class Memory(RequestClient):
         if lock in self.held:
             raise DsmError(f"lock {lock} is already held by this rank (DSM locks are not re-entrant)")
         self._close_interval()
+        self._caught_up()
         started = time.perf_counter()
         self.acquires += 1
-        if self.replay is not None and _replay.acquire(self, lock):
+        if _replay.replaying(self) and _replay.acquire(self, lock):
             return
         acquire = AcquireRequest(self._next_rid(), lock, self.vt, self.acquires)
         reply = self._request(lock % self.size, acquire, Grant, f"lock {lock}", math.inf)
@@ -265,7 +272,8 @@ class Memory(RequestClient):
             raise DsmError(f"lock {lock} is not held by this rank")
         at_grant = self.held[lock]
         self._close_interval()
-        if self.replay is not None:
+        self._caught_up()
+        if _replay.replaying(self):
             if _replay.release(self, lock):
                 return
             # logged last: it may have reached the home or not; sent again, not logged again
@@ -338,38 +346,10 @@ class Memory(RequestClient):
             reply = self._request(home, PageRequest(self._next_rid(), gid, need.tolist()), PageReply, f"page {gid:#x}")
             region.program_page(page)[:] = np.frombuffer(reply.data, dtype=np.uint8)
         else:
-            self._ardmar(region, page, home, need)
+            _onesided.ardmar(self, region, page, home, need)
         region.state[page] = VALID
         self.counters.page_fetches += 1
         self.counters.page_fetch_seconds += time.perf_counter() - started
-
-    def _ardmar(self, region: Region, page: int, home: int, need: np.ndarray) -> None:
-        """RDMA READ meta, page, meta until both metadata reads agree, show no diff in progress and suffice."""
-        n = META + self.size
-        base, lkey = self.scratch_mr.buf, self.scratch_mr.lkey
-        deadline = time.monotonic() + FETCH_TIMEOUT
-
-        def reads() -> list[verbs.SendWR]:  # the home's addresses as of this issue (they change if it is recovered)
-            meta = region.remote_meta(home, page)
-            return [
-                rdma(verbs.IBV_WR_RDMA_READ, (base, n * 8, lkey), *meta),
-                rdma(verbs.IBV_WR_RDMA_READ, region.local_page(page), *region.remote_page(home, page)),
-                rdma(verbs.IBV_WR_RDMA_READ, (base + n * 8, n * 8, lkey), *meta),
-            ]
-
-        while True:
-            self.client.run(home, reads, self.seq)
-            self.counters.count("rdma_read", 2 * n * 8 + self.page_size)
-            before, after = self.scratch[:n], self.scratch[n : 2 * n]
-            if before[0] == before[1] and np.array_equal(before, after) and np.all(before[META:] >= need):
-                return
-            self.counters.fetch_retries += 1
-            # back off (10 µs doubling to 1 ms): a writer's DRAW chain is in progress on that page
-            time.sleep(min(1e-3, 1e-5 * 2 ** min(self.counters.fetch_retries, 7)))
-            if time.monotonic() > deadline:
-                raise DsmError(
-                    f"page {gid_of(region.aid, page):#x}: no consistent copy at rank {home} after {FETCH_TIMEOUT:.0f} s"
-                )
 
     # ------------------------------------------------------------------ intervals
     def _close_interval(self) -> None:
@@ -380,8 +360,11 @@ class Memory(RequestClient):
         if not self.dirty:
             return
         interval = self.vt[self.rank] + 1
+        replaying = _replay.replaying(self)
+        catching_up = self.replay is not None and not replaying  # the program's pages are still in the view
         written: list[int] = []
         own: list[tuple[Region, int]] = []
+        own_diffs: list[tuple[Region, int, Diff | None]] = []
         outgoing: dict[int, list[tuple[Region, int, Diff]]] = {}
         for gid in sorted(self.dirty):
             aid, page = split_gid(gid)
@@ -393,6 +376,8 @@ class Memory(RequestClient):
                 written += [gid, home]
                 twin = region.twins.pop(page, None)  # only while twin_homes is on
                 mine = make_diff(region.program_page(page), twin, region.unit) if twin is not None else []
+                if catching_up:
+                    own_diffs.append((region, page, mine if twin is not None else None))
                 if mine:
                     self.hook("dsm_diff_created", gid=gid, home=home, interval=interval, diff=mine)
                 continue
@@ -407,7 +392,16 @@ class Memory(RequestClient):
         self.dirty.clear()
         if not written:
             return
-        if self.replay is None:
+        if catching_up:  # into the master and `data` before anything is sent (DRAW writes from `data`)
+            for region, page, change in own_diffs:
+                if change is None:
+                    region.page(page)[:] = region.program_page(page)
+                else:
+                    apply_diff(region.page(page), change)
+            for items in outgoing.values():
+                for region, page, _ in items:
+                    region.page(page)[:] = region.program_page(page)
+        if not replaying:
             self.hook("dsm_interval_closing", interval=interval)
             started = time.perf_counter()
             self._send_diffs(outgoing, interval)
@@ -435,34 +429,12 @@ class Memory(RequestClient):
             ]
             self._request_many(requests, Ack)
         else:
-            self._draw(outgoing, interval)
+            _onesided.draw(self, outgoing, interval)
         for home, items in outgoing.items():
             for region, page, diff in items:
                 self.hook(
                     "dsm_diff_sent", gid=gid_of(region.aid, page), home=home, interval=interval, nbytes=diff_size(diff)
                 )
-
-    def _draw(self, outgoing: dict[int, list[tuple[Region, int, Diff]]], interval: int) -> None:
-        """DRAW: per page, FETCH_ADD started, RDMA WRITE each run, WRITE applied[me], FETCH_ADD finished."""
-        lkey = self.scratch_mr.lkey
-        land = (self.scratch_mr.buf + (len(self.scratch) - 2) * 8, lkey)
-        stamp = (self.scratch_mr.buf + (len(self.scratch) - 1) * 8, 8, lkey)
-        self.scratch[-1] = interval
-        add = verbs.IBV_WR_ATOMIC_FETCH_AND_ADD
-        for home, items in outgoing.items():
-            wrs = []
-            for region, page, diff in items:
-                wrs.append(atomic(add, land, *region.remote_meta(home, page, 0), 1))
-                rkey, addr = region.remote_page(home, page)
-                for offset, data in diff:
-                    wrs.append(
-                        rdma(verbs.IBV_WR_RDMA_WRITE, region.local_page(page, offset, len(data)), rkey, addr + offset)
-                    )
-                    self.counters.count("rdma_write", len(data))
-                wrs.append(rdma(verbs.IBV_WR_RDMA_WRITE, stamp, *region.remote_meta(home, page, META + self.rank)))
-                wrs.append(atomic(add, land, *region.remote_meta(home, page, 1), 1))
-                self.counters.count("fetch_add", 16)
-            self.client.run(home, wrs, self.seq)
 
     def _merge(self, vt: list[int], notices: list[Notice], source: str) -> None:
         """Take write notices this rank has not seen: invalidate those pages, raise what their fetch needs."""
@@ -489,7 +461,7 @@ class Memory(RequestClient):
         """Fire DSM hook `name` through the rank's plugin host (its order; a failure is a PluginError naming the
         plugin), if any plugin implements it: a set look-up is all the hot path pays otherwise."""
         if name in self._fire and self._plugins is not None:
-            if self.replay is not None and name not in HANDLER_HOOKS:
+            if _replay.replaying(self) and name not in HANDLER_HOOKS:
                 return  # replaying: what the program thread does was logged the first time
             self._plugins.call(name, memory=self, **kwargs)
 

@@ -115,12 +115,37 @@ def start(mem: Memory, replay: Replay) -> None:
     _, total = replay.progress()
     log.info("rank %d: replaying %d logged operations", mem.rank, total)
     if replay.done:
-        finish(mem)
+        _log_ended(mem)
+
+
+def replaying(mem: Memory) -> bool:
+    """Are logged operations left to replay (not only the catch-up after them)?"""
+    return mem.replay is not None and not mem.replay.done
+
+
+def _log_ended(mem: Memory) -> None:
+    """The last logged operation is replayed: the catch-up starts.
+
+    The failed incarnation may have closed one more interval before it failed -- its diffs sent,
+    its own home pages changed in the master copies (rebuilt from its log) -- without reaching the
+    record of the operation that closed it.  Re-executed on the master, a read-modify-write would
+    apply that interval twice.  So the view stays, and faults stay minimal versions, until the next
+    synchronisation has closed that interval (`Memory._close_interval`: its diffs sent again, which
+    is harmless -- they hold absolute bytes and no later writer can have touched them, since no
+    release of it followed -- and its own-home diff applied to the master).  Lock requests held back
+    at this rank's handler are served from here on: the log says which locks it holds.
+    """
+    assert mem.replay is not None
+    done, total = mem.replay.progress()
+    _publish(mem, done, total)
+    log.info("rank %d: replayed %d logged operations: catching up to the next synchronisation", mem.rank, done)
+    mem.handler.replay_done()
 
 
 def finish(mem: Memory) -> None:
-    """Leave replay mode: the view's pages this rank is not home of become the program's pages in `data`;
-    its home pages are the master copies, which hold everything the replay showed and what came since."""
+    """Leave replay mode (after the catch-up's synchronisation closed its interval): the view's pages this
+    rank is not home of become the program's pages in `data`; its home pages are the master copies, which
+    hold everything the replay showed and what came since."""
     replay = mem.replay
     if replay is None:
         return
@@ -138,7 +163,6 @@ def finish(mem: Memory) -> None:
     done, total = replay.progress()
     _publish(mem, done, total)
     log.info("rank %d: replayed %d of %d logged operations in %.3f s: live", mem.rank, done, total, seconds)
-    mem.handler.replay_done()  # lock requests held back meanwhile are served from here on
     if total:
         mem.rt.release_checkpoints()
 
@@ -168,7 +192,7 @@ def _stepped(mem: Memory) -> None:
         mem.replay_published = now
         _publish(mem, done, total)
     if replay.done:
-        finish(mem)
+        _log_ended(mem)
 
 
 def _publish(mem: Memory, done: int, total: int) -> None:
@@ -180,8 +204,8 @@ def _publish(mem: Memory, done: int, total: int) -> None:
 def acquire(mem: Memory, lock: int) -> bool:
     """Acquisition `mem.acquires` of `lock` from the log: its notices merged, no message to the lock's home."""
     logged = _call(mem, lambda r: r.acquire(lock, mem.acquires))
-    if logged is None:
-        finish(mem)
+    if logged is None:  # not logged: the log has ended
+        _log_ended(mem)
         return False
     vt, notices = logged
     mem._merge(vt, as_notices(notices), f"lock {lock} (replayed)")
@@ -198,7 +222,7 @@ def acquire(mem: Memory, lock: int) -> bool:
 def release(mem: Memory, lock: int) -> bool:
     """A release the log shows done: nothing is sent.  False: the caller sends it (the home drops a duplicate)."""
     if not _call(mem, lambda r: r.release(lock, mem.tokens.get(lock, 0))):
-        finish(mem)
+        _log_ended(mem)
         return False
     mem.tokens.pop(lock, None)
     del mem.held[lock]
@@ -212,11 +236,11 @@ def barrier(mem: Memory, epoch: int) -> str:
     "rearrive": its arrival is logged but not its exit (sent again; the manager answers a repeated
     arrival of its last barrier); "live": neither."""
     if not _call(mem, lambda r: r.arrive(epoch)):
-        finish(mem)
+        _log_ended(mem)
         return "live"
     logged = _call(mem, lambda r: r.barrier(epoch))
     if logged is None:
-        finish(mem)
+        _log_ended(mem)
         return "rearrive"
     vt, notices = logged
     mem._merge(vt, as_notices(notices), "barrier (replayed)")

@@ -623,9 +623,9 @@ def test_a_lock_or_barrier_inside_a_write_block_is_refused(protocol: str) -> Non
 def test_a_barrier_waits_for_a_slow_rank_longer_than_the_fetch_timeout(
     protocol: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import dsm._memory
+    import dsm._onesided
 
-    monkeypatch.setattr(dsm._memory, "FETCH_TIMEOUT", 0.2)
+    monkeypatch.setattr(dsm._onesided, "FETCH_TIMEOUT", 0.2)
     gate = threading.Event()
 
     def body(mem: dsm.Memory, rt: ThreadRuntime) -> str:

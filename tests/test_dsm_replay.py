@@ -118,10 +118,11 @@ def test_a_replayed_acquire_and_release_send_nothing_and_merge_the_logged_notice
         lock.acquire()
         state_after_acquire = int(a._region.state[0])
         lock.release()
-        other.acquire()  # the last logged operation: live from here on
+        other.acquire()  # the last logged operation: the catch-up starts
         replayed = mem.statistics()
-        live = mem.replay is None
-        lock.acquire()  # live: granted by rank 0
+        catching_up = mem.replay is not None and mem.replay.done
+        lock.acquire()  # its interval closed (none): live, granted by rank 0
+        live = catching_up and mem.replay is None
         mem.start_replay(ScriptedReplay([("release", lock.id, mem.tokens[lock.id])]))
         lock.release()  # logged last, so sent again: the home may never have seen it
         resent = mem.statistics().messages.get("release", 0)
@@ -139,12 +140,13 @@ def test_a_replayed_acquire_and_release_send_nothing_and_merge_the_logged_notice
 
 def test_the_program_writes_a_view_apart_from_the_master_copy_until_the_replay_ends(protocol: str) -> None:
     def body(mem: dsm.Memory, rt: ThreadRuntime) -> Any:
+        if rt.rank == 0:
+            mem.versions = Versions()  # rank 1 writes page 0, invalid there: it asks for its minimal version
         a = pages_of_each_rank(mem, rt)
         lock = mem.lock()
         if rt.rank == 0:
-            mem.versions = Versions()  # rank 1 writes page 0, invalid there: it asks for its minimal version
             mem.barrier()
-            return None
+            return None  # (rank 1's catch-up barrier meets this one)
         watch_checkpoint_holds(rt)
         own = gid_of(0, 1)
         t = mem.acquires + 1
@@ -161,11 +163,11 @@ def test_the_program_writes_a_view_apart_from_the_master_copy_until_the_replay_e
         a[5] = 6  # and to rank 0's page
         untouched = np.array_equal(master, before)
         lock.release()
-        lock.acquire()  # the last operation: the replay ends
+        lock.acquire()  # the last operation: the catch-up starts
+        mem.barrier()  # closes the catch-up's interval: live from here on
         live = mem.replay is None and a._region.view is None
         own_page = master[DOUBLES * 8 :].view(np.int64)
         after = (int(own_page[10]), int(master[: DOUBLES * 8].view(np.int64)[5]))
-        mem.barrier()
         return shown, untouched, live, after
 
     _, (shown, untouched, live, after) = run_ranks(2, body, protocol)
@@ -179,10 +181,11 @@ def test_a_fault_while_replaying_asks_the_home_for_the_minimal_version(protocol:
     versions = Versions()
 
     def body(mem: dsm.Memory, rt: ThreadRuntime) -> Any:
+        if rt.rank == 0:
+            mem.versions = versions  # before the barrier after which rank 1 may ask
         a = pages_of_each_rank(mem, rt)
         lock = mem.lock()
         if rt.rank == 0:
-            mem.versions = versions
             mem.barrier()
             return None
         watch_checkpoint_holds(rt)
@@ -237,9 +240,10 @@ def test_replayed_barriers_leave_the_manager_alone_and_an_empty_log_is_live_at_o
         mem.barrier()
         replayed = dict(mem.statistics().messages)
         floor = list(mem.floor)
-        mem.start_replay(ScriptedReplay([]))
+        mem.barrier()  # live, one epoch on, on both ranks: the catch-up ends at its (empty) interval
+        mem.start_replay(ScriptedReplay([]))  # an empty log: nothing replayed, the catch-up at once
+        mem.barrier()
         empty_is_live = mem.replay is None
-        mem.barrier()  # live, one epoch on, on both ranks
         return sent, replayed, floor, vt, empty_is_live, mem.statistics().replayed_barriers, calls
 
     for sent, replayed, floor, vt, empty_is_live, count, calls in run_ranks(2, body, protocol):

@@ -159,7 +159,8 @@ class RemoteLog:
     # ------------------------------------------------------------------ DSM hooks (program thread unless noted)
     def replaying(self) -> bool:
         """The DSM is replaying this rank's log: what it does is logged already."""
-        return self.memory.replay is not None
+        replay = self.memory.replay
+        return replay is not None and not replay.done  # the catch-up after it is logged as usual
 
     def replayed(self, kind: RecordKind, tag: int, token: int = 0) -> bool:
         """Is this operation one the last replay answered from the log (whenever the DSM fires its hook)?"""
