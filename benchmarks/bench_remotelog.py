@@ -379,7 +379,7 @@ def plot_recovery(table: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = sorted({label.rpartition("/")[0] for label in table}, key=list(table).index)
+    groups = list(dict.fromkeys(label.rpartition("/")[0] for label in table))  # in the table's order
     counts = sorted({int(label.rpartition("/")[2]) for label in table})
     fig, ax = plt.subplots(figsize=(10, 4.5))
     width = 0.8 / len(counts)
