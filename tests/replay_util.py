@@ -175,13 +175,33 @@ class ReplayRun:
         tail = "\n".join((out + err).strip().splitlines()[-25:])
         running = self.job is not None and self.job.process is not None and self.job.process.poll() is None
         shown = run_ckpt("status", "--ckpt-dir", str(self.ckpt_dir), timeout=30).stdout if running else ""
+        stacks = self.stacks() if running else ""
         stats = {
             r: _replay_counters(s) | {"incarnation": s["incarnation"]} for r in range(RANKS) if (s := self.stats(r))
         }
         return AssertionError(
             f"{self.label}: {what}\n--- ckpt status ---\n{shown}--- statistics written ---\n{stats}\n"
-            f"--- job output (end) ---\n{tail}"
+            f"--- job output (end) ---\n{tail}{stacks}"
         )
+
+    def stacks(self) -> str:
+        """Every live rank's threads' stacks (SIGUSR1: tests/programs/dsm_replayed.py), for a run that hangs."""
+        assert self.job is not None
+        state = self.job.poll_status() or {"ranks": []}
+        files = {}
+        for entry in state["ranks"]:
+            path = Path(f"{self.stats_prefix}.stacks.{entry['pid']}")
+            try:
+                os.kill(entry["pid"], signal.SIGUSR1)
+            except ProcessLookupError:
+                continue
+            files[entry["rank"]] = path
+        try:
+            wait_for(lambda: all(p.exists() and p.stat().st_size for p in files.values()), 10, "the stacks")
+        except AssertionError:
+            pass  # show what there is
+        shown = [f"--- rank {r} ---\n{p.read_text() if p.exists() else '(none)'}" for r, p in sorted(files.items())]
+        return "\n--- stacks (SIGUSR1) ---\n" + "\n".join(shown)
 
     def check(self, condition: object, what: str) -> None:
         if not condition:

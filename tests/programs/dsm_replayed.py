@@ -4,7 +4,9 @@
 
 When its last real step is done (before it idles for $CKPT_TEST_HOLD, if
 set), each rank writes PREFIX.<rank> (JSON): `mem.statistics()` with its pid,
-incarnation and whether the process was restarted or recovered.  Every
+incarnation and whether the process was restarted or recovered.  SIGUSR1
+makes a process dump every thread's stack into PREFIX.stacks.<pid> (what a
+test shows of a run that hangs).  Every
 process writes its own once: a rank respawned from its image writes the
 counters of the image plus what it did since (its replay among them), after
 the replay, so a test that waits for it knows the recovered rank needs
@@ -13,8 +15,10 @@ nothing more from the others before they may finish.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import signal
 from typing import Any
 
 from dsm_held import Held
@@ -22,6 +26,11 @@ from dsm_held import Held
 import ckpt
 
 STATS_ENV = "CKPT_TEST_DSM_STATS"
+
+if os.environ.get(STATS_ENV):
+    # open as long as the process lives: faulthandler writes into it from a signal handler
+    _stacks = open(f"{os.environ[STATS_ENV]}.stacks.{os.getpid()}", "w")
+    faulthandler.register(signal.SIGUSR1, file=_stacks, all_threads=True)
 
 
 class Replayed(Held):  # type: ignore[misc]
