@@ -59,7 +59,7 @@ from ckpt import verbs
 from ckpt.plugin import PluginCalls, Runtime
 
 from . import _onesided, _reconnect, _replay, hookspecs
-from ._diff import Diff, apply_diff, diff_size, diff_unit, make_diff
+from ._diff import Diff, diff_size, diff_unit, make_diff
 from ._errors import DsmError
 from ._handler import Handler
 from ._messages import (
@@ -361,10 +361,8 @@ class Memory(RequestClient):
             return
         interval = self.vt[self.rank] + 1
         replaying = _replay.replaying(self)
-        catching_up = self.replay is not None and not replaying  # the program's pages are still in the view
         written: list[int] = []
         own: list[tuple[Region, int]] = []
-        own_diffs: list[tuple[Region, int, Diff | None]] = []
         outgoing: dict[int, list[tuple[Region, int, Diff]]] = {}
         for gid in sorted(self.dirty):
             aid, page = split_gid(gid)
@@ -376,8 +374,6 @@ class Memory(RequestClient):
                 written += [gid, home]
                 twin = region.twins.pop(page, None)  # only while twin_homes is on
                 mine = make_diff(region.program_page(page), twin, region.unit) if twin is not None else []
-                if catching_up:
-                    own_diffs.append((region, page, mine if twin is not None else None))
                 if mine:
                     self.hook("dsm_diff_created", gid=gid, home=home, interval=interval, diff=mine)
                 continue
@@ -392,15 +388,6 @@ class Memory(RequestClient):
         self.dirty.clear()
         if not written:
             return
-        if catching_up:  # into the master and `data` before anything is sent (DRAW writes from `data`)
-            for region, page, change in own_diffs:
-                if change is None:
-                    region.page(page)[:] = region.program_page(page)
-                else:
-                    apply_diff(region.page(page), change)
-            for items in outgoing.values():
-                for region, page, _ in items:
-                    region.page(page)[:] = region.program_page(page)
         if not replaying:
             self.hook("dsm_interval_closing", interval=interval)
             started = time.perf_counter()

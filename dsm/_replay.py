@@ -124,44 +124,47 @@ def replaying(mem: Memory) -> bool:
 
 
 def _log_ended(mem: Memory) -> None:
-    """The last logged operation is replayed: the catch-up starts.
+    """The last logged operation is replayed: the view ends, the catch-up starts.
 
-    The failed incarnation may have closed one more interval before it failed -- its diffs sent,
-    its own home pages changed in the master copies (rebuilt from its log) -- without reaching the
-    record of the operation that closed it.  Re-executed on the master, a read-modify-write would
-    apply that interval twice.  So the view stays, and faults stay minimal versions, until the next
-    synchronisation has closed that interval (`Memory._close_interval`: its diffs sent again, which
-    is harmless -- they hold absolute bytes and no later writer can have touched them, since no
-    release of it followed -- and its own-home diff applied to the master).  Lock requests held back
-    at this rank's handler are served from here on: the log says which locks it holds.
+    The failed incarnation may have closed one more interval before it failed -- its diffs at their
+    homes -- without reaching the record of the synchronisation that closed it.  This rank
+    re-executes that interval live, but a page it fetched live could hold its own diff of it, and
+    a read-modify-write would apply it twice.  So faults stay minimal versions (`Memory._fetch`)
+    until the next synchronisation has closed that interval (`Memory._caught_up`).  Its diffs
+    are sent again, which is harmless: they hold absolute bytes, and no later writer can have
+    touched them, since nothing it did after them was made visible.  Its own home pages need no
+    such care: the master copies were rebuilt without that interval's own-home diffs (ckpt_remotelog
+    rebuilds only those logged before its last logged operation), so it re-executes them on the
+    master like any write.  The view's pages this rank is not home of become the program's pages in
+    `data`.  Lock requests held back at this rank's handler are served from here on: the log says
+    which locks it holds.
     """
-    assert mem.replay is not None
-    done, total = mem.replay.progress()
+    replay = mem.replay
+    assert replay is not None
+    for region in mem.regions:
+        view, region.view = region.view, None
+        if view is None:
+            continue
+        size = region.page_size
+        for page in np.flatnonzero(region.home != mem.rank):
+            region.data[page * size : (page + 1) * size] = view[page * size : (page + 1) * size]
+    done, total = replay.progress()
     _publish(mem, done, total)
     log.info("rank %d: replayed %d logged operations: catching up to the next synchronisation", mem.rank, done)
     mem.handler.replay_done()
 
 
 def finish(mem: Memory) -> None:
-    """Leave replay mode (after the catch-up's synchronisation closed its interval): the view's pages this
-    rank is not home of become the program's pages in `data`; its home pages are the master copies, which
-    hold everything the replay showed and what came since."""
+    """Leave replay mode after the catch-up: the synchronisation after the log closed its interval."""
     replay = mem.replay
     if replay is None:
         return
-    for region in mem.regions:
-        view, region.view = region.view, None
-        if view is None:
-            continue
-        pages = np.flatnonzero(region.home != mem.rank)
-        size = region.page_size
-        for page in pages:
-            region.data[page * size : (page + 1) * size] = view[page * size : (page + 1) * size]
+    if not replay.done or any(region.view is not None for region in mem.regions):
+        _log_ended(mem)  # (tests end a replay by hand)
     mem.replay = None
     seconds = time.perf_counter() - mem.replay_started
     mem.counters.replay_seconds += seconds
     done, total = replay.progress()
-    _publish(mem, done, total)
     log.info("rank %d: replayed %d of %d logged operations in %.3f s: live", mem.rank, done, total, seconds)
     if total:
         mem.rt.release_checkpoints()

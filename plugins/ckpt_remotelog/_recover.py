@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ckpt import CoordinatorError
 from dsm import DsmError
 
 from ._records import Record, RecordKind, diff_runs, encode
@@ -56,7 +57,10 @@ def recover(rlog: RemoteLog, incarnation: int) -> LogReplay:
     replay = LogReplay(rank, rlog.serial, records, lambda gid: _applied(memory, gid))
     if not replay.done:
         memory.start_replay(replay)  # the view: the image's pages, before the master moves on
-    rebuilt = rebuild_master(rlog, records)
+    # own diffs logged after its last logged operation belong to the interval it may have closed unlogged:
+    # it re-executes that one live, on the master (dsm._replay._log_ended)
+    last = replay.ops[-1].position if replay.ops else -1
+    rebuilt = rebuild_master(rlog, [r for r in records if r.writer != rank or r.position < last])
     rlog.serial = replay.next_serial  # the next own record follows the last replayed one
     rlog.replay = replay
     _lose_held_ring(rlog)
@@ -135,8 +139,7 @@ def _lose_held_ring(rlog: RemoteLog) -> None:
         return
     rlog.ring.mark_lost()
     log.info("rank %d: the log ring of rank %d it holds is lost: asking for its checkpoint", rlog.rank, owner)
-    by_rank = getattr(rlog.rt, "checkpoint_rank", None)
-    if by_rank is not None:
-        by_rank(owner)
-    else:
-        rlog.rt.checkpoint()
+    try:
+        rlog.rt.checkpoint_rank(owner)
+    except CoordinatorError as exc:  # the owner is lost too: its own recovery finds this ring lost and falls back
+        log.info("rank %d: no checkpoint of rank %d: %s", rlog.rank, owner, exc)
