@@ -333,6 +333,9 @@ def run_recovering(
     run.launch(kills)
     first = {r["rank"]: r["pid"] for r in run.settled()["ranks"]}
     run.kill(kills)
+    for k in kills:  # a hook kill may fire before `settled` saw the first pids: its mark has the victim's
+        if k.hook:
+            first[k.rank] = int(json.loads((run.marks / f"killed.{k.rank}").read_text())["pid"])
     victims = sorted({k.rank for k in kills})
     stats = run.wait_recovered(victims)
     now = run.status()
