@@ -21,7 +21,8 @@ from recovery_util import RankProcess, RecoveryJob, concurrently
 import ckpt
 import dsm
 from ckpt.plugin import RANKS_NS
-from ckpt.testing import ThreadRuntime, wait_for
+from ckpt.testing import FakeRuntime, ThreadRuntime, wait_for
+from dsm import _handler as dsm_handler
 from dsm import _reconnect
 from dsm._messages import Ack, BarrierReply, BarrierRequest, OldPageRequest, PageReply, ReleaseRequest
 from dsm._net import JOINING, UP
@@ -287,3 +288,115 @@ def test_a_survivors_report_leaves_out_an_interval_caught_between_its_timestamp_
     assert report == {"vt": [2, 1], "known": [[0, 2, [5, 0]]], "held": {1: [4, [3, 1]]}, "claims": []}
     memory.known[(0, 3)] = [5, 0]
     assert _reconnect.survivor_report(cast(Any, memory), 1)["vt"] == [3, 1]
+
+
+# ---------------------------------------------------------------------- rebuilding the locks homed at a recovered rank
+# A `Handler` on a stand-in memory (its program state, a key-value store, a server endpoint that records
+# what is sent): what `replay_done` publishes, waits for and rebuilds, and how the rebuilt locks answer
+# the release a replay sends again.
+
+
+class Endpoint:
+    """The server endpoint as the handler uses it: replies recorded, every link up, an inbox to wake."""
+
+    def __init__(self, size: int) -> None:
+        self.sent: list[tuple[int, Any]] = []
+        self.state = [UP] * size
+        self.link = [0] * size
+        self.lock = threading.Lock()
+        self.inbox: list[tuple[int, Any, int, int]] = []
+
+    def send(self, dst: int, msg: Any) -> int:
+        self.sent.append((dst, msg))
+        return 1
+
+
+def _home(rank: int, size: int, **program: Any) -> tuple[Any, dsm_handler.Handler, FakeRuntime]:
+    """Recovered rank `rank` (incarnation 1) of `size`, its locks held back; `program`: its state after its replay."""
+    rt = FakeRuntime()
+    mem = SimpleNamespace(
+        rank=rank, size=size, mid=7, rt=rt, regions=[], server=Endpoint(size),
+        vt=[0] * size, floor=[0] * size, known={}, held={}, tokens={},
+    )  # fmt: skip
+    for name, value in program.items():
+        setattr(mem, name, value)
+    mem.handler = handler = dsm_handler.Handler(cast(Any, mem))
+    handler.hold_locks(1)
+    return mem, handler, rt
+
+
+def _report(size: int, held: dict[int, list[Any]], vt: list[int] | None = None) -> dict[str, Any]:
+    return {"vt": vt or [0] * size, "known": [], "held": held, "claims": []}
+
+
+def test_a_survivor_holding_a_lock_the_recovered_home_replayed_holding_has_it_and_the_release_sent_again_is_a_dup() -> (
+    None
+):
+    """Rank 0, lock 0's home, replayed its acquire and its release of lock 0, the release logged last: the DSM
+    sends it again once live.  Its previous incarnation had served it, and rank 1 has acquired the lock since."""
+    mem, handler, rt = _home(0, 2, vt=[3, 1], known={(0, 3): [5, 0]}, held={0: [0, 0]}, tokens={0: 3})
+    handler.reports = {1: _report(2, {0: [5, [3, 1]]}, [3, 2])}
+    handler.replay_done()
+    lock = handler.locks[0]
+    assert (handler.holding, lock.holder, lock.token, lock.released, lock.vt) == (False, 1, 5, {0: 3}, [3, 2])
+    post = rt.kv.get(_reconnect.KV_NS, _reconnect.post_key(7, 0, 1))
+    assert post == {"vt": [3, 1], "known": [[0, 3, [5, 0]]], "held": {0: [3, [0, 0]]}, "claims": []}  # before it waited
+    handler._release(0, 11, 0, [3, 1], [], 3)  # sent again: acked, changes nothing
+    assert (lock.holder, lock.token) == (1, 5)
+    handler._release(1, 12, 0, [3, 2], [], 5)
+    assert (lock.holder, lock.released) == (-1, {0: 3, 1: 5})
+    assert [(dst, type(msg).__name__) for dst, msg in mem.server.sent] == [(0, "Ack"), (1, "Ack")]
+    assert rt.fall_backs == []
+
+
+def test_a_recovered_home_rebuilds_its_locks_once_the_ranks_that_recovered_with_it_published_their_state() -> None:
+    """Rank 0 of 4 recovered with rank 2 (no report from it) while rank 3 was lost, and lost again as incarnation 1:
+    the locks homed at 0 wait for rank 2's state after its replay and for rank 3's incarnation 2's."""
+    mem, handler, rt = _home(0, 4, vt=[2, 0, 0, 0], known={(0, 2): [9, 0]}, floor=[1, 0, 0, 0])
+    handler.awaited = {2: 1, 3: 1}
+    handler.held_back = [(2, "a release of lock 4", 0)]
+    handler.replay_done()
+    assert rt.kv.get(_reconnect.KV_NS, _reconnect.post_key(7, 0, 1))["known"] == [[0, 2, [9, 0]]]
+    assert handler.holding and handler.locks == {}  # nothing rebuilt: the lock requests still wait
+    rank2 = _report(4, {4: [7, [0, 0, 0, 0]], 1: [1, [0, 0, 0, 0]]}, [1, 0, 5, 0])  # lock 1 is homed at rank 1
+    rank2["known"] = [[2, 5, [4, 2]]]
+    rt.kv.publish(_reconnect.KV_NS, _reconnect.post_key(7, 2, 1), rank2)
+    rt.kv.publish(RANKS_NS, "failed/3", 1)
+    rt.kv.publish(_reconnect.KV_NS, _reconnect.post_key(7, 3, 2), _report(4, {8: [2, [0, 0, 0, 0]]}, [0, 0, 0, 4]))
+    wait_for(lambda: not handler.holding, HANG, "the locks of rank 0 to be rebuilt")
+    assert sorted((lock, s.holder, s.token) for lock, s in handler.locks.items()) == [(4, 2, 7), (8, 3, 2)]
+    assert handler.locks[4].vt == [2, 0, 5, 4]
+    assert set(handler.locks[4].notices) == {(0, 2), (2, 5)}
+    assert mem.server.inbox[0][1] == dsm_handler.WAKE  # the handler thread serves what was held back
+    assert rt.fall_backs == []
+
+
+def test_of_two_ranks_recovered_at_once_that_hold_a_lock_the_later_grantee_has_it() -> None:
+    """Rank 0 (lock 0's home) and rank 2 both replayed an acquire of lock 0: rank 2's state covers rank 0's release
+    (its last logged operation, served before the failure), so rank 2 holds it; equal states cannot tell: fallback."""
+    _, handler, rt = _home(0, 3, vt=[2, 1, 0], known={(0, 2): [5, 0]}, held={0: [0, 0, 0]}, tokens={0: 3})
+    handler.awaited = {2: 1}
+    rt.kv.publish(_reconnect.KV_NS, _reconnect.post_key(7, 2, 1), _report(3, {0: [4, [0, 0, 0]]}, [2, 1, 1]))
+    handler.replay_done()
+    wait_for(lambda: not handler.holding, HANG, "the locks of rank 0 to be rebuilt")
+    assert (handler.locks[0].holder, handler.locks[0].token, handler.locks[0].released) == (2, 4, {0: 3})
+
+    _, handler, rt = _home(0, 3, vt=[2, 1, 0], known={(0, 2): [5, 0]}, held={0: [0, 0, 0]}, tokens={0: 3})
+    handler.reports = {1: _report(3, {}, [2, 1, 0])}
+    handler.awaited = {2: 1}
+    rt.kv.publish(_reconnect.KV_NS, _reconnect.post_key(7, 2, 1), _report(3, {0: [4, [0, 0, 0]]}, [2, 1, 0]))
+    handler.replay_done()
+    wait_for(lambda: bool(rt.fall_backs), HANG, "rank 0 to fall back")
+    assert rt.fall_backs == [
+        "rank 0: lock 0 is held by both rank 0 and rank 2, recovered at once: which released it cannot be told"
+    ]
+    assert handler.holding  # its lock requests are never served wrongly: the job restarts whole
+
+
+def test_a_rank_that_publishes_no_state_after_its_replay_fails_the_wait_in_one_line() -> None:
+    mem, _, rt = _home(0, 2)
+    with pytest.raises(dsm.DsmError, match=r"^DSM: rank 1 \(incarnation 1\) published no state after its replay"):
+        _reconnect.await_posts(cast(Any, mem), {1: 1}, timeout=0.3)
+    rt.kv.publish(RANKS_NS, "failed/1", 1)  # incarnation 1 is lost: its next one's state is the one to wait for
+    rt.kv.publish(_reconnect.KV_NS, _reconnect.post_key(7, 1, 2), _report(2, {}, [0, 6]))
+    assert _reconnect.await_posts(cast(Any, mem), {1: 1}, timeout=0.3)[1]["vt"] == [0, 6]
