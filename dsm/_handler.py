@@ -15,8 +15,10 @@ element-wise maximum of the vector timestamps).
 The program thread of the same rank touches none of this state except through
 `prune` and `replay_done`, under the handler's mutex; the runtime thread that
 runs the recovery hooks only through `forget`, `forget_queues` and
-`hold_locks`, under the same mutex (and `reports`, set before this rank's
-handler thread starts).
+`hold_locks`, under the same mutex (and `reports` and `awaited`, set before
+this rank's handler thread starts; `published` it only reads); the thread
+that waits for other ranks' post-replay reports only through `_rebuild`,
+under the mutex.
 
 After a peer fails (single-rank recovery, `dsm._reconnect`), nothing is owed to
 its dead incarnation: `forget` drops its queued lock requests, its waiting
@@ -40,7 +42,12 @@ image replays its logs (`dsm._replay`) before it runs live; meanwhile:
   the last barrier.  That over-approximates what the lock's last release
   published: a grant then invalidates more than needed, never less (a rank
   knows the notice of every interval its vector timestamp covers, and nobody
-  can pass a barrier a lock acquirer has not reached).  Then the held-back
+  can pass a barrier a lock acquirer has not reached).  Ranks that gave no
+  report (recovering at the same time, or lost then) are waited for: their
+  state after their own replays (`dsm._reconnect` "post-replay reports").  A
+  lock two of them say they hold is the live one's, or the later grantee's:
+  the other's release, logged last and sent again, was served by this home's
+  previous incarnation and is recorded as done.  Then the held-back
   requests are served, in arrival order, before any later one;
 * a release may reach a home twice (sent again after the replay, since its
   log record cannot say whether it left): the home keeps each lock's holder
@@ -439,6 +446,12 @@ class Handler:
         epochs = {a[2] for a in arrivals}
         if len(epochs) != 1 or len({a[0] for a in arrivals}) != self.mem.size:
             detail = ", ".join(f"rank {a[0]} at barrier {a[2]}" for a in arrivals)
+            if self.incarnation > 0 and len(epochs) == 2 and max(epochs) == min(epochs) + 1:
+                # this manager's previous incarnation completed barrier min(epochs) and died before its
+                # own log record of it (design §3): its reply is lost, a whole-job restart is the way on
+                self._fall_back(
+                    DsmError(f"barrier {min(epochs)} completed before the manager failed, its reply is lost ({detail})")
+                )
             for a in arrivals:
                 self.reply(a[0], ErrorReply(a[1], f"DSM barriers out of step: {detail}"), "error")
             return

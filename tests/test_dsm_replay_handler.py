@@ -400,3 +400,22 @@ def test_a_rank_that_publishes_no_state_after_its_replay_fails_the_wait_in_one_l
     rt.kv.publish(RANKS_NS, "failed/1", 1)  # incarnation 1 is lost: its next one's state is the one to wait for
     rt.kv.publish(_reconnect.KV_NS, _reconnect.post_key(7, 1, 2), _report(2, {}, [0, 6]))
     assert _reconnect.await_posts(cast(Any, mem), {1: 1}, timeout=0.3)[1]["vt"] == [0, 6]
+
+
+def test_a_recovered_manager_whose_barrier_reply_was_lost_with_its_predecessor_falls_back() -> None:
+    """Rank 0 completed barrier 5 and died before its own log record of it: re-executing, it arrives at 5 again
+    while rank 1, past it, waits at 6 (design §3): the job restarts whole, the arrivals get the error."""
+    mem, handler, rt = _home(0, 2)
+    handler.replay_done()
+    handler._barrier(0, 1, 5, [0, 0], [])
+    handler._barrier(1, 2, 6, [0, 0], [])
+    assert rt.fall_backs == [
+        "rank 0: barrier 5 completed before the manager failed, its reply is lost "
+        "(rank 0 at barrier 5, rank 1 at barrier 6)"
+    ]
+    assert [(dst, type(msg).__name__) for dst, msg in mem.server.sent] == [(0, "ErrorReply"), (1, "ErrorReply")]
+    survivor, manager, rt = _home(0, 2)
+    manager.incarnation = 0  # never recovered: barriers out of step are the program's, an error as ever
+    manager._barrier(0, 1, 5, [0, 0], [])
+    manager._barrier(1, 2, 6, [0, 0], [])
+    assert rt.fall_backs == [] and len(survivor.server.sent) == 2
