@@ -419,3 +419,101 @@ def test_a_recovered_manager_whose_barrier_reply_was_lost_with_its_predecessor_f
     manager._barrier(0, 1, 5, [0, 0], [])
     manager._barrier(1, 2, 6, [0, 0], [])
     assert rt.fall_backs == [] and len(survivor.server.sent) == 2
+
+
+# ---------------------------------------------------------------------- two ranks recovering at once
+# Four thread-ranks; ranks 0 and 2 die together and come back together.  After their images, rank 2
+# acquired lock 0 (homed at rank 0); its "replay" ends holding it again, as its log says (simulated, as
+# above).  Rank 0 gets no report from rank 2: its locks wait for rank 2's post-replay report, and then
+# rank 2's release of lock 0 finds it the holder.
+
+
+class Replaying:
+    """A recovered rank's dsm_recovering: a replay is set, so the locks stay held back until the test ends it."""
+
+    @ckpt.hookimpl
+    def dsm_recovering(self, memory: dsm.Memory, incarnation: int, reports: dict[int, dict[str, Any]]) -> None:
+        memory.replay = cast(Any, "replaying")
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_a_lock_home_recovering_with_a_rank_that_holds_its_lock_waits_for_that_ranks_state(protocol: str) -> None:
+    job = RecoveryJob(4, {"dsm_protocol": protocol})
+    memories: dict[int, dsm.Memory] = {}
+    job.finalizers.append(lambda: [memory.close() for memory in memories.values()])
+    imaged, acted = threading.Barrier(4, timeout=HANG), threading.Barrier(4, timeout=HANG)
+    dead, back, resumed = (threading.Barrier(2, timeout=HANG) for _ in range(3))
+    waited, released = threading.Event(), threading.Event()
+    survivors = [job.ranks[1], job.ranks[3]]
+    # a runtime runs its events one at a time, in the coordinator's order (the same on every survivor)
+    first = {other.rank: threading.Event() for other in survivors}
+
+    def victim(proc: RankProcess, mem: dsm.Memory, image: bytes) -> tuple[dsm.Memory, Any, list[Any]]:
+        me = proc.rank
+        acted.wait()
+        mem._halt()
+        proc.kill()
+        if dead.wait() == 0:  # both are dead: what the coordinator and the survivors' runtimes do
+            for rank in (0, 2):
+                proc.rt.kv.publish(RANKS_NS, f"failed/{rank}", 0)
+                for other in survivors:
+                    other.call("ckpt_rank_failed", rank=rank, incarnation=0)
+        mem, a, locks = proc.respawn(image)
+        memories[me] = mem
+        proc.host.register(Replaying(), name="replaying")
+        mem._decide_hooks()
+        proc.rt.kv.publish(RANKS_NS, f"incarnation/{me}", 1)
+        back.wait()  # both in REFRESH at once, while the survivors hear that they are back
+
+        def recovered(other: RankProcess) -> None:
+            if me == 2:
+                assert first[other.rank].wait(HANG)
+            other.call("ckpt_rank_recovered", rank=me, incarnation=1)
+            first[other.rank].set()
+
+        concurrently(lambda: proc.call("ckpt_refresh"), *(lambda o=o: recovered(o) for o in survivors))
+        proc.call("ckpt_resume", restarted=True, aborted=False, independent=False)
+        resumed.wait()
+        if me == 0:
+            assert mem.handler.awaited == {2: 1}
+            mem.replay = None
+            mem.handler.replay_done()  # its replay is over first: its locks wait for rank 2's state
+            assert mem.handler.holding
+            waited.set()
+        else:
+            assert mem.handler.awaited == {0: 1}
+            assert waited.wait(HANG)
+            mem.acquires += 1  # its replay ends having acquired lock 0 again, as its log says
+            mem.held[0], mem.tokens[0] = list(mem.floor), mem.acquires
+            mem.replay = None
+            mem.handler.replay_done()
+            locks[0].release()  # live: rank 0 rebuilt lock 0 with rank 2 its holder
+            released.set()
+        return mem, a, locks
+
+    def rank_main(proc: RankProcess) -> list[int]:
+        me = proc.rank
+        mem = memories[me] = dsm.attach(proc.rt, protocol)
+        a = mem.array(4 * WORDS, np.int64)
+        locks = [mem.lock() for _ in range(4)]
+        a[me * WORDS] = me + 1  # rank r is the home of page r
+        mem.barrier()
+        image = b""
+        if me in (0, 2):
+            mem._halt()
+            image = proc.snapshot((mem, a, locks))
+            mem._start()
+        imaged.wait()
+        if me == 2:
+            locks[0].acquire()
+        if me in (0, 2):
+            mem, a, locks = victim(proc, mem, image)
+        else:
+            acted.wait()
+            assert released.wait(HANG)
+        with locks[0]:  # every rank gets lock 0 from its rebuilt home
+            a[WORDS + 1] += 1
+        mem.barrier()
+        return [int(a[WORDS + 1]), memories[0].handler.locks[0].holder]
+
+    assert job.run([rank_main] * 4, timeout=HANG * 3) == [[4, -1]] * 4
