@@ -15,8 +15,10 @@ element-wise maximum of the vector timestamps).
 The program thread of the same rank touches none of this state except through
 `prune` and `replay_done`, under the handler's mutex; the runtime thread that
 runs the recovery hooks only through `forget`, `forget_queues` and
-`hold_locks`, under the same mutex (and `reports`, set before this rank's
-handler thread starts).
+`hold_locks`, under the same mutex (and `reports` and `awaited`, set before
+this rank's handler thread starts; `published` it only reads); the thread
+that waits for other ranks' post-replay reports only through `_rebuild`,
+under the mutex.
 
 After a peer fails (single-rank recovery, `dsm._reconnect`), nothing is owed to
 its dead incarnation: `forget` drops its queued lock requests, its waiting
@@ -40,7 +42,12 @@ image replays its logs (`dsm._replay`) before it runs live; meanwhile:
   the last barrier.  That over-approximates what the lock's last release
   published: a grant then invalidates more than needed, never less (a rank
   knows the notice of every interval its vector timestamp covers, and nobody
-  can pass a barrier a lock acquirer has not reached).  Then the held-back
+  can pass a barrier a lock acquirer has not reached).  Ranks that gave no
+  report (recovering at the same time, or lost then) are waited for: their
+  state after their own replays (`dsm._reconnect` "post-replay reports").  A
+  lock two of them say they hold is the live one's, or the later grantee's:
+  the other's release, logged last and sent again, was served by this home's
+  previous incarnation and is recorded as done.  Then the held-back
   requests are served, in arrival order, before any later one;
 * a release may reach a home twice (sent again after the replay, since its
   log record cannot say whether it left): the home keeps each lock's holder
@@ -56,6 +63,7 @@ image replays its logs (`dsm._replay`) before it runs live; meanwhile:
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
 from dataclasses import dataclass, field
@@ -65,6 +73,7 @@ import numpy as np
 
 from ckpt import PluginError
 
+from . import _reconnect
 from ._diff import apply_diff
 from ._errors import DsmError
 from ._messages import (
@@ -92,6 +101,7 @@ from ._stats import Counters
 if TYPE_CHECKING:
     from ._memory import Memory
 
+log = logging.getLogger("dsm")
 #: Put in the server's inbox by `replay_done` (never sent): wakes the handler thread to serve what waited.
 WAKE = "dsm-replay-done"
 
@@ -127,6 +137,11 @@ class Handler:
         self.reports: dict[int, dict[str, Any]] = {}
         #: After a recovery: the rebuilt state a lock homed here starts from when it was never seen here.
         self.template: LockState | None = None
+        #: This rank's incarnation, and whether its post-replay report is out (`dsm._reconnect.post_report`).
+        self.incarnation = 0
+        self.published = True
+        #: Ranks that sent no report of this rank's recovery -> the incarnation whose post-replay report is awaited.
+        self.awaited: dict[int, int] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -134,7 +149,7 @@ class Handler:
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
+        self.__dict__.update({"incarnation": 0, "published": True, "awaited": {}, **state})
         self.mutex = threading.Lock()
 
     # ------------------------------------------------------------------ dispatch
@@ -210,23 +225,61 @@ class Handler:
             self.arrivals = []
             self.held_back = []
 
-    def hold_locks(self) -> None:
-        """This rank was restored from its image: lock requests wait until `replay_done` rebuilt the locks."""
+    def hold_locks(self, incarnation: int) -> None:
+        """This rank was restored from its image as `incarnation`: lock requests wait until `replay_done`
+        rebuilt the locks."""
         with self.mutex:
             self.holding = True
+            self.incarnation, self.published, self.awaited = incarnation, False, {}
 
     def replay_done(self) -> None:
-        """This rank's replay ended (or there was none): rebuild the locks homed here, serve what waited.
+        """This rank's replay ended (or there was none): publish its state, rebuild the locks homed here,
+        serve what waited.
 
-        Called on the program thread (by the DSM when the replay's last logged operation is done, or
-        by `dsm._reconnect` right after `dsm_recovering` when no replay started).  The requests held
-        back are served by the handler thread, which this call wakes: only it sends on the server
-        endpoint.
+        Called on the program thread (by the DSM when the replay's last logged operation is done), or
+        by `dsm._reconnect` right after `dsm_recovering` when no replay started (on the runtime
+        thread, in REFRESH).  This rank's state is taken here, before the program goes on live.
+        When the reports of ranks that recovered at the same time are awaited, a thread of its own
+        waits for them and rebuilds (`dsm._reconnect` "post-replay reports"); meanwhile lock
+        requests stay held back.  The requests held back are served by the handler thread, which
+        the rebuild wakes: only it sends on the server endpoint.
         """
+        if self.published:
+            return
+        own = _reconnect.post_report(self.mem)  # before waiting for anyone's: no cycle of waits
+        self.published = True
+        awaited, self.awaited = self.awaited, {}
+        if not awaited:
+            try:
+                self._rebuild(own, {})
+            except DsmError as exc:
+                self._fall_back(exc)
+                raise
+            return
+        log.info("rank %d: awaiting the post-replay state of rank(s) %s", self.mem.rank, sorted(awaited))
+        threading.Thread(
+            target=self._await_and_rebuild, args=(own, awaited), name="dsm-lock-rebuild", daemon=True
+        ).start()
+
+    def _await_and_rebuild(self, own: dict[str, Any], awaited: dict[int, int]) -> None:
+        try:
+            self._rebuild(own, _reconnect.await_posts(self.mem, awaited))
+        except DsmError as exc:
+            self._fall_back(exc)
+
+    def _fall_back(self, exc: DsmError) -> None:
+        """The locks homed here cannot be rebuilt: a whole-job restart from the coordinated checkpoint can."""
+        reason = f"rank {self.mem.rank}: {exc}"
+        log.error("%s", reason)
+        fall_back = getattr(self.mem.rt, "fall_back", None)  # thread-ranks' runtimes have none
+        if fall_back is not None:
+            fall_back(reason)
+
+    def _rebuild(self, own: dict[str, Any], posts: dict[int, dict[str, Any]]) -> None:
         with self.mutex:
             if not self.holding:
                 return
-            self._rebuild_locks()
+            self._rebuild_locks(own, posts)
             self.holding = False
             if self.held_back:
                 server = self.mem.server
@@ -244,19 +297,34 @@ class Handler:
             if self.last_barrier is None or epoch > self.last_barrier[0]:
                 self.last_barrier = (epoch, list(vt), [[q, i, list(flat)] for q, i, flat in notices])
 
-    def _rebuild_locks(self) -> None:
+    def _rebuild_locks(self, own: dict[str, Any], posts: dict[int, dict[str, Any]]) -> None:
+        """The locks homed here from this rank's state after its replay (`own`), the survivors' reports
+        of its recovery and the post-replay reports (`posts`) of ranks that recovered meanwhile.
+
+        A lock two ranks say they hold: the live one (a survivor) holds it, or else the recovered one
+        whose state covers the other's.  The other's last logged operation was its release, which this
+        home's previous incarnation served before it failed: the loser's release token is recorded as
+        released, so the release its replay sends again is acked as a duplicate.
+        """
         mem, reports, self.reports = self.mem, self.reports, {}
-        vt = list(mem.vt)
-        notices = {(q, i): flat for (q, i), flat in mem.known.items() if i > mem.floor[q]}
-        holders = {lock: (mem.rank, mem.tokens.get(lock, 0)) for lock in mem.held if lock % mem.size == mem.rank}
-        for peer, report in sorted(reports.items()):
+        rank = mem.rank
+        states = {rank: own, **posts}
+        vt = list(own["vt"])
+        notices: dict[tuple[int, int], list[int]] = {}
+        claims: dict[int, list[tuple[int, int, bool, list[int]]]] = {}  # lock -> (rank, token, live, rank's vt)
+        for peer, report in [*sorted(reports.items()), *sorted(states.items())]:
             vt = [max(a, b) for a, b in zip(vt, report["vt"], strict=True)]
             for q, i, flat in report["known"]:
                 notices[(q, i)] = flat
             for lock, (token, _) in report["held"].items():
-                if lock in holders:
-                    raise DsmError(f"lock {lock} is held by both rank {holders[lock][0]} and rank {peer}")
-                holders[lock] = (peer, token)
+                if lock % mem.size == rank:
+                    claims.setdefault(lock, []).append((peer, token, peer not in states, report["vt"]))
+        losers: list[tuple[int, int, int]] = []  # lock, rank, token
+        holders: dict[int, tuple[int, int]] = {}
+        for lock, claimants in claims.items():
+            winner = _holder(lock, claimants)
+            holders[lock] = (winner[0], winner[1])
+            losers += [(lock, peer, token) for peer, token, _, _ in claimants if peer != winner[0]]
         for state in self.locks.values():
             notices.update(state.notices)  # what the image knew released through its locks: still true
         self.template = LockState(vt, notices=notices)
@@ -265,6 +333,9 @@ class Handler:
             holder, token = holders.get(lock, (-1, 0))
             released = dict(old.released) if old is not None else {}
             self.locks[lock] = LockState(list(vt), holder, deque(), dict(notices), token, released)
+        for lock, peer, token in losers:
+            released = self.locks[lock].released
+            released[peer] = max(released.get(peer, 0), token)
 
     # ------------------------------------------------------------------ pages
     def _home(self, src: int, rid: int, gid: int) -> None:
@@ -375,6 +446,12 @@ class Handler:
         epochs = {a[2] for a in arrivals}
         if len(epochs) != 1 or len({a[0] for a in arrivals}) != self.mem.size:
             detail = ", ".join(f"rank {a[0]} at barrier {a[2]}" for a in arrivals)
+            if self.incarnation > 0 and len(epochs) == 2 and max(epochs) == min(epochs) + 1:
+                # this manager's previous incarnation completed barrier min(epochs) and died before its
+                # own log record of it (design §3): its reply is lost, a whole-job restart is the way on
+                self._fall_back(
+                    DsmError(f"barrier {min(epochs)} completed before the manager failed, its reply is lost ({detail})")
+                )
             for a in arrivals:
                 self.reply(a[0], ErrorReply(a[1], f"DSM barriers out of step: {detail}"), "error")
             return
@@ -387,3 +464,23 @@ class Handler:
         self.last_barrier = (arrivals[0][2], merged_vt, union)
         for a in arrivals:
             self.reply(a[0], BarrierReply(a[1], merged_vt, union), "barrier_reply")
+
+
+def _holder(lock: int, claimants: list[tuple[int, int, bool, list[int]]]) -> tuple[int, int, bool, list[int]]:
+    """Who of the ranks that say they hold `lock` (rank, token, live, its vector timestamp) holds it now.
+
+    A live rank (a survivor) does: the home granted it after the others' releases.  Among recovered
+    ranks, the last grantee: its timestamp covers the releases of the others (each one's state is
+    that at its release, logged last); equal timestamps cannot tell (DsmError).
+    """
+    live = [c for c in claimants if c[2]]
+    if len(live) > 1:
+        ranks = " and ".join(f"rank {c[0]}" for c in live)
+        raise DsmError(f"lock {lock} is held by both {ranks}")
+    if live:
+        return live[0]
+    last = [c for c in claimants if all(all(a >= b for a, b in zip(c[3], o[3], strict=True)) for o in claimants)]
+    if len(last) != 1:
+        ranks = " and ".join(f"rank {c[0]}" for c in claimants)
+        raise DsmError(f"lock {lock} is held by both {ranks}, recovered at once: which released it cannot be told")
+    return last[0]

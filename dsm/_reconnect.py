@@ -116,6 +116,10 @@ def ready_key(memory: int, src: int, dst: int, tag: str) -> str:
     return f"ready/{memory}/{src}-{dst}/{tag}"
 
 
+def post_key(memory: int, rank: int, incarnation: int) -> str:
+    return f"post/{memory}/{rank}/{incarnation}"
+
+
 def link_tag(a: int, incarnation_a: int, b: int, incarnation_b: int) -> str:
     """The name of the link between incarnation `incarnation_a` of rank `a` and `incarnation_b` of rank `b`."""
     (lo, klo), (hi, khi) = sorted([(a, incarnation_a), (b, incarnation_b)])
@@ -181,7 +185,7 @@ def recovered(mem: Memory, incarnation: int) -> None:
     mem.client.forget_everything()
     mem.server.forget_everything()
     mem.handler.forget_queues()
-    mem.handler.hold_locks()  # until the replay is done (or at once below, if there is none)
+    mem.handler.hold_locks(incarnation)  # until the replay is done (or at once below, if there is none)
     _joined[mem] = {}
     kv = mem.rt.kv
     peers = {mem.rank: incarnation}
@@ -190,6 +194,8 @@ def recovered(mem: Memory, incarnation: int) -> None:
             known = int(kv.get(RANKS_NS, f"incarnation/{j}", 0))
             if not _lost(mem, j, known):  # else it connects to us when it comes back
                 peers[j] = known
+            else:  # it reports nothing: its next incarnation publishes its state after its replay
+                mem.handler.awaited[j] = int(kv.get(RANKS_NS, f"failed/{j}", known)) + 1
     reconnect(mem, peers, incarnation, recovering=True)
 
 
@@ -213,6 +219,8 @@ def reconnect(mem: Memory, peers: dict[int, int], mine: int, recovering: bool = 
             record["recovering"] = True
         elif j != mem.rank:
             record["report"] = survivor_report(mem, j)
+            if not mem.handler.published:  # replaying: its state is not yet the one to rebuild from
+                record["replaying"] = mem.handler.incarnation
         kv.publish(KV_NS, conn_key(mem.mid, mem.rank, j, tags[j]), record)
     abandoned: list[int] = []
     reports: dict[int, dict[str, Any]] = {}
@@ -231,6 +239,9 @@ def reconnect(mem: Memory, peers: dict[int, int], mine: int, recovering: bool = 
         mem.server.attach(j, server, int(theirs["lid"]), int(theirs["client"]))
         if "report" in theirs:
             reports[j] = _report(theirs["report"], mem.size)
+            if recovering and "replaying" in theirs:  # its locks are its replay's, not final: its post-report
+                reports[j]["held"] = {}
+                mem.handler.awaited[j] = int(theirs["replaying"])
         if recovering and j != mem.rank and theirs.get("recovering", False):
             both.append(j)
         if recovering and j != mem.rank and not theirs.get("recovering", False):
@@ -257,6 +268,9 @@ def reconnect(mem: Memory, peers: dict[int, int], mine: int, recovering: bool = 
     if recovering:
         _fail_abandoned(mem, peers, abandoned)
         reports = {j: report for j, report in reports.items() if j not in abandoned}
+        for j in [*both, *abandoned]:  # no report from them: their state after their replays instead
+            if j != mem.rank:
+                mem.handler.awaited[j] = peers[j] + int(j in abandoned)
         _apply_claims(mem, reports)
         mem.handler.reports = reports  # the handler thread is not running yet (it starts at RESUME)
         mem.hook("dsm_recovering", incarnation=mine, reports=reports)
@@ -286,8 +300,9 @@ def _fail_abandoned(mem: Memory, peers: dict[int, int], abandoned: list[int]) ->
 # ---------------------------------------------------------------------- the survivors' reports
 
 
-def survivor_report(mem: Memory, rank: int) -> dict[str, Any]:
-    """What this survivor tells recovering `rank` (msgpack-able): see `dsm_recovering`.
+def survivor_report(mem: Memory, rank: int | None) -> dict[str, Any]:
+    """What this survivor tells recovering `rank` (msgpack-able): see `dsm_recovering`.  `rank` None: the
+    post-replay report of this recovered rank (`post_report`), its `held` over every lock.
 
     Runs on the runtime thread while this rank's program thread runs on.  Safe without a lock:
     every container is copied by one C-level call (list(), dict.copy()), which the GIL makes
@@ -310,11 +325,17 @@ def survivor_report(mem: Memory, rank: int) -> dict[str, Any]:
     for region in list(mem.regions):
         pages = np.flatnonzero(region.home == me)
         owners = (region.aid + pages) % mem.size  # `Region.default_home`
+        if rank is None:
+            break
         claims += [gid_of(region.aid, int(page)) for page in pages[owners == rank]]
     return {
         "vt": vt,
         "known": [[q, i, flat] for (q, i), flat in known.items() if i > floor[q]],
-        "held": {lock: [tokens.get(lock, 0), list(at)] for lock, at in held.items() if lock % mem.size == rank},
+        "held": {
+            lock: [tokens.get(lock, 0), list(at)]
+            for lock, at in held.items()
+            if rank is None or lock % mem.size == rank
+        },
         "claims": claims,
     }
 
@@ -346,3 +367,66 @@ def _apply_claims(mem: Memory, reports: dict[int, dict[str, Any]]) -> None:
             region.table[page] = peer + 1
             if int(region.home[page]) < 0:
                 region.home[page] = peer
+
+
+# ---------------------------------------------------------------------- post-replay reports
+# Concurrent recoveries (FT-KDSM §5; design of issue 13 part 5, §2.4).  A
+# recovered lock home rebuilds its locks from the survivors' reports, but a
+# rank recovering at the same time (or lost at this rank's reconnection and
+# not yet back, or still replaying an earlier recovery) sends none, and what
+# it holds is known only once *its* replay is done.  So every recovered
+# rank, when its replay ends (or at once without one), publishes its own
+# report -- `held` over all locks, the home keeps its own -- under
+#
+#     post/<memory>/<rank>/<incarnation>  -> survivor_report(mem, None)
+#
+# before it waits for anything, and a recovered home waits for the
+# post-reports of those ranks (`await_posts`) before it rebuilds.  No cycle:
+# each publishes before it waits, a replay needs no lock grant (only page
+# service, which the waiting home's handler thread keeps giving), and the
+# wait is on a thread of its own, so a rank whose replay was empty (its
+# `replay_done` runs in REFRESH, before its handler thread starts) is not
+# blocked there.  A rank whose awaited incarnation is lost meanwhile is
+# awaited in its next one (it replays again from its image); the deadline
+# restarts whenever that rank shows replay progress.
+
+
+def post_report(mem: Memory) -> dict[str, Any]:
+    """This recovered rank's state after its replay, published for the recovered lock homes (`await_posts`)."""
+    report = survivor_report(mem, None)
+    kv = getattr(mem.rt, "kv", None)
+    if kv is not None:
+        kv.publish(KV_NS, post_key(mem.mid, mem.rank, mem.handler.incarnation), report)
+    return _report(report, mem.size)
+
+
+def await_posts(mem: Memory, awaited: dict[int, int], timeout: float = RECONNECT_TIMEOUT) -> dict[int, dict[str, Any]]:
+    """The post-replay reports of `awaited` (rank -> the incarnation expected), each of that incarnation
+    or, once it is lost, of a later one; DsmError if a rank shows no progress for `timeout` seconds."""
+    kv = mem.rt.kv
+    posts: dict[int, dict[str, Any]] = {}
+    for rank, incarnation in sorted(awaited.items()):
+        deadline, progress = time.monotonic() + timeout, None
+        while rank not in posts:
+            value = kv.get(KV_NS, post_key(mem.mid, rank, incarnation))
+            if value is not None:
+                posts[rank] = _report(value, mem.size)
+                break
+            if _lost(mem, rank, incarnation):
+                incarnation += 1  # it replays again from its image: wait for its next incarnation's
+                deadline = time.monotonic() + timeout
+                continue
+            now = kv.get(RANKS_NS, f"replay/{rank}")
+            if now != progress:
+                progress, deadline = now, time.monotonic() + timeout
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DsmError(
+                    f"DSM: rank {rank} (incarnation {incarnation}) published no state after its replay "
+                    f"within {timeout:.0f} s: the locks homed at rank {mem.rank} cannot be rebuilt"
+                )
+            try:
+                kv.subscribe(KV_NS, post_key(mem.mid, rank, incarnation), min(SLICE, left))
+            except CoordinatorError:
+                continue  # a slice ran out: look again whether the rank was lost meanwhile
+    return posts

@@ -21,7 +21,8 @@ from recovery_util import RankProcess, RecoveryJob, concurrently
 import ckpt
 import dsm
 from ckpt.plugin import RANKS_NS
-from ckpt.testing import ThreadRuntime, wait_for
+from ckpt.testing import FakeRuntime, ThreadRuntime, wait_for
+from dsm import _handler as dsm_handler
 from dsm import _reconnect
 from dsm._messages import Ack, BarrierReply, BarrierRequest, OldPageRequest, PageReply, ReleaseRequest
 from dsm._net import JOINING, UP
@@ -287,3 +288,232 @@ def test_a_survivors_report_leaves_out_an_interval_caught_between_its_timestamp_
     assert report == {"vt": [2, 1], "known": [[0, 2, [5, 0]]], "held": {1: [4, [3, 1]]}, "claims": []}
     memory.known[(0, 3)] = [5, 0]
     assert _reconnect.survivor_report(cast(Any, memory), 1)["vt"] == [3, 1]
+
+
+# ---------------------------------------------------------------------- rebuilding the locks homed at a recovered rank
+# A `Handler` on a stand-in memory (its program state, a key-value store, a server endpoint that records
+# what is sent): what `replay_done` publishes, waits for and rebuilds, and how the rebuilt locks answer
+# the release a replay sends again.
+
+
+class Endpoint:
+    """The server endpoint as the handler uses it: replies recorded, every link up, an inbox to wake."""
+
+    def __init__(self, size: int) -> None:
+        self.sent: list[tuple[int, Any]] = []
+        self.state = [UP] * size
+        self.link = [0] * size
+        self.lock = threading.Lock()
+        self.inbox: list[tuple[int, Any, int, int]] = []
+
+    def send(self, dst: int, msg: Any) -> int:
+        self.sent.append((dst, msg))
+        return 1
+
+
+def _home(rank: int, size: int, **program: Any) -> tuple[Any, dsm_handler.Handler, FakeRuntime]:
+    """Recovered rank `rank` (incarnation 1) of `size`, its locks held back; `program`: its state after its replay."""
+    rt = FakeRuntime()
+    mem = SimpleNamespace(
+        rank=rank, size=size, mid=7, rt=rt, regions=[], server=Endpoint(size),
+        vt=[0] * size, floor=[0] * size, known={}, held={}, tokens={},
+    )  # fmt: skip
+    for name, value in program.items():
+        setattr(mem, name, value)
+    mem.handler = handler = dsm_handler.Handler(cast(Any, mem))
+    handler.hold_locks(1)
+    return mem, handler, rt
+
+
+def _report(size: int, held: dict[int, list[Any]], vt: list[int] | None = None) -> dict[str, Any]:
+    return {"vt": vt or [0] * size, "known": [], "held": held, "claims": []}
+
+
+def test_a_survivor_holding_a_lock_the_recovered_home_replayed_holding_has_it_and_the_release_sent_again_is_a_dup() -> (
+    None
+):
+    """Rank 0, lock 0's home, replayed its acquire and its release of lock 0, the release logged last: the DSM
+    sends it again once live.  Its previous incarnation had served it, and rank 1 has acquired the lock since."""
+    mem, handler, rt = _home(0, 2, vt=[3, 1], known={(0, 3): [5, 0]}, held={0: [0, 0]}, tokens={0: 3})
+    handler.reports = {1: _report(2, {0: [5, [3, 1]]}, [3, 2])}
+    handler.replay_done()
+    lock = handler.locks[0]
+    assert (handler.holding, lock.holder, lock.token, lock.released, lock.vt) == (False, 1, 5, {0: 3}, [3, 2])
+    post = rt.kv.get(_reconnect.KV_NS, _reconnect.post_key(7, 0, 1))
+    assert post == {"vt": [3, 1], "known": [[0, 3, [5, 0]]], "held": {0: [3, [0, 0]]}, "claims": []}  # before it waited
+    handler._release(0, 11, 0, [3, 1], [], 3)  # sent again: acked, changes nothing
+    assert (lock.holder, lock.token) == (1, 5)
+    handler._release(1, 12, 0, [3, 2], [], 5)
+    assert (lock.holder, lock.released) == (-1, {0: 3, 1: 5})
+    assert [(dst, type(msg).__name__) for dst, msg in mem.server.sent] == [(0, "Ack"), (1, "Ack")]
+    assert rt.fall_backs == []
+
+
+def test_a_recovered_home_rebuilds_its_locks_once_the_ranks_that_recovered_with_it_published_their_state() -> None:
+    """Rank 0 of 4 recovered with rank 2 (no report from it) while rank 3 was lost, and lost again as incarnation 1:
+    the locks homed at 0 wait for rank 2's state after its replay and for rank 3's incarnation 2's."""
+    mem, handler, rt = _home(0, 4, vt=[2, 0, 0, 0], known={(0, 2): [9, 0]}, floor=[1, 0, 0, 0])
+    handler.awaited = {2: 1, 3: 1}
+    handler.held_back = [(2, "a release of lock 4", 0)]
+    handler.replay_done()
+    assert rt.kv.get(_reconnect.KV_NS, _reconnect.post_key(7, 0, 1))["known"] == [[0, 2, [9, 0]]]
+    assert handler.holding and handler.locks == {}  # nothing rebuilt: the lock requests still wait
+    rank2 = _report(4, {4: [7, [0, 0, 0, 0]], 1: [1, [0, 0, 0, 0]]}, [1, 0, 5, 0])  # lock 1 is homed at rank 1
+    rank2["known"] = [[2, 5, [4, 2]]]
+    rt.kv.publish(_reconnect.KV_NS, _reconnect.post_key(7, 2, 1), rank2)
+    rt.kv.publish(RANKS_NS, "failed/3", 1)
+    rt.kv.publish(_reconnect.KV_NS, _reconnect.post_key(7, 3, 2), _report(4, {8: [2, [0, 0, 0, 0]]}, [0, 0, 0, 4]))
+    wait_for(lambda: not handler.holding, HANG, "the locks of rank 0 to be rebuilt")
+    assert sorted((lock, s.holder, s.token) for lock, s in handler.locks.items()) == [(4, 2, 7), (8, 3, 2)]
+    assert handler.locks[4].vt == [2, 0, 5, 4]
+    assert set(handler.locks[4].notices) == {(0, 2), (2, 5)}
+    assert mem.server.inbox[0][1] == dsm_handler.WAKE  # the handler thread serves what was held back
+    assert rt.fall_backs == []
+
+
+def test_of_two_ranks_recovered_at_once_that_hold_a_lock_the_later_grantee_has_it() -> None:
+    """Rank 0 (lock 0's home) and rank 2 both replayed an acquire of lock 0: rank 2's state covers rank 0's release
+    (its last logged operation, served before the failure), so rank 2 holds it; equal states cannot tell: fallback."""
+    _, handler, rt = _home(0, 3, vt=[2, 1, 0], known={(0, 2): [5, 0]}, held={0: [0, 0, 0]}, tokens={0: 3})
+    handler.awaited = {2: 1}
+    rt.kv.publish(_reconnect.KV_NS, _reconnect.post_key(7, 2, 1), _report(3, {0: [4, [0, 0, 0]]}, [2, 1, 1]))
+    handler.replay_done()
+    wait_for(lambda: not handler.holding, HANG, "the locks of rank 0 to be rebuilt")
+    assert (handler.locks[0].holder, handler.locks[0].token, handler.locks[0].released) == (2, 4, {0: 3})
+
+    _, handler, rt = _home(0, 3, vt=[2, 1, 0], known={(0, 2): [5, 0]}, held={0: [0, 0, 0]}, tokens={0: 3})
+    handler.reports = {1: _report(3, {}, [2, 1, 0])}
+    handler.awaited = {2: 1}
+    rt.kv.publish(_reconnect.KV_NS, _reconnect.post_key(7, 2, 1), _report(3, {0: [4, [0, 0, 0]]}, [2, 1, 0]))
+    handler.replay_done()
+    wait_for(lambda: bool(rt.fall_backs), HANG, "rank 0 to fall back")
+    assert rt.fall_backs == [
+        "rank 0: lock 0 is held by both rank 0 and rank 2, recovered at once: which released it cannot be told"
+    ]
+    assert handler.holding  # its lock requests are never served wrongly: the job restarts whole
+
+
+def test_a_rank_that_publishes_no_state_after_its_replay_fails_the_wait_in_one_line() -> None:
+    mem, _, rt = _home(0, 2)
+    with pytest.raises(dsm.DsmError, match=r"^DSM: rank 1 \(incarnation 1\) published no state after its replay"):
+        _reconnect.await_posts(cast(Any, mem), {1: 1}, timeout=0.3)
+    rt.kv.publish(RANKS_NS, "failed/1", 1)  # incarnation 1 is lost: its next one's state is the one to wait for
+    rt.kv.publish(_reconnect.KV_NS, _reconnect.post_key(7, 1, 2), _report(2, {}, [0, 6]))
+    assert _reconnect.await_posts(cast(Any, mem), {1: 1}, timeout=0.3)[1]["vt"] == [0, 6]
+
+
+def test_a_recovered_manager_whose_barrier_reply_was_lost_with_its_predecessor_falls_back() -> None:
+    """Rank 0 completed barrier 5 and died before its own log record of it: re-executing, it arrives at 5 again
+    while rank 1, past it, waits at 6 (design §3): the job restarts whole, the arrivals get the error."""
+    mem, handler, rt = _home(0, 2)
+    handler.replay_done()
+    handler._barrier(0, 1, 5, [0, 0], [])
+    handler._barrier(1, 2, 6, [0, 0], [])
+    assert rt.fall_backs == [
+        "rank 0: barrier 5 completed before the manager failed, its reply is lost "
+        "(rank 0 at barrier 5, rank 1 at barrier 6)"
+    ]
+    assert [(dst, type(msg).__name__) for dst, msg in mem.server.sent] == [(0, "ErrorReply"), (1, "ErrorReply")]
+    survivor, manager, rt = _home(0, 2)
+    manager.incarnation = 0  # never recovered: barriers out of step are the program's, an error as ever
+    manager._barrier(0, 1, 5, [0, 0], [])
+    manager._barrier(1, 2, 6, [0, 0], [])
+    assert rt.fall_backs == [] and len(survivor.server.sent) == 2
+
+
+# ---------------------------------------------------------------------- two ranks recovering at once
+# Four thread-ranks; ranks 0 and 2 die together and come back together.  After their images, rank 2
+# acquired lock 0 (homed at rank 0); its "replay" ends holding it again, as its log says (simulated, as
+# above).  Rank 0 gets no report from rank 2: its locks wait for rank 2's post-replay report, and then
+# rank 2's release of lock 0 finds it the holder.
+
+
+class Replaying:
+    """A recovered rank's dsm_recovering: a replay is set, so the locks stay held back until the test ends it."""
+
+    @ckpt.hookimpl
+    def dsm_recovering(self, memory: dsm.Memory, incarnation: int, reports: dict[int, dict[str, Any]]) -> None:
+        memory.replay = cast(Any, "replaying")
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_a_lock_home_recovering_with_a_rank_that_holds_its_lock_waits_for_that_ranks_state(protocol: str) -> None:
+    job = RecoveryJob(4, {"dsm_protocol": protocol})
+    memories: dict[int, dsm.Memory] = {}
+    job.finalizers.append(lambda: [memory.close() for memory in memories.values()])
+    imaged, acted = threading.Barrier(4, timeout=HANG), threading.Barrier(4, timeout=HANG)
+    dead, back, resumed = (threading.Barrier(2, timeout=HANG) for _ in range(3))
+    waited, released = threading.Event(), threading.Event()
+    survivors = [job.ranks[1], job.ranks[3]]
+    # a runtime runs its events one at a time, in the coordinator's order (the same on every survivor)
+    first = {other.rank: threading.Event() for other in survivors}
+
+    def victim(proc: RankProcess, mem: dsm.Memory, image: bytes) -> tuple[dsm.Memory, Any, list[Any]]:
+        me = proc.rank
+        acted.wait()
+        mem._halt()
+        proc.kill()
+        if dead.wait() == 0:  # both are dead: what the coordinator and the survivors' runtimes do
+            for rank in (0, 2):
+                proc.rt.kv.publish(RANKS_NS, f"failed/{rank}", 0)
+                for other in survivors:
+                    other.call("ckpt_rank_failed", rank=rank, incarnation=0)
+        mem, a, locks = proc.respawn(image)
+        memories[me] = mem
+        proc.host.register(Replaying(), name="replaying")
+        mem._decide_hooks()
+        proc.rt.kv.publish(RANKS_NS, f"incarnation/{me}", 1)
+        back.wait()  # both in REFRESH at once, while the survivors hear that they are back
+
+        def recovered(other: RankProcess) -> None:
+            if me == 2:
+                assert first[other.rank].wait(HANG)
+            other.call("ckpt_rank_recovered", rank=me, incarnation=1)
+            first[other.rank].set()
+
+        concurrently(lambda: proc.call("ckpt_refresh"), *(lambda o=o: recovered(o) for o in survivors))
+        proc.call("ckpt_resume", restarted=True, aborted=False, independent=False)
+        resumed.wait()
+        if me == 0:
+            assert mem.handler.awaited == {2: 1}
+            mem.replay = None
+            mem.handler.replay_done()  # its replay is over first: its locks wait for rank 2's state
+            assert mem.handler.holding
+            waited.set()
+        else:
+            assert mem.handler.awaited == {0: 1}
+            assert waited.wait(HANG)
+            mem.acquires += 1  # its replay ends having acquired lock 0 again, as its log says
+            mem.held[0], mem.tokens[0] = list(mem.floor), mem.acquires
+            mem.replay = None
+            mem.handler.replay_done()
+            locks[0].release()  # live: rank 0 rebuilt lock 0 with rank 2 its holder
+            released.set()
+        return mem, a, locks
+
+    def rank_main(proc: RankProcess) -> list[int]:
+        me = proc.rank
+        mem = memories[me] = dsm.attach(proc.rt, protocol)
+        a = mem.array(4 * WORDS, np.int64)
+        locks = [mem.lock() for _ in range(4)]
+        a[me * WORDS] = me + 1  # rank r is the home of page r
+        mem.barrier()
+        image = b""
+        if me in (0, 2):
+            mem._halt()
+            image = proc.snapshot((mem, a, locks))
+            mem._start()
+        imaged.wait()
+        if me == 2:
+            locks[0].acquire()
+        if me in (0, 2):
+            mem, a, locks = victim(proc, mem, image)
+        else:
+            acted.wait()
+            assert released.wait(HANG)
+        with locks[0]:  # every rank gets lock 0 from its rebuilt home
+            a[WORDS + 1] += 1
+        mem.barrier()
+        return [int(a[WORDS + 1]), memories[0].handler.locks[0].holder]
+
+    assert job.run([rank_main] * 4, timeout=HANG * 3) == [[4, -1]] * 4
