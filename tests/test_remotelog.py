@@ -452,10 +452,11 @@ def test_the_recovery_answer_follows_the_logging_mode(tmp_path: Any) -> None:
     def job(mode: str) -> JobInfo:
         return JobInfo(job="j", ckpt_dir=tmp_path, transport="simib", host="127.0.0.1", options={"logging": mode})
 
-    # no replay yet: logging on refuses (one line), logging off keeps no cross-rank state (no answer)
-    for mode in ("remote", "stable"):
-        answer = ckpt_remotelog.ckpt_single_rank_recovery(job(mode))
-        assert isinstance(answer, str) and "\n" not in answer and "replay" in answer
+    # remote logging recovers a DSM rank by replay, answering for the DSM and the verbs plugin beneath it;
+    # stable logs are on the failed rank's own disk: refused in one line; off keeps no cross-rank state
+    assert ckpt_remotelog.ckpt_single_rank_recovery(job("remote")) == ["ib", "dsm"]
+    answer = ckpt_remotelog.ckpt_single_rank_recovery(job("stable"))
+    assert isinstance(answer, str) and "\n" not in answer and "--logging remote" in answer
     assert ckpt_remotelog.ckpt_single_rank_recovery(job("off")) is None
 
 

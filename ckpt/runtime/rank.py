@@ -589,7 +589,10 @@ def main(spec: dict[str, Any] | None = None) -> NoReturn:
     try:
         engine = RankEngine(spec)
     except CkptError as exc:
-        say(f"ckpt rank {spec['rank']}: {exc}")
+        # under ckpt launch a rank refused because the job already ended (another rank failed first) has
+        # nothing to add: the launcher prints the job's one error line
+        if spec.get("print_result") or "has already ended" not in str(exc):
+            say(f"ckpt rank {spec['rank']}: {exc}")
         _exit(1)
     _exit(engine.run())
 
