@@ -589,8 +589,7 @@ def main(spec: dict[str, Any] | None = None) -> NoReturn:
     try:
         engine = RankEngine(spec)
     except CkptError as exc:
-        # under ckpt launch a rank refused because the job already ended (another rank failed first) has
-        # nothing to add: the launcher prints the job's one error line
+        # refused as the job already ended (a rank failed first): under ckpt launch its error line is the one
         if spec.get("print_result") or "has already ended" not in str(exc):
             say(f"ckpt rank {spec['rank']}: {exc}")
         _exit(1)
