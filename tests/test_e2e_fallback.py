@@ -86,6 +86,7 @@ def test_a_rank_killed_whose_recovered_incarnation_falls_back_ends_as_uninterrup
     assert not {r["pid"] for r in state["ranks"]} & {r["pid"] for r in final["ranks"]}  # every rank is new
 
 
+@pytest.mark.stress  # three whole-job restarts; the bound is also tested at the coordinator (test_fallback)
 def test_a_job_that_keeps_falling_back_fails_in_one_line(tmp_path: Path) -> None:
     ckpt_dir = tmp_path / "ckpt"
     done = run("launch", "--ckpt-dir", str(ckpt_dir), *RECOVER, PROGRAM, STEPS, AT, "9", timeout=120)

@@ -90,6 +90,7 @@ def test_without_a_fault_nobody_replays_and_the_answer_is_the_uninterrupted_one(
 
 
 # ----------------------------------------------------------------- the harness's own plugin, under abort
+@pytest.mark.stress  # the mid-operation tests use the same plugin in CI
 def test_the_kill_plugin_kills_its_rank_at_the_nth_hook_after_the_first_checkpoint(
     start_job: Callable[..., Job], tmp_path: Path
 ) -> None:
