@@ -74,6 +74,7 @@ def test_a_rank_killed_mid_operation_recovers_by_replay(
     run_recovering(start_job, tmp_path, CASES[name], protocol, [kill], f"{name}/{protocol}, kill {kill}")
 
 
+@pytest.mark.stress  # suite time: the CI runs check numpy's answer and the replay counters themselves
 def test_without_a_fault_nobody_replays_and_the_answer_is_the_uninterrupted_one(
     start_job: Callable[..., Job], tmp_path: Path
 ) -> None:
