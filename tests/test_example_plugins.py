@@ -20,7 +20,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 PLUGIN_DIR = EXAMPLES / "plugins"
 RING_STEPS = 3000
-RING = [str(EXAMPLES / "ring.py"), str(RING_STEPS)]
+# 300 us of work per step: the job must still be running when `ckpt checkpoint --kill` comes at a third of it
+RING = [str(EXAMPLES / "ring.py"), str(RING_STEPS), "300"]
 SOR = [str(ROOT / "dsm" / "programs" / "sor.py"), "128", "300"]
 
 
