@@ -79,7 +79,7 @@ from ._messages import (
     Reply,
     Request,
 )
-from ._net import ACCESS, Endpoint, atomic
+from ._net import ACCESS, UP, Endpoint, atomic
 from ._region import DIRTY, INVALID, META, VALID, Region, gid_of, split_gid
 from ._replay import PageVersions, Replay
 from ._requests import WINDOW, RequestClient
@@ -388,6 +388,7 @@ class Memory(RequestClient):
         self.dirty.clear()
         if not written:
             return
+        links = {home: self.client.link[home] for home in outgoing}
         if not replaying:
             self.hook("dsm_interval_closing", interval=interval)
             started = time.perf_counter()
@@ -402,6 +403,29 @@ class Memory(RequestClient):
         self.known[(self.rank, interval)] = written
         self.counters.intervals += 1
         self.hook("dsm_interval_closed", interval=interval, pages=written[::2])
+        if not replaying:
+            self._send_again(outgoing, links, interval)
+
+    def _send_again(
+        self, outgoing: dict[int, list[tuple[Region, int, Diff]]], links: dict[int, int], interval: int
+    ) -> None:
+        """Send an interval's diffs again to every home that failed since they were first sent.
+
+        Such a home may have applied (and acked) a diff while its record at the home's log home,
+        completed only now (the `dsm_interval_closed` hooks), was not yet there when the home's next
+        incarnation read its log to rebuild its copies -- the diff would be lost.  A survivor's link
+        to a recovered rank is replaced (`Endpoint.attach`) before that rank reads its log, so an
+        unchanged link here means the log is read after this interval's records.  A diff applied
+        twice is harmless: it holds absolute bytes, and no later writer can have touched them.
+        """
+        again = {
+            h: items for h, items in outgoing.items() if self.client.link[h] != links[h] or self.client.state[h] != UP
+        }
+        if again:
+            log.info(
+                "rank %d: interval %d's diffs sent again to recovered rank(s) %s", self.rank, interval, sorted(again)
+            )
+            self._send_diffs(again, interval)
 
     def _send_diffs(self, outgoing: dict[int, list[tuple[Region, int, Diff]]], interval: int) -> None:
         if self.protocol == "async":

@@ -177,3 +177,68 @@ def test_requests_in_flight_when_their_home_dies_are_sent_again_to_its_next_inca
 @pytest.mark.stress
 def test_many_recoveries_in_a_row(protocol: str) -> None:
     _recovery_rounds(protocol, [1, 2, 0, 1, 1, 2, 0, 0, 2, 1])
+
+
+def test_a_diff_its_home_applied_before_failing_is_sent_again_to_its_next_incarnation(protocol: str) -> None:
+    """Rank 0 writes page 1 and closes the interval at a barrier: rank 1 applies (acks) the diff, then fails
+    before rank 0's interval has completed -- with remote logging, before its record at rank 1's log home
+    is sure to be there.  Rank 1 comes back from an image without the diff; rank 0 sends it again once
+    its interval has completed (`Memory._send_again`), so rank 2 reads rank 0's write from rank 1.  Without
+    that, rank 1's copy never holds the interval rank 2's fetch needs, and the fetch waits for it forever."""
+    job = RecoveryJob(SIZE, {"dsm_protocol": protocol})
+    memories: dict[int, dsm.Memory] = {}
+    job.finalizers.append(lambda: [memory.close() for memory in memories.values()])
+    imaged = threading.Barrier(SIZE, timeout=60)
+    closing, back = threading.Event(), threading.Event()
+    victim, writer = 1, 0
+
+    def holding(mem: dsm.Memory) -> None:
+        """The writer's `dsm_interval_closed` waits until the victim has died and come back."""
+        fire = mem.hook
+
+        def hook(name: str, **kwargs: Any) -> None:
+            if name == "dsm_interval_closed":
+                closing.set()
+                assert back.wait(60), "the victim did not come back"
+            fire(name, **kwargs)
+
+        mem.hook = hook  # type: ignore[method-assign]
+        mem._fire = mem._fire | {"dsm_interval_closed"}
+
+    def rank_main(proc: RankProcess) -> np.ndarray:
+        me = proc.rank
+        mem = dsm.attach(proc.rt, protocol)
+        memories[me] = mem
+        pages = mem.array(SIZE * WORDS, np.int64)
+        pages[me * WORDS : (me + 1) * WORDS] = me + 1  # first touch: rank r is the home of page r
+        mem.barrier()
+        if me == victim:
+            mem._halt()
+            image = proc.snapshot((mem, pages))
+            mem._start()
+            imaged.wait()
+            assert closing.wait(60), "the writer never closed its interval"
+            proc.kill()
+            survivors = [other for other in job.ranks if other is not proc]
+            for other in survivors:
+                other.call("ckpt_rank_failed", rank=me, incarnation=proc.incarnation)
+            mem, pages = proc.respawn(image)
+            memories[me] = mem
+            incarnation = proc.incarnation
+            concurrently(
+                lambda: proc.call("ckpt_refresh"),
+                *(lambda o=o: o.call("ckpt_rank_recovered", rank=me, incarnation=incarnation) for o in survivors),
+            )
+            proc.call("ckpt_resume", restarted=True, aborted=False, independent=False)
+            back.set()
+        else:
+            imaged.wait()
+            if me == writer:
+                holding(mem)
+                pages[victim * WORDS : (victim + 1) * WORDS] = 99
+        mem.barrier()
+        return np.asarray(pages[victim * WORDS : (victim + 1) * WORDS])
+
+    results = job.run([rank_main] * SIZE, timeout=30)
+    for seen in results:
+        assert np.array_equal(seen, np.full(WORDS, 99))
