@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
+
 PROTOCOLS = ("async", "onesided")
 
 
@@ -30,4 +32,10 @@ CASES = [
     DsmCase("water", ("64", "4", "4"), ("128", "30", "8"), 20),
 ]
 #: (case, protocol) of the CLI restart tests: every program on both protocols.
-RESTARTS = [(case, protocol) for case in CASES for protocol in PROTOCOLS]
+#: Every program on both protocols; suite time: CI runs each on one, alternating (the other under -m stress;
+#: both protocols are checkpointed through the CLI in CI by test_e2e_dsm's other tests and test_e2e_remotelog)
+RESTARTS = [
+    pytest.param(case, protocol, marks=[pytest.mark.stress] if (i + j) % 2 else [], id=f"{case}-{protocol}")
+    for i, case in enumerate(CASES)
+    for j, protocol in enumerate(PROTOCOLS)
+]

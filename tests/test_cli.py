@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 import pytest
 
+from ckpt._launcher import RANK_VARIABLES, external_rank
 from ckpt.cli import cli, main
 
 
@@ -114,6 +115,21 @@ def test_ranks_of_an_external_launcher_need_a_coordinator(
     err = capsys.readouterr().err
     assert err.startswith("error: this process is rank 1 of 4 under an external launcher") and "--coordinator" in err
     assert not (tmp_path / "d").exists()  # refused before it claimed anything
+
+
+@pytest.mark.parametrize(("rank_var", "size_var"), RANK_VARIABLES)
+def test_every_external_launchers_rank_variables_are_read(
+    rank_var: str, size_var: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CI's end-to-end run uses PMI_*; the others are read the same way (test_e2e_external, stress)."""
+    for names in RANK_VARIABLES:
+        for name in names:
+            monkeypatch.delenv(name, raising=False)
+    assert external_rank() is None
+    monkeypatch.setenv(rank_var, "2")
+    assert external_rank() == (2, None)
+    monkeypatch.setenv(size_var, "5")
+    assert external_rank() == (2, 5)
 
 
 def test_ckpt_plugins_names_the_transports_and_commands_of_the_installed_plugins(

@@ -48,7 +48,7 @@ def uninterrupted(case: DsmCase, protocol: str) -> dict[int, str]:
     return dict(enumerate(lines))
 
 
-@pytest.mark.parametrize(("case", "protocol"), RESTARTS, ids=[f"{c}-{p}" for c, p in RESTARTS])
+@pytest.mark.parametrize(("case", "protocol"), RESTARTS)
 def test_checkpoint_resume_kill_restart_gives_the_uninterrupted_result(
     case: DsmCase, protocol: str, start_job: Callable[..., Job], tmp_path: Path
 ) -> None:
