@@ -430,6 +430,8 @@ def main() -> None:
     for protocol in args.protocols:
         if protocol not in PROTOCOLS:
             parser.error(f"--protocols: unknown protocol {protocol!r} (choose from {', '.join(PROTOCOLS)})")
+    if args.dir is not None:
+        Path(args.dir).mkdir(parents=True, exist_ok=True)
     jobs = Jobs()
     with tempfile.TemporaryDirectory(prefix="bench-remotelog-", dir=args.dir) as tmp:
         directory = Path(tmp)

@@ -93,6 +93,12 @@ def _past_step(job: Job, step: int) -> dict[str, Any]:
 
 def _back(job: Job, rank: int, incarnation: int) -> None:
     def back() -> bool:
+        assert job.process is not None
+        if job.process.poll() is not None:  # say why, rather than time out
+            out, err = job.read()
+            raise AssertionError(
+                f"the job ended (exit {job.process.returncode}) before rank {rank} came back: {out}{err}"
+            )
         later = job.poll_status() or {"ranks": []}
         return any(r["rank"] == rank and r["incarnation"] >= incarnation for r in later["ranks"])
 
