@@ -104,6 +104,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("dsm")
 #: Put in the server's inbox by `replay_done` (never sent): wakes the handler thread to serve what waited.
 WAKE = "dsm-replay-done"
+#: A rank's claim to hold a lock, in a lock home's rebuild: (rank, token, live, its vector timestamp, releasing).
+Claim = tuple[int, int, bool, list[int], bool]
 
 
 @dataclass
@@ -311,20 +313,21 @@ class Handler:
         states = {rank: own, **posts}
         vt = list(own["vt"])
         notices: dict[tuple[int, int], list[int]] = {}
-        claims: dict[int, list[tuple[int, int, bool, list[int]]]] = {}  # lock -> (rank, token, live, rank's vt)
+        claims: dict[int, list[Claim]] = {}  # lock -> (rank, token, live, rank's vt, releasing)
         for peer, report in [*sorted(reports.items()), *sorted(states.items())]:
             vt = [max(a, b) for a, b in zip(vt, report["vt"], strict=True)]
             for q, i, flat in report["known"]:
                 notices[(q, i)] = flat
             for lock, (token, _) in report["held"].items():
                 if lock % mem.size == rank:
-                    claims.setdefault(lock, []).append((peer, token, peer not in states, report["vt"]))
+                    releasing = lock in report.get("releasing", [])
+                    claims.setdefault(lock, []).append((peer, token, peer not in states, report["vt"], releasing))
         losers: list[tuple[int, int, int]] = []  # lock, rank, token
         holders: dict[int, tuple[int, int]] = {}
         for lock, claimants in claims.items():
             winner = _holder(lock, claimants)
             holders[lock] = (winner[0], winner[1])
-            losers += [(lock, peer, token) for peer, token, _, _ in claimants if peer != winner[0]]
+            losers += [(lock, c[0], c[1]) for c in claimants if c[0] != winner[0]]
         for state in self.locks.values():
             notices.update(state.notices)  # what the image knew released through its locks: still true
         self.template = LockState(vt, notices=notices)
@@ -466,12 +469,15 @@ class Handler:
             self.reply(a[0], BarrierReply(a[1], merged_vt, union), "barrier_reply")
 
 
-def _holder(lock: int, claimants: list[tuple[int, int, bool, list[int]]]) -> tuple[int, int, bool, list[int]]:
-    """Who of the ranks that say they hold `lock` (rank, token, live, its vector timestamp) holds it now.
+def _holder(lock: int, claimants: list[Claim]) -> Claim:
+    """Who of the ranks that say they hold `lock` (rank, token, live, its vector timestamp, releasing) holds it.
 
     A live rank (a survivor) does: the home granted it after the others' releases.  Among recovered
-    ranks, the last grantee: its timestamp covers the releases of the others (each one's state is
-    that at its release, logged last); equal timestamps cannot tell (DsmError).
+    ranks, one whose log ends in the acquisition (not releasing) does: it never released, so every
+    other claimant's logged release was served before its grant (their timestamps may be equal: the
+    lock carried the releaser's).  Among releasing ones only, the last grantee: its timestamp covers
+    the releases of the others (each one's state is that at its release, logged last); equal
+    timestamps cannot tell (DsmError).
     """
     live = [c for c in claimants if c[2]]
     if len(live) > 1:
@@ -479,6 +485,12 @@ def _holder(lock: int, claimants: list[tuple[int, int, bool, list[int]]]) -> tup
         raise DsmError(f"lock {lock} is held by both {ranks}")
     if live:
         return live[0]
+    holding = [c for c in claimants if not c[4]]
+    if len(holding) > 1:
+        ranks = " and ".join(f"rank {c[0]}" for c in holding)
+        raise DsmError(f"lock {lock} is held by both {ranks}, neither releasing it")
+    if holding:
+        return holding[0]
     last = [c for c in claimants if all(all(a >= b for a, b in zip(c[3], o[3], strict=True)) for o in claimants)]
     if len(last) != 1:
         ranks = " and ".join(f"rank {c[0]}" for c in claimants)

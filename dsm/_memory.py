@@ -123,6 +123,8 @@ class Memory(RequestClient):
         self.known: dict[tuple[int, int], list[int]] = {}  # (writer, interval) -> [gid, home, ...]
         self.dirty: set[int] = set()
         self.held: dict[int, list[int]] = {}  # lock -> the lock's vector timestamp at the grant
+        #: Held locks whose release a replay found logged last: sent again live, they are being released.
+        self.releasing: set[int] = set()
         self.tokens: dict[int, int] = {}  # lock held -> the token of its acquisition
         self.nlocks = 0
         self.acquires = 0  # acquisitions so far: each one's token (a replay re-counts them alike)
@@ -285,6 +287,7 @@ class Memory(RequestClient):
         self._request(lock % self.size, release, Ack, f"release of lock {lock}")
         self.tokens.pop(lock, None)
         del self.held[lock]  # only now: a release that failed can be retried
+        self.releasing.discard(lock)
         self.counters.lock_seconds += time.perf_counter() - started
         self.hook("dsm_lock_released", lock=lock)
 

@@ -318,6 +318,7 @@ def survivor_report(mem: Memory, rank: int | None) -> dict[str, Any]:
     floor = list(mem.floor)
     known = mem.known.copy()
     held, tokens = mem.held.copy(), mem.tokens.copy()
+    releasing = set(getattr(mem, "releasing", ()))  # an image older than the field has none
     me = mem.rank
     if vt[me] > floor[me] and (me, vt[me]) not in known:
         vt[me] -= 1  # caught between `vt[me] = interval` and its notice (`Memory._close_interval`)
@@ -337,6 +338,7 @@ def survivor_report(mem: Memory, rank: int | None) -> dict[str, Any]:
             if rank is None or lock % mem.size == rank
         },
         "claims": claims,
+        "releasing": sorted(lock for lock in releasing if lock in held and (rank is None or lock % mem.size == rank)),
     }
 
 
@@ -351,6 +353,7 @@ def _report(raw: Any, size: int) -> dict[str, Any]:
             "known": [[int(q), int(i), [int(x) for x in flat]] for q, i, flat in raw["known"]],
             "held": {int(lock): [int(token), [int(x) for x in at]] for lock, (token, at) in raw["held"].items()},
             "claims": [int(gid) for gid in raw["claims"]],
+            "releasing": [int(lock) for lock in raw.get("releasing", [])],
         }
     except (KeyError, TypeError, ValueError) as exc:
         raise DsmError(f"DSM: a survivor's recovery report is malformed ({exc})") from None

@@ -223,6 +223,7 @@ def acquire(mem: Memory, lock: int) -> bool:
 def release(mem: Memory, lock: int) -> bool:
     """A release the log shows done: nothing is sent.  False: the caller sends it (the home drops a duplicate)."""
     if not _call(mem, lambda r: r.release(lock, mem.tokens.get(lock, 0))):
+        mem.releasing.add(lock)  # the post-replay report says so: a lock home rebuilding its holder needs it
         _log_ended(mem)
         return False
     mem.tokens.pop(lock, None)

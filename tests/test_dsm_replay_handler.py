@@ -285,7 +285,7 @@ def test_a_survivors_report_leaves_out_an_interval_caught_between_its_timestamp_
         regions=[],
     )
     report = _reconnect.survivor_report(cast(Any, memory), 1)
-    assert report == {"vt": [2, 1], "known": [[0, 2, [5, 0]]], "held": {1: [4, [3, 1]]}, "claims": []}
+    assert report == {"vt": [2, 1], "known": [[0, 2, [5, 0]]], "held": {1: [4, [3, 1]]}, "claims": [], "releasing": []}
     memory.known[(0, 3)] = [5, 0]
     assert _reconnect.survivor_report(cast(Any, memory), 1)["vt"] == [3, 1]
 
@@ -316,7 +316,7 @@ def _home(rank: int, size: int, **program: Any) -> tuple[Any, dsm_handler.Handle
     rt = FakeRuntime()
     mem = SimpleNamespace(
         rank=rank, size=size, mid=7, rt=rt, regions=[], server=Endpoint(size),
-        vt=[0] * size, floor=[0] * size, known={}, held={}, tokens={},
+        vt=[0] * size, floor=[0] * size, known={}, held={}, tokens={}, releasing=set(),
     )  # fmt: skip
     for name, value in program.items():
         setattr(mem, name, value)
@@ -325,8 +325,10 @@ def _home(rank: int, size: int, **program: Any) -> tuple[Any, dsm_handler.Handle
     return mem, handler, rt
 
 
-def _report(size: int, held: dict[int, list[Any]], vt: list[int] | None = None) -> dict[str, Any]:
-    return {"vt": vt or [0] * size, "known": [], "held": held, "claims": []}
+def _report(
+    size: int, held: dict[int, list[Any]], vt: list[int] | None = None, releasing: list[int] | None = None
+) -> dict[str, Any]:
+    return {"vt": vt or [0] * size, "known": [], "held": held, "claims": [], "releasing": releasing or []}
 
 
 def test_a_survivor_holding_a_lock_the_recovered_home_replayed_holding_has_it_and_the_release_sent_again_is_a_dup() -> (
@@ -334,13 +336,13 @@ def test_a_survivor_holding_a_lock_the_recovered_home_replayed_holding_has_it_an
 ):
     """Rank 0, lock 0's home, replayed its acquire and its release of lock 0, the release logged last: the DSM
     sends it again once live.  Its previous incarnation had served it, and rank 1 has acquired the lock since."""
-    mem, handler, rt = _home(0, 2, vt=[3, 1], known={(0, 3): [5, 0]}, held={0: [0, 0]}, tokens={0: 3})
+    mem, handler, rt = _home(0, 2, vt=[3, 1], known={(0, 3): [5, 0]}, held={0: [0, 0]}, tokens={0: 3}, releasing={0})
     handler.reports = {1: _report(2, {0: [5, [3, 1]]}, [3, 2])}
     handler.replay_done()
     lock = handler.locks[0]
     assert (handler.holding, lock.holder, lock.token, lock.released, lock.vt) == (False, 1, 5, {0: 3}, [3, 2])
     post = rt.kv.get(_reconnect.KV_NS, _reconnect.post_key(7, 0, 1))
-    assert post == {"vt": [3, 1], "known": [[0, 3, [5, 0]]], "held": {0: [3, [0, 0]]}, "claims": []}  # before it waited
+    assert post == {"vt": [3, 1], "known": [[0, 3, [5, 0]]], "held": {0: [3, [0, 0]]}, "claims": [], "releasing": [0]}
     handler._release(0, 11, 0, [3, 1], [], 3)  # sent again: acked, changes nothing
     assert (lock.holder, lock.token) == (1, 5)
     handler._release(1, 12, 0, [3, 2], [], 5)
@@ -371,26 +373,54 @@ def test_a_recovered_home_rebuilds_its_locks_once_the_ranks_that_recovered_with_
     assert rt.fall_backs == []
 
 
-def test_of_two_ranks_recovered_at_once_that_hold_a_lock_the_later_grantee_has_it() -> None:
-    """Rank 0 (lock 0's home) and rank 2 both replayed an acquire of lock 0: rank 2's state covers rank 0's release
-    (its last logged operation, served before the failure), so rank 2 holds it; equal states cannot tell: fallback."""
-    _, handler, rt = _home(0, 3, vt=[2, 1, 0], known={(0, 2): [5, 0]}, held={0: [0, 0, 0]}, tokens={0: 3})
+def test_of_two_ranks_recovered_at_once_that_hold_a_lock_the_one_not_releasing_it_has_it() -> None:
+    """Rank 0 (lock 0's home) and rank 2 both replayed an acquire of lock 0, rank 0's release logged last (served
+    before the failure: it is sending it again): rank 2, whose log ends in its acquisition, holds it -- also when
+    their states are equal (the CI's stress campaign: the lock carried rank 0's timestamp to rank 2)."""
+    for rank2_vt in ([2, 1, 1], [2, 1, 0]):
+        _, handler, rt = _home(0, 3, vt=[2, 1, 0], known={(0, 2): [5, 0]}, held={0: [0, 0, 0]}, tokens={0: 3})
+        handler.mem.releasing = {0}
+        handler.awaited = {2: 1}
+        rt.kv.publish(_reconnect.KV_NS, _reconnect.post_key(7, 2, 1), _report(3, {0: [4, [0, 0, 0]]}, rank2_vt))
+        handler.replay_done()
+        wait_for(lambda handler=handler: not handler.holding, HANG, "the locks of rank 0 to be rebuilt")
+        assert (handler.locks[0].holder, handler.locks[0].token, handler.locks[0].released) == (2, 4, {0: 3})
+        assert rt.fall_backs == []
+
+
+def test_of_two_ranks_recovered_at_once_both_releasing_a_lock_the_later_grantee_has_it() -> None:
+    """Both logged their release of lock 0 last: the one whose state covers the other's was granted it later, and
+    its release may not have reached the home; equal states cannot tell: fallback."""
+    _, handler, rt = _home(
+        0, 3, vt=[2, 1, 0], known={(0, 2): [5, 0]}, held={0: [0, 0, 0]}, tokens={0: 3}, releasing={0}
+    )
     handler.awaited = {2: 1}
-    rt.kv.publish(_reconnect.KV_NS, _reconnect.post_key(7, 2, 1), _report(3, {0: [4, [0, 0, 0]]}, [2, 1, 1]))
+    rt.kv.publish(_reconnect.KV_NS, _reconnect.post_key(7, 2, 1), _report(3, {0: [4, [0, 0, 0]]}, [2, 1, 1], [0]))
     handler.replay_done()
     wait_for(lambda: not handler.holding, HANG, "the locks of rank 0 to be rebuilt")
     assert (handler.locks[0].holder, handler.locks[0].token, handler.locks[0].released) == (2, 4, {0: 3})
 
-    _, handler, rt = _home(0, 3, vt=[2, 1, 0], known={(0, 2): [5, 0]}, held={0: [0, 0, 0]}, tokens={0: 3})
+    _, handler, rt = _home(
+        0, 3, vt=[2, 1, 0], known={(0, 2): [5, 0]}, held={0: [0, 0, 0]}, tokens={0: 3}, releasing={0}
+    )
     handler.reports = {1: _report(3, {}, [2, 1, 0])}
     handler.awaited = {2: 1}
-    rt.kv.publish(_reconnect.KV_NS, _reconnect.post_key(7, 2, 1), _report(3, {0: [4, [0, 0, 0]]}, [2, 1, 0]))
+    rt.kv.publish(_reconnect.KV_NS, _reconnect.post_key(7, 2, 1), _report(3, {0: [4, [0, 0, 0]]}, [2, 1, 0], [0]))
     handler.replay_done()
     wait_for(lambda: bool(rt.fall_backs), HANG, "rank 0 to fall back")
     assert rt.fall_backs == [
         "rank 0: lock 0 is held by both rank 0 and rank 2, recovered at once: which released it cannot be told"
     ]
     assert handler.holding  # its lock requests are never served wrongly: the job restarts whole
+
+
+def test_two_recovered_ranks_neither_releasing_a_lock_is_an_error_that_falls_back() -> None:
+    _, handler, rt = _home(0, 3, vt=[2, 1, 0], known={(0, 2): [5, 0]}, held={0: [0, 0, 0]}, tokens={0: 3})
+    handler.awaited = {2: 1}
+    rt.kv.publish(_reconnect.KV_NS, _reconnect.post_key(7, 2, 1), _report(3, {0: [4, [0, 0, 0]]}, [2, 1, 1]))
+    handler.replay_done()
+    wait_for(lambda: bool(rt.fall_backs), HANG, "rank 0 to fall back")
+    assert rt.fall_backs == ["rank 0: lock 0 is held by both rank 0 and rank 2, neither releasing it"]
 
 
 def test_a_rank_that_publishes_no_state_after_its_replay_fails_the_wait_in_one_line() -> None:
