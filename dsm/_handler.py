@@ -288,6 +288,14 @@ class Handler:
                 with server.lock:  # `poll` appends to the inbox under it
                     server.inbox.insert(0, (self.mem.rank, WAKE, 0, server.link[self.mem.rank]))
 
+    def adopt_barrier(self, reports: dict[int, dict[str, Any]]) -> None:
+        """A recovered manager: the newest barrier reply the survivors received, for this rank's arrival sent
+        again -- its predecessor may have completed that barrier and died before its own log record of it."""
+        passed = [r["barrier"] for r in reports.values() if r.get("barrier") is not None]
+        if passed:
+            epoch, vt, notices = max(passed, key=lambda b: b[0])
+            self.replayed_barrier(epoch, vt, notices)
+
     def replayed_barrier(self, epoch: int, vt: list[int], notices: list[Notice]) -> None:
         """Rank 0 replayed barrier `epoch` from its log (program thread): keep its reply for an arrival
         sent again, whose reply may have been lost with this rank's previous incarnation.

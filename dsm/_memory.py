@@ -125,6 +125,8 @@ class Memory(RequestClient):
         self.held: dict[int, list[int]] = {}  # lock -> the lock's vector timestamp at the grant
         #: Held locks whose release a replay found logged last: sent again live, they are being released.
         self.releasing: set[int] = set()
+        #: The last barrier passed: (epoch, its reply's vector timestamp, its notices), for a recovered manager.
+        self.last_reply: tuple[int, list[int], list[Notice]] | None = None
         self.tokens: dict[int, int] = {}  # lock held -> the token of its acquisition
         self.nlocks = 0
         self.acquires = 0  # acquisitions so far: each one's token (a replay re-counts them alike)
@@ -198,6 +200,7 @@ class Memory(RequestClient):
         # a barrier waits for the slowest rank, however long it computes: no timeout (a dead peer is a QP error)
         request = BarrierRequest(self._next_rid(), self.epoch, self.vt, notices)
         reply = self._request(0, request, BarrierReply, f"barrier {self.epoch}", math.inf)
+        self.last_reply = (self.epoch, list(reply.vt), reply.notices)
         self._merge(reply.vt, reply.notices, "barrier")
         self.passed_barrier()
         self.counters.barriers += 1

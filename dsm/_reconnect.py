@@ -273,6 +273,8 @@ def reconnect(mem: Memory, peers: dict[int, int], mine: int, recovering: bool = 
                 mem.handler.awaited[j] = peers[j] + int(j in abandoned)
         _apply_claims(mem, reports)
         mem.handler.reports = reports  # the handler thread is not running yet (it starts at RESUME)
+        if mem.rank == 0:
+            mem.handler.adopt_barrier(reports)
         mem.hook("dsm_recovering", incarnation=mine, reports=reports)
         if mem.replay is None:
             mem.handler.replay_done()
@@ -319,6 +321,7 @@ def survivor_report(mem: Memory, rank: int | None) -> dict[str, Any]:
     known = mem.known.copy()
     held, tokens = mem.held.copy(), mem.tokens.copy()
     releasing = set(getattr(mem, "releasing", ()))  # an image older than the field has none
+    barrier = getattr(mem, "last_reply", None) if rank == 0 else None  # for a recovered barrier manager
     me = mem.rank
     if vt[me] > floor[me] and (me, vt[me]) not in known:
         vt[me] -= 1  # caught between `vt[me] = interval` and its notice (`Memory._close_interval`)
@@ -339,6 +342,9 @@ def survivor_report(mem: Memory, rank: int | None) -> dict[str, Any]:
         },
         "claims": claims,
         "releasing": sorted(lock for lock in releasing if lock in held and (rank is None or lock % mem.size == rank)),
+        "barrier": None
+        if barrier is None
+        else [barrier[0], list(barrier[1]), [[q, i, list(f)] for q, i, f in barrier[2]]],
     }
 
 
@@ -354,9 +360,18 @@ def _report(raw: Any, size: int) -> dict[str, Any]:
             "held": {int(lock): [int(token), [int(x) for x in at]] for lock, (token, at) in raw["held"].items()},
             "claims": [int(gid) for gid in raw["claims"]],
             "releasing": [int(lock) for lock in raw.get("releasing", [])],
+            "barrier": _barrier_of(raw.get("barrier")),
         }
     except (KeyError, TypeError, ValueError) as exc:
         raise DsmError(f"DSM: a survivor's recovery report is malformed ({exc})") from None
+
+
+def _barrier_of(raw: Any) -> list[Any] | None:
+    """A report's last barrier reply, [epoch, vt, notices], in plain ints (None: none)."""
+    if raw is None:
+        return None
+    epoch, vt, notices = raw
+    return [int(epoch), [int(x) for x in vt], [[int(q), int(i), [int(x) for x in flat]] for q, i, flat in notices]]
 
 
 def _apply_claims(mem: Memory, reports: dict[int, dict[str, Any]]) -> None:

@@ -245,6 +245,7 @@ def barrier(mem: Memory, epoch: int) -> str:
         _log_ended(mem)
         return "rearrive"
     vt, notices = logged
+    mem.last_reply = (epoch, list(vt), as_notices(notices))  # what it received: the logged notices it lacked
     mem._merge(vt, as_notices(notices), "barrier (replayed)")
     if mem.rank == 0:  # the manager: a rank that arrives again at this barrier gets its reply (a superset of it)
         union = [[q, i, flat] for (q, i), flat in mem.known.items() if i > mem.floor[q]]

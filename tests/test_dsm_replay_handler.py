@@ -285,7 +285,14 @@ def test_a_survivors_report_leaves_out_an_interval_caught_between_its_timestamp_
         regions=[],
     )
     report = _reconnect.survivor_report(cast(Any, memory), 1)
-    assert report == {"vt": [2, 1], "known": [[0, 2, [5, 0]]], "held": {1: [4, [3, 1]]}, "claims": [], "releasing": []}
+    assert report == {
+        "vt": [2, 1],
+        "known": [[0, 2, [5, 0]]],
+        "held": {1: [4, [3, 1]]},
+        "claims": [],
+        "releasing": [],
+        "barrier": None,
+    }
     memory.known[(0, 3)] = [5, 0]
     assert _reconnect.survivor_report(cast(Any, memory), 1)["vt"] == [3, 1]
 
@@ -342,7 +349,14 @@ def test_a_survivor_holding_a_lock_the_recovered_home_replayed_holding_has_it_an
     lock = handler.locks[0]
     assert (handler.holding, lock.holder, lock.token, lock.released, lock.vt) == (False, 1, 5, {0: 3}, [3, 2])
     post = rt.kv.get(_reconnect.KV_NS, _reconnect.post_key(7, 0, 1))
-    assert post == {"vt": [3, 1], "known": [[0, 3, [5, 0]]], "held": {0: [3, [0, 0]]}, "claims": [], "releasing": [0]}
+    assert post == {
+        "vt": [3, 1],
+        "known": [[0, 3, [5, 0]]],
+        "held": {0: [3, [0, 0]]},
+        "claims": [],
+        "releasing": [0],
+        "barrier": None,
+    }
     handler._release(0, 11, 0, [3, 1], [], 3)  # sent again: acked, changes nothing
     assert (lock.holder, lock.token) == (1, 5)
     handler._release(1, 12, 0, [3, 2], [], 5)
@@ -430,6 +444,30 @@ def test_a_rank_that_publishes_no_state_after_its_replay_fails_the_wait_in_one_l
     rt.kv.publish(RANKS_NS, "failed/1", 1)  # incarnation 1 is lost: its next one's state is the one to wait for
     rt.kv.publish(_reconnect.KV_NS, _reconnect.post_key(7, 1, 2), _report(2, {}, [0, 6]))
     assert _reconnect.await_posts(cast(Any, mem), {1: 1}, timeout=0.3)[1]["vt"] == [0, 6]
+
+
+def test_a_recovered_manager_answers_its_arrival_sent_again_from_the_reply_the_survivors_received() -> None:
+    """Rank 0 completed barrier 5 and died before its own log record of it; the survivors passed it and report
+    its reply: the recovered manager answers its own arrival at 5 with it, and barrier 6 completes as usual."""
+    memory = SimpleNamespace(
+        rank=1, size=2, vt=[4, 3], floor=[4, 3], known={}, held={}, tokens={}, regions=[], last_reply=(5, [4, 3], [])
+    )
+    report = _reconnect._report(_reconnect.survivor_report(cast(Any, memory), 0), 2)
+    assert report["barrier"] == [5, [4, 3], []]
+    assert _reconnect.survivor_report(cast(Any, memory), 1)["barrier"] is None  # only the manager needs it
+    mem, handler, rt = _home(0, 2)
+    handler.adopt_barrier({1: {**report, "barrier": [5, [4, 3], [[1, 3, [9, 1]]]]}})
+    handler.replay_done()
+    handler._barrier(0, 1, 5, [4, 2], [])
+    handler._barrier(1, 2, 6, [4, 3], [])
+    handler._barrier(0, 3, 6, [5, 3], [[0, 5, [2, 0]]])
+    replies = [(dst, type(msg).__name__, msg.vt, msg.notices) for dst, msg in mem.server.sent]
+    assert replies == [
+        (0, "BarrierReply", [4, 3], [[1, 3, [9, 1]]]),
+        (1, "BarrierReply", [5, 3], [[0, 5, [2, 0]]]),
+        (0, "BarrierReply", [5, 3], [[0, 5, [2, 0]]]),
+    ]
+    assert rt.fall_backs == []
 
 
 def test_a_recovered_manager_whose_barrier_reply_was_lost_with_its_predecessor_falls_back() -> None:
