@@ -376,10 +376,14 @@ class Memory(RequestClient):
             region.state[page] = VALID
             home = int(region.home[page])
             if home == self.rank:
-                own.append((region, page))
-                written += [gid, home]
                 twin = region.twins.pop(page, None)  # only while twin_homes is on
                 mine = make_diff(region.program_page(page), twin, region.unit) if twin is not None else []
+                if twin is not None and not mine:
+                    # unchanged, as its twin shows: no notice, as for a page homed elsewhere (with remote
+                    # logging, a notice without a logged diff would name an interval a rebuilt copy lacks)
+                    continue
+                own.append((region, page))
+                written += [gid, home]
                 if mine:
                     self.hook("dsm_diff_created", gid=gid, home=home, interval=interval, diff=mine)
                 continue

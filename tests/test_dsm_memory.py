@@ -667,3 +667,27 @@ def test_a_release_that_fails_leaves_the_lock_held_so_it_can_be_retried(
         return still_held, lock.held
 
     assert run_ranks(2, body, protocol) == [(True, False), (True, False)]
+
+
+def test_a_home_that_twins_its_own_pages_sends_no_notice_for_one_rewritten_unchanged(protocol: str) -> None:
+    """With twin_homes on (remote logging), a home's own page rewritten with the same bytes is like a page
+    homed elsewhere with an empty diff: no write notice (one would name an interval no logged diff holds, which
+    a copy rebuilt from the logs after a failure could never show: its readers would wait for it forever)."""
+
+    def body(mem: dsm.Memory, rt: ThreadRuntime) -> tuple[int, int, list[int]]:
+        mem.twin_homes = True
+        a = mem.array(2 * DOUBLES, np.int64)
+        if rt.rank == 0:
+            a[:DOUBLES] = 7  # first touch: rank 0 is the home of page 0
+        mem.barrier()
+        before = mem.vt[0]
+        if rt.rank == 0:
+            a[:DOUBLES] = 7  # the same bytes
+        mem.barrier()
+        unchanged = mem.vt[0] - before
+        if rt.rank == 0:
+            a[:1] = 8
+        mem.barrier()
+        return unchanged, mem.vt[0] - before, a[:2].tolist()
+
+    assert run_ranks(2, body, protocol) == [(0, 1, [8, 7])] * 2
