@@ -108,6 +108,14 @@ CASES = [
 BY_NAME = pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 
 
+def by_name_in_ci(*names: str) -> pytest.MarkDecorator:
+    """BY_NAME, with the cases not in `names` marked stress (suite time: CI runs `names`)."""
+    return pytest.mark.parametrize(
+        "case",
+        [pytest.param(c, id=c.name, marks=[] if c.name in names else [pytest.mark.stress]) for c in CASES],
+    )
+
+
 def launch_args(ckpt_dir: Path, argv: tuple[str, ...] | list[str], *options: str) -> list[str]:
     """`ckpt launch` of RANKS ranks with `options` (e.g. "--transport", "tcp") before the program."""
     return ["launch", "-n", str(RANKS), "--ckpt-dir", str(ckpt_dir), *options, *argv]

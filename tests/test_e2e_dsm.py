@@ -112,7 +112,7 @@ def test_an_unknown_protocol_is_one_clear_error(tmp_path: Path) -> None:
     assert "Traceback" not in done.stderr, done.stderr
 
 
-@pytest.mark.parametrize("protocol", ["async", "onesided"])
+@pytest.mark.parametrize("protocol", ["async", pytest.param("onesided", marks=pytest.mark.stress)])  # suite time
 def test_checkpoints_at_random_moments_of_a_lock_heavy_run(
     protocol: str, start_job: Callable[..., Job], tmp_path: Path
 ) -> None:
