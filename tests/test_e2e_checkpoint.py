@@ -185,7 +185,7 @@ def test_checkpoints_requested_by_the_program_during_setup_and_inside_a_step(
 
 def test_restart_shows_a_progress_bar_for_large_images(start_job: Callable[..., Job], tmp_path: Path) -> None:
     ckpt_dir = tmp_path / "ckpt"
-    program = [str(EXAMPLES / "heat.py"), "400", "1000000"]  # 8 MB of float64 per rank
+    program = [str(EXAMPLES / "heat.py"), "250", "1000000"]  # 8 MB of float64 per rank
     plain = run("launch", "-n", "2", "--ckpt-dir", str(tmp_path / "plain"), *program, timeout=120)
     assert plain.returncode == 0, plain.stderr
     job = start_job("launch", "-n", "2", "--ckpt-dir", str(ckpt_dir), *program)

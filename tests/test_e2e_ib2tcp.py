@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from ib_cases import CASES, LONGER, RANKS, TRACE_ENV, Case, Hold, by_name_in_ci, expected_seq, launch_args, take, traced
+from ib_cases import BY_NAME, CASES, LONGER, RANKS, TRACE_ENV, Case, Hold, expected_seq, launch_args, take, traced
 
 from ckpt.testing import Job, results, run
 from harness import PROGRAMS
@@ -63,7 +63,7 @@ def _switch(
         assert _providers(trace, generation) == {transport}, f"generation {generation}"
 
 
-@by_name_in_ci("ring", "pingpong", "atomics")  # suite time: channel and srq under -m stress
+@BY_NAME  # every program: the only tcp run of most of them
 def test_checkpointed_on_simib_restarts_on_tcp(case: Case, start_job: Callable[..., Job], tmp_path: Path) -> None:
     _switch(start_job, tmp_path, case, ["simib", "tcp"])
 
