@@ -245,10 +245,12 @@ def barrier(mem: Memory, epoch: int) -> str:
         _log_ended(mem)
         return "rearrive"
     vt, notices = logged
-    mem.last_reply = (epoch, list(vt), as_notices(notices))  # what it received: the logged notices it lacked
     mem._merge(vt, as_notices(notices), "barrier (replayed)")
-    if mem.rank == 0:  # the manager: a rank that arrives again at this barrier gets its reply (a superset of it)
-        union = [[q, i, flat] for (q, i), flat in mem.known.items() if i > mem.floor[q]]
+    # its reply, or a superset of it (the log holds only the notices this rank lacked; a rank merges only what
+    # it lacks): for a rank that arrives again at this barrier, at this manager or at a recovered one
+    union = [[q, i, flat] for (q, i), flat in mem.known.items() if i > mem.floor[q]]
+    mem.last_reply = (epoch, list(mem.vt), union)
+    if mem.rank == 0:
         mem.handler.replayed_barrier(epoch, list(mem.vt), union)
     mem.passed_barrier()
     mem.counters.replayed_barriers += 1

@@ -256,3 +256,22 @@ def test_replayed_barriers_leave_the_manager_alone_and_an_empty_log_is_live_at_o
         assert replayed.get("barrier", 0) == sent.get("barrier", 0)
         assert floor == vt and empty_is_live and count == 1
         assert calls == ["release"], calls  # once, for the replay that had operations
+
+
+def test_a_replayed_barrier_keeps_a_reply_that_holds_the_ranks_own_notices_too(protocol: str) -> None:
+    """The log holds only the notices a rank lacked at a barrier; the reply it keeps (`Memory.last_reply`, for a
+    recovered manager's repeated arrival) must hold everything the barrier's reply did, its own interval too."""
+
+    def body(mem: dsm.Memory, rt: ThreadRuntime) -> Any:
+        a = mem.array(2 * DOUBLES, np.int64)
+        a[rt.rank * DOUBLES] = 1  # first touch: rank r is the home of page r
+        mem.barrier()
+        a[(1 - rt.rank) * DOUBLES] = 5  # a write to the other rank's page: an interval with a notice
+        mine = mem.vt[rt.rank] + 1  # the interval the barrier closes
+        mem.start_replay(ScriptedReplay([("arrive", mem.epoch + 1), ("barrier", mem.epoch + 1, [9, 9], [])]))
+        mem.barrier()
+        epoch, vt, notices = mem.last_reply
+        return epoch == mem.epoch, vt, sorted((q, i) for q, i, _ in notices), mine
+
+    for rank, (same, vt, notices, mine) in enumerate(run_ranks(2, body, protocol)):
+        assert same and vt == [9, 9] and (rank, mine) in notices
