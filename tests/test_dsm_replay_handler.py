@@ -41,6 +41,24 @@ def _release_again(mem: dsm.Memory, lock: int, token: int) -> Ack:
     return mem._request(lock % mem.size, request, Ack, f"release of lock {lock} again", ANSWER)
 
 
+def _attached(
+    proc: RankProcess, memories: dict[int, dsm.Memory], protocol: str, pages: int, nlocks: int, imaged: bool
+) -> tuple[dsm.Memory, Any, list[Any], bytes]:
+    """Attach, make an array of `pages` pages (rank r first-touches page r: its home) and `nlocks` locks, pass
+    a barrier; `imaged`: take this rank's image there, quiesced as at a checkpoint (else the image is b"")."""
+    mem = memories[proc.rank] = dsm.attach(proc.rt, protocol)
+    a = mem.array(pages * WORDS, np.int64)
+    locks = [mem.lock() for _ in range(nlocks)]
+    a[proc.rank * WORDS] = proc.rank + 1
+    mem.barrier()
+    image = b""
+    if imaged:
+        mem._halt()
+        image = proc.snapshot((mem, a, locks))
+        mem._start()
+    return mem, a, locks, image
+
+
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_a_release_sent_again_is_acked_and_changes_nothing(protocol: str) -> None:
     def body(mem: dsm.Memory, rt: ThreadRuntime) -> tuple[int, int, dict[int, int], list[int]] | None:
@@ -223,16 +241,7 @@ def test_a_recovered_rank_rebuilds_its_locks_from_the_survivors_reports_once_its
 
     def rank_main(proc: RankProcess) -> list[int]:
         me = proc.rank
-        mem = memories[me] = dsm.attach(proc.rt, protocol)
-        a = mem.array(6 * WORDS, np.int64)
-        locks = [mem.lock() for _ in range(3)]
-        a[me * WORDS] = me + 1  # rank r is the home of page r
-        mem.barrier()
-        image = b""
-        if me == 1:
-            mem._halt()  # quiesced, as at a checkpoint
-            image = proc.snapshot((mem, a, locks))
-            mem._start()
+        mem, a, locks, image = _attached(proc, memories, protocol, 6, 3, imaged=me == 1)
         imaged.wait()
         seen = -1
         if me == 0:
@@ -561,16 +570,7 @@ def test_a_lock_home_recovering_with_a_rank_that_holds_its_lock_waits_for_that_r
 
     def rank_main(proc: RankProcess) -> list[int]:
         me = proc.rank
-        mem = memories[me] = dsm.attach(proc.rt, protocol)
-        a = mem.array(4 * WORDS, np.int64)
-        locks = [mem.lock() for _ in range(4)]
-        a[me * WORDS] = me + 1  # rank r is the home of page r
-        mem.barrier()
-        image = b""
-        if me in (0, 2):
-            mem._halt()
-            image = proc.snapshot((mem, a, locks))
-            mem._start()
+        mem, a, locks, image = _attached(proc, memories, protocol, 4, 4, imaged=me in (0, 2))
         imaged.wait()
         if me == 2:
             locks[0].acquire()
