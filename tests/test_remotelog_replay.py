@@ -126,6 +126,7 @@ def test_a_home_regenerates_every_version_since_the_coordinated_checkpoint(proto
             memory.barrier()
             if rt.rank == 0:
                 kept.append((list(memory.vt), [region.page(p).tobytes() for p in (0, 1)]))
+            rt.barrier()  # the next writer's diff must not reach rank 0's handler before rank 0 has kept its copy
             if step == coordinated:
                 rt.barrier()
                 log.ckpt_precheckpoint(independent=False)
