@@ -95,7 +95,7 @@ from ._messages import (
     decode,
 )
 from ._net import FAILED
-from ._region import META, split_gid
+from ._region import split_gid
 from ._stats import Counters
 
 if TYPE_CHECKING:
@@ -357,7 +357,7 @@ class Handler:
 
     def _page(self, src: int, rid: int, gid: int, need: list[int]) -> None:
         region, page = self._region(gid)
-        if not bool(np.all(region.meta[page, META:] >= need)):
+        if not bool(np.all(region.meta[page] >= need)):
             self.waiting.append((src, rid, gid, need))  # a diff it needs is still on its way
             return
         self.mem.hook("dsm_page_served", requester=src, gid=gid)  # hooks before the reply: one reply per request
@@ -369,8 +369,7 @@ class Handler:
         diff = [(int(offset), bytes(data)) for offset, data in runs]
         self.mem.hook("dsm_diff_received", writer=src, gid=gid, interval=interval, diff=diff)
         apply_diff(region.page(page), diff)
-        column = META + src
-        region.meta[page, column] = max(int(region.meta[page, column]), interval)
+        region.meta[page, src] = max(int(region.meta[page, src]), interval)
         self.counters.diffs_applied += 1
         self.mem.hook("dsm_diff_applied", writer=src, gid=gid, interval=interval)
         self.reply(src, Ack(rid), "diff_ack")

@@ -27,10 +27,10 @@ protocol handler (request/response: home look-up, page fetch, diff + ACK);
 CMP_AND_SWP on the default home's home table, pages fetched by RDMA READ of
 ``meta, page, meta`` retried until both metadata reads agree, show no diff in
 progress and hold every needed interval (ARDMAR), and diffs written run by run
-into the home's page by RDMA WRITE between two FETCH_AND_ADDs on the page's
-seqlock counters, the interval stamped by RDMA WRITE too (DRAW: the paper
-sends the timestamps in a message; writing them is fully one-sided).  Locks
-and barriers use the handler under both.
+into the home's page by RDMA WRITE between two RDMA WRITEs of the writer's own
+metadata column, ``-interval`` then ``interval`` (DRAW: the paper sends the
+timestamps in a message; writing them is fully one-sided).  Locks and barriers
+use the handler under both.
 
 Checkpoints: the DSM is ordinary program state (numpy arrays, verbs objects)
 pickled with the program; the handler thread stops at DRAIN (every program
@@ -80,7 +80,7 @@ from ._messages import (
     Request,
 )
 from ._net import ACCESS, UP, Endpoint, atomic
-from ._region import DIRTY, INVALID, META, VALID, Region, gid_of, split_gid
+from ._region import DIRTY, INVALID, VALID, Region, gid_of, split_gid
 from ._replay import PageVersions, Replay
 from ._requests import WINDOW, RequestClient
 from ._stats import Counters, Statistics
@@ -114,8 +114,8 @@ class Memory(RequestClient):
         slot = page_size + 1024
         self.client = Endpoint(self.ctx, self.pd, self.size, slot, nrecv=WINDOW * 2, nsend=WINDOW * 2)
         self.server = Endpoint(self.ctx, self.pd, self.size, slot, nrecv=WINDOW * 2, nsend=WINDOW * 2)
-        n = META + self.size
-        self.scratch = np.zeros(2 * n + 2, dtype=np.int64)  # meta read twice, atomic landing, interval source
+        # metadata read twice (ARDMAR), an atomic's landing word, DRAW's -interval and interval sources
+        self.scratch = np.zeros(2 * self.size + 3, dtype=np.int64)
         self.scratch_mr = verbs.MR(self.pd, self.scratch, ACCESS)
         self.regions: list[Region] = []
         self.vt = [0] * self.size
@@ -406,7 +406,7 @@ class Memory(RequestClient):
             self.counters.flush_seconds += time.perf_counter() - started
             for region, page in own:
                 # max: a recovered rank's rebuilt master may hold this interval already (re-executed live)
-                region.meta[page, META + self.rank] = max(int(region.meta[page, META + self.rank]), interval)
+                region.meta[page, self.rank] = max(int(region.meta[page, self.rank]), interval)
         # else replayed: its log shows it complete, so its diffs are in the homes' copies already (a later
         # writer's may be too: sending them again could undo it)
         self.vt[self.rank] = interval

@@ -15,8 +15,8 @@ from ckpt import verbs
 
 from ._diff import Diff
 from ._errors import DsmError
-from ._net import atomic, rdma
-from ._region import META, Region, gid_of
+from ._net import rdma
+from ._region import Region, gid_of
 from ._requests import FETCH_TIMEOUT
 
 if TYPE_CHECKING:
@@ -24,8 +24,11 @@ if TYPE_CHECKING:
 
 
 def ardmar(mem: Memory, region: Region, page: int, home: int, need: np.ndarray) -> None:
-    """RDMA READ meta, page, meta until both metadata reads agree, show no diff in progress and suffice."""
-    n = META + mem.size
+    """RDMA READ meta, page, meta until both metadata reads agree, show no diff in progress and suffice.
+
+    A diff in progress shows as a negative column (`draw`), which is below every `need` (>= 0).
+    """
+    n = mem.size
     base, lkey = mem.scratch_mr.buf, mem.scratch_mr.lkey
     deadline = time.monotonic() + FETCH_TIMEOUT
 
@@ -41,35 +44,44 @@ def ardmar(mem: Memory, region: Region, page: int, home: int, need: np.ndarray) 
         mem.client.run(home, reads, mem.seq)
         mem.counters.count("rdma_read", 2 * n * 8 + mem.page_size)
         before, after = mem.scratch[:n], mem.scratch[n : 2 * n]
-        if before[0] == before[1] and np.array_equal(before, after) and np.all(before[META:] >= need):
+        if np.array_equal(before, after) and np.all(before >= need):
             return
         mem.counters.fetch_retries += 1
         # back off (10 µs doubling to 1 ms): a writer's DRAW chain is in progress on that page
         time.sleep(min(1e-3, 1e-5 * 2 ** min(mem.counters.fetch_retries, 7)))
         if time.monotonic() > deadline:
+            busy = ", ".join(f"rank {w}'s diff of interval {-i}" for w, i in enumerate(after.tolist()) if i < 0)
             raise DsmError(
                 f"page {gid_of(region.aid, page):#x}: no consistent copy at rank {home} after {FETCH_TIMEOUT:.0f} s"
+                + (f" ({busy} still in progress)" if busy else f" (it holds {after.tolist()}, {need.tolist()} needed)")
             )
 
 
 def draw(mem: Memory, outgoing: dict[int, list[tuple[Region, int, Diff]]], interval: int) -> None:
-    """DRAW: per page, FETCH_ADD started, RDMA WRITE each run, WRITE applied[me], FETCH_ADD finished."""
+    """DRAW: per page, RDMA WRITE -interval into this writer's column, each run, then interval.
+
+    The column is the writer's own seqlock: only it writes it, so a plain WRITE does what the
+    paper's FETCH_AND_ADDs on shared counters do, and a writer that dies half-way leaves its mark
+    on its own column -- its next incarnation re-executes the interval and DRAWs it again, which
+    clears the mark (shared counters would stay unequal for good, every reader retrying forever).
+    RC executes one QP's WRITEs in order, so a reader that sees no negative column and the same
+    columns before and after its page read saw no partial diff.
+    """
     lkey = mem.scratch_mr.lkey
-    land = (mem.scratch_mr.buf + (len(mem.scratch) - 2) * 8, lkey)
-    stamp = (mem.scratch_mr.buf + (len(mem.scratch) - 1) * 8, 8, lkey)
-    mem.scratch[-1] = interval
-    add = verbs.IBV_WR_ATOMIC_FETCH_AND_ADD
+    mem.scratch[-3], mem.scratch[-1] = -interval, interval
+    opening = (mem.scratch_mr.buf + (len(mem.scratch) - 3) * 8, 8, lkey)
+    closing = (mem.scratch_mr.buf + (len(mem.scratch) - 1) * 8, 8, lkey)
     for home, items in outgoing.items():
         wrs = []
         for region, page, diff in items:
-            wrs.append(atomic(add, land, *region.remote_meta(home, page, 0), 1))
+            column = region.remote_meta(home, page, mem.rank)
+            wrs.append(rdma(verbs.IBV_WR_RDMA_WRITE, opening, *column))
             rkey, addr = region.remote_page(home, page)
             for offset, data in diff:
                 wrs.append(
                     rdma(verbs.IBV_WR_RDMA_WRITE, region.local_page(page, offset, len(data)), rkey, addr + offset)
                 )
                 mem.counters.count("rdma_write", len(data))
-            wrs.append(rdma(verbs.IBV_WR_RDMA_WRITE, stamp, *region.remote_meta(home, page, META + mem.rank)))
-            wrs.append(atomic(add, land, *region.remote_meta(home, page, 1), 1))
-            mem.counters.count("fetch_add", 16)
+            wrs.append(rdma(verbs.IBV_WR_RDMA_WRITE, closing, *column))
+            mem.counters.count("stamp", 16)  # the two column WRITEs
         mem.client.run(home, wrs, mem.seq)

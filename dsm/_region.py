@@ -4,10 +4,11 @@ Per page a rank keeps its access state (``INVALID``, ``VALID``: readable,
 ``DIRTY``: written in the current interval), the home it knows (-1: not known
 yet), and ``need``: for every writer, the latest interval whose diff its next
 fetch must contain (raised by write notices).  A home keeps, in registered
-memory, the page's metadata ``[started, finished, applied[0..N-1]]``: the two
-counters are the seqlock of the one-sided protocol (a writer adds 1 to
-``started`` before its RDMA WRITEs and to ``finished`` after), ``applied[w]``
-the latest interval of writer ``w`` whose changes are in the home's copy.
+memory, the page's metadata ``applied[0..N-1]``: ``applied[w] >= 0`` is the
+latest interval of writer ``w`` whose changes are in the home's copy; ``-i``
+says that ``w`` is writing its diff of interval ``i`` into it by RDMA (the
+one-sided protocol's per-writer seqlock, `dsm._onesided`; `Region.applied`
+reads such a column as ``i - 1``).
 A default home (``(array + page) mod N``) keeps the page's home-table word:
 0 while unassigned, else home + 1; first touch claims it.
 """
@@ -21,7 +22,6 @@ from ckpt import verbs
 from ._net import ACCESS
 
 INVALID, VALID, DIRTY = 0, 1, 2
-META = 2  # started, finished: then applied[rank] for every rank
 
 
 def gid_of(aid: int, page: int) -> int:
@@ -45,7 +45,7 @@ class Region:
         self.unit = unit  # bytes its diffs compare at a time: the element size (_diff.diff_unit)
         self.npages = max(1, -(-nbytes // page_size))
         self.data = np.zeros(self.npages * page_size, dtype=np.uint8)
-        self.meta = np.zeros((self.npages, META + size), dtype=np.int64)
+        self.meta = np.zeros((self.npages, size), dtype=np.int64)
         self.table = np.zeros(self.npages, dtype=np.int64)
         self.data_mr = verbs.MR(pd, self.data, ACCESS)
         self.meta_mr = verbs.MR(pd, self.meta, ACCESS)
@@ -82,14 +82,24 @@ class Region:
         """The page as the program sees it (in `local`)."""
         return self.local[page * self.page_size : (page + 1) * self.page_size]
 
+    def applied(self) -> np.ndarray:
+        """The home's applied columns (one row per page), a diff in progress (``-i``) read as not there (``i - 1``).
+
+        Every earlier diff of that writer to the page is in the copy (its DRAWs are sequential),
+        the one in progress maybe in part -- so a copy rebuilt from logs applies interval ``i``
+        again.  A copy, safe to keep.
+        """
+        return np.where(self.meta < 0, -self.meta - 1, self.meta)
+
     # remote addresses ------------------------------------------------------------
     def remote_page(self, home: int, page: int) -> tuple[int, int]:
         peer = self.peers[home]
         return peer["data_rkey"], peer["data"] + page * self.page_size
 
-    def remote_meta(self, home: int, page: int, word: int = 0) -> tuple[int, int]:
+    def remote_meta(self, home: int, page: int, writer: int = 0) -> tuple[int, int]:
+        """The home's metadata of `page` from `writer`'s column on."""
         peer = self.peers[home]
-        return peer["meta_rkey"], peer["meta"] + (page * (META + self.size) + word) * 8
+        return peer["meta_rkey"], peer["meta"] + (page * self.size + writer) * 8
 
     def remote_table(self, owner: int, page: int) -> tuple[int, int]:
         peer = self.peers[owner]

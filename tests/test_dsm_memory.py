@@ -348,7 +348,7 @@ def test_statistics_count_locks_barriers_diffs_and_messages_by_type(protocol: st
         assert home.diffs_applied == 3 and home.pages_served == 1 and home.messages["diff_ack"] == 3
     else:
         assert "diff" not in writer.messages and "page" not in writer.messages
-        assert writer.messages["fetch_add"] == 3 and writer.messages["rdma_write"] == 3
+        assert writer.messages["stamp"] == 3 and writer.messages["rdma_write"] == 3
         assert writer.message_bytes["rdma_write"] == 72
         assert writer.messages["rdma_read"] == 1 + writer.fetch_retries
         assert home.messages["cas"] == 1

@@ -42,7 +42,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 UP = "up"  # dsm._net's link state of a usable link
-META = 2  # the applied columns start after a home page's two seqlock counters (dsm._region)
 
 
 def recover(rlog: RemoteLog, incarnation: int) -> LogReplay:
@@ -91,20 +90,19 @@ def _applied(memory: Any, gid: int) -> np.ndarray | None:
     aid, page = gid >> 32, gid & 0xFFFFFFFF
     if aid >= len(memory.regions):
         return None
-    columns: np.ndarray = memory.regions[aid].meta[page, META:]
+    columns: np.ndarray = memory.regions[aid].meta[page]
     return columns.copy()
 
 
 def rebuild_master(rlog: RemoteLog, records: list[Record]) -> int:
     """Apply to this rank's home copies every DIFF record in `records` (ring order) they do not hold, raise
     their applied columns, append each to the home diff log, and claim the pages in the home table; the
-    number applied.  Also settles the one-sided seqlock of every page: a writer that was between its two
-    FETCH_AND_ADDs when the image was taken finished long ago, on the lost incarnation."""
+    number applied.  First a diff that was being written by RDMA when the image was taken (a negative
+    column) reads as not there: its writer finished it long ago, on the lost incarnation, and logged it,
+    so it is applied again from its record -- whole."""
     memory, rank = rlog.memory, rlog.rank
     for region in memory.regions:
-        settled = np.maximum(region.meta[:, 0], region.meta[:, 1])
-        region.meta[:, 0] = settled
-        region.meta[:, 1] = settled
+        region.meta[:] = region.applied()
     applied, missing = 0, 0
     for record in records:
         if record.kind != RecordKind.DIFF:
@@ -117,7 +115,7 @@ def rebuild_master(rlog: RemoteLog, records: list[Record]) -> int:
         region.home[page] = rank
         if region.default_home(page) == rank and region.table[page] == 0:
             region.table[page] = rank + 1
-        column = META + record.writer
+        column = record.writer
         if record.interval <= int(region.meta[page, column]):
             continue  # the image holds it
         data = region.page(page)

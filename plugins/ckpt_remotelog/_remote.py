@@ -333,7 +333,7 @@ class RemoteLog:
     def ckpt_precheckpoint(self, independent: bool) -> None:  # no default: pluggy would never pass it
         memory = self.memory
         self.snapshot = {
-            "applied": [region.meta[:, 2:].copy() for region in memory.regions],
+            "applied": [region.applied() for region in memory.regions],  # a remote diff may be in progress
             "serial": self.serial,
             "epoch": memory.epoch,
             "overflow": len(self.overflow),

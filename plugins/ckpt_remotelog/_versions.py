@@ -62,9 +62,10 @@ class HomeVersions:
         rank = self.memory.rank
         base: dict[int, tuple[bytes, np.ndarray]] = {}
         for region in self.memory.regions:
+            applied = region.applied()
             for page in map(int, np.flatnonzero(region.home == rank)):
                 gid = region.aid << 32 | page
-                base[gid] = (region.page(page).tobytes(), region.meta[page, 2:].copy())
+                base[gid] = (region.page(page).tobytes(), applied[page])
         with self.mutex:
             self.base = base
 
