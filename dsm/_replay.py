@@ -113,6 +113,7 @@ def start(mem: Memory, replay: Replay) -> None:
     mem.replay_started = time.perf_counter()
     mem.replay_published = 0.0
     _, total = replay.progress()
+    mem.counters.replay_operations += total
     log.info("rank %d: replaying %d logged operations", mem.rank, total)
     if replay.done:
         _log_ended(mem)

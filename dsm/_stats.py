@@ -61,6 +61,7 @@ class Statistics:
     regenerated_pages: int = 0  # minimal-version pages this rank used while replaying
     versions_served: int = 0  # minimal-version pages this rank, a home, regenerated for a replaying rank
     replay_seconds: float = 0.0  # from the start of the replay to its last logged operation
+    replay_operations: int = 0  # logged operations its replays started with (acquires, releases, arrivals, exits)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -103,6 +104,7 @@ class Counters:
     regenerated_pages: int = 0
     versions_served: int = 0
     replay_seconds: float = 0.0
+    replay_operations: int = 0
     messages: Counter[str] = field(default_factory=Counter)
     message_bytes: Counter[str] = field(default_factory=Counter)
     started: float = field(default_factory=time.perf_counter)
