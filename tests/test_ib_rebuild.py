@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 from ib_util import IbEnv, ib_env, real_of
 from verbs_util import (
+    FAST_RETRY,
+    FAST_TIMEOUT,
     Endpoint,
     assert_no_completion,
     connect_rc,
@@ -17,7 +19,10 @@ from verbs_util import (
     post_recv,
     rdma_wr,
     send_wr,
+    wait_for,
+    wait_link,
 )
+from verbs_util import subnet_manager as fabric_manager
 
 from ckpt import verbs as v
 
@@ -161,3 +166,107 @@ def test_mr_read_and_write_see_the_live_buffer_after_restart(ib: IbEnv) -> None:
     assert a.mr.read(2, 0) == b"\x04\x02"
     a.mr.write(b"\x01", 1, 0)
     assert a.buf[0] == 1
+
+
+# ---------------------------------------------------------------- automatic path migration
+def _load_alternate(ep: Endpoint, peer: Endpoint, *, rearm: bool = True) -> None:
+    """Port 2 to the peer's port 2 as the alternate path; REARMed (and waited ARMED) unless `rearm` is False."""
+    attr = v.QPAttr(qp_state=v.IBV_QPS_RTS)
+    attr.alt_ah_attr = v.AHAttr(dlid=peer.lid2, port_num=2)
+    attr.alt_port_num, attr.alt_timeout = 2, FAST_TIMEOUT
+    mask = v.IBV_QP_STATE | v.IBV_QP_ALT_PATH
+    if rearm:
+        attr.path_mig_state = v.IBV_MIG_REARM
+        mask |= v.IBV_QP_PATH_MIG_STATE
+    ep.qp.modify(attr, mask)
+    if rearm:
+        wait_for(lambda: _path(ep)[2] == v.IBV_MIG_ARMED, what="the alternate path to be ARMED")
+
+
+def _migrate(ep: Endpoint) -> None:
+    ep.qp.modify(v.QPAttr(qp_state=v.IBV_QPS_RTS, path_mig_state=v.IBV_MIG_MIGRATED), v.IBV_QP_PATH_MIG_STATE)
+
+
+def _path(ep: Endpoint) -> tuple[tuple[int, int], tuple[int, int], int]:
+    """((port, dlid) primary, (port, dlid) alternate, path_mig_state), as the program's query_qp shows it."""
+    attr = ep.qp.query(v.IBV_QP_PORT | v.IBV_QP_AV | v.IBV_QP_ALT_PATH | v.IBV_QP_PATH_MIG_STATE)[0]
+    return (attr.port_num, attr.ah_attr.dlid), (attr.alt_port_num, attr.alt_ah_attr.dlid), int(attr.path_mig_state)
+
+
+def _real_path(ib: IbEnv, ep: Endpoint) -> tuple[int, int]:
+    """(port, dlid) of the real QP: the dlid a real LID, the real port LID of the peer's port that is meant."""
+    attr = ib.vz.inner.query_qp(real_of(ep.qp), v.IBV_QP_PORT | v.IBV_QP_AV)[0]
+    return attr.port_num, attr.ah_attr.dlid
+
+
+def _exchange(a: Endpoint, b: Endpoint, tag: int) -> None:
+    for src, dst in ((a, b), (b, a)):
+        post_recv(dst, offset=8192, length=64, wr_id=tag)
+        src.buf[:4] = tag
+        src.qp.post_send(send_wr([src.sge(0, 4)], wr_id=tag))
+        assert poll_one(src.scq).status == v.IBV_WC_SUCCESS
+        wc = poll_one(dst.rcq)
+        assert (wc.wr_id, wc.status) == (tag, v.IBV_WC_SUCCESS)
+        assert list(dst.buf[8192:8196]) == [tag] * 4
+
+
+def _real_lid(ib: IbEnv, ep: Endpoint, port: int) -> int:
+    return int(ib.vz.inner.query_port(real_of(ep.ctx), port).lid)
+
+
+def test_query_after_a_manual_migration_shows_the_path_the_qp_is_on(ib: IbEnv) -> None:
+    a, b = _pair(ib)
+    _load_alternate(a, b)
+    assert _path(a) == ((1, b.lid), (2, b.lid2), v.IBV_MIG_ARMED)
+    _migrate(a)
+    assert _path(a) == ((2, b.lid2), (1, b.lid), v.IBV_MIG_MIGRATED)
+    _exchange(a, b, 1)
+
+
+def test_a_restart_rebuilds_an_armed_qp_on_its_primary_path_and_arms_it_again(ib: IbEnv) -> None:
+    a, b = _pair(ib)
+    _load_alternate(a, b)
+    a, b = _restart(ib, a, b)
+    wait_for(lambda: _path(a)[2] == v.IBV_MIG_ARMED, what="the alternate path to be ARMED again")
+    assert _path(a) == ((1, b.lid), (2, b.lid2), v.IBV_MIG_ARMED)
+    assert _real_path(ib, a) == (1, _real_lid(ib, b, 1))
+    _exchange(a, b, 2)
+
+
+def test_a_restart_after_a_manual_migration_rebuilds_the_qp_on_the_path_it_migrated_to(ib: IbEnv) -> None:
+    """The history holds REARM then MIGRATED: replayed as it is, MIGRATED came before the HCA had ARMED the
+    path (EINVAL in REFRESH).  The QP comes back on port 2, its alternate (the old primary) loaded, unarmed."""
+    a, b = _pair(ib)
+    _load_alternate(a, b)
+    _load_alternate(b, a)
+    _migrate(a)
+    _migrate(b)
+    a, b = _restart(ib, a, b)
+    for ep, peer in ((a, b), (b, a)):
+        assert _path(ep) == ((2, peer.lid2), (1, peer.lid), v.IBV_MIG_MIGRATED)
+        assert _real_path(ib, ep) == (2, _real_lid(ib, peer, 2))
+    _exchange(a, b, 3)
+    _load_alternate(a, b)  # the program re-arms as before: its alternate path is the other port pair again
+    assert _path(a) == ((2, b.lid2), (2, b.lid2), v.IBV_MIG_ARMED)
+
+
+def test_a_restart_after_an_automatic_migration_rebuilds_the_qp_on_the_path_it_migrated_to(ib: IbEnv) -> None:
+    """A link fails under an ARMED QP: the HCA migrates it without the program's help (nothing in the
+    history says so).  The checkpoint sees it, and the restart rebuilds the QP on port 2."""
+    sm = fabric_manager()
+    a, b = _pair(ib, timeout=FAST_TIMEOUT, retry_cnt=FAST_RETRY)
+    _load_alternate(a, b)
+    _load_alternate(b, a)
+    failed = _real_lid(ib, a, 1)
+    sm.fail_link(failed)
+    try:
+        wait_link(failed, up=False)
+        _exchange(a, b, 4)  # a's first send is lost on port 1: a migrates, and b, ARMED, with it
+        a, b = _restart(ib, a, b)
+    finally:
+        sm.restore_link(failed)
+        wait_link(failed, up=True)
+    for ep, peer in ((a, b), (b, a)):
+        assert _path(ep) == ((2, peer.lid2), (1, peer.lid), v.IBV_MIG_MIGRATED)
+        assert _real_path(ib, ep) == (2, _real_lid(ib, peer, 2))
+    _exchange(a, b, 5)

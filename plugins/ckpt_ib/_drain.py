@@ -63,7 +63,11 @@ def drain(vz: Virtualizer, rt: Any) -> int:
 
 
 def collect(vz: Virtualizer) -> int:
-    """Poll every real CQ into the shadows' private queues and take pending channel events; how many."""
+    """Poll every real CQ into the shadows' private queues and take pending channel events; how many.
+
+    Also follows every QP's migrations (`Virtualizer.track_path`): the image records its real path.
+    """
+    vz.track_paths()
     found = 0
     for cq in vz.registry.cqs:
         while True:

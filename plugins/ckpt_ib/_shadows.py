@@ -137,6 +137,21 @@ class QPInit:
 
 
 class ShadowQP(Shadow):
+    """A QP, its modify history, its WR logs, and the path it is on.
+
+    Its primary and alternate paths (``ah``, ``port_num``, ``timeout``, ``pkey_index`` and the ``alt_``
+    ones, LIDs virtual) and ``mig_state`` are what the real QP has, not only what the program asked
+    for: a migration swaps them behind the program's back (automatic on a link failure, or manual),
+    and `Virtualizer.track_path` follows it.  A restart rebuilds the QP on these (`_rebuild`).
+    Class defaults: images written before the paths were tracked unpickle without them.
+    """
+
+    port_num = 0  # 0: not set yet
+    alt_port_num = 0
+    timeout = alt_timeout = 0
+    pkey_index = alt_pkey_index = 0
+    mig_state = 0  # IBV_MIG_MIGRATED: no alternate path armed
+
     def __init__(self, pd: ShadowPD, init: QPInit, vqpn: int) -> None:
         self.pd, self.init, self.qp_num = pd, init, vqpn
         self.modifies: list[tuple[QPAttr, int]] = []  # principle 3: replayed on restart

@@ -196,6 +196,8 @@ class Virtualizer:
         element = event.element
         if not isinstance(element, int):
             element = self.shadow_of.get(id(element), element)
+        if isinstance(element, ShadowQP) and event.event_type == v.IBV_EVENT_PATH_MIG:
+            self.track_path(element)  # the program may query or re-arm it next
         return AsyncEvent(event.event_type, element)
 
     # ------------------------------------------------------------------ PD, MR
@@ -434,7 +436,7 @@ class Virtualizer:
 
     def real_qp_attr(self, attr: QPAttr, mask: int) -> QPAttr:
         """A copy of `attr` with the peer's virtual qp_num and LIDs replaced by this generation's real ones."""
-        real = _copy_attr(attr)
+        real = copy_attr(attr)
         if mask & v.IBV_QP_DEST_QPN:
             real.dest_qp_num = self.real_qpn(attr.dest_qp_num)
         if mask & v.IBV_QP_AV:
@@ -444,6 +446,8 @@ class Virtualizer:
         return real
 
     def apply_modify(self, qp: ShadowQP, attr: QPAttr, mask: int, record: bool) -> None:
+        if record:
+            self.track_path(qp)  # a migration since: the program's change applies to the paths as they are
         self.inner.modify_qp(qp.real, self.real_qp_attr(attr, mask), mask)
         if mask & v.IBV_QP_STATE:
             qp.state = int(attr.qp_state)
@@ -451,27 +455,67 @@ class Virtualizer:
                 qp.modifies.clear()
                 qp.sends.clear()
                 qp.recvs.clear()
+                qp.ah, qp.alt_ah, qp.port_num, qp.alt_port_num, qp.mig_state = v.AHAttr(), v.AHAttr(), 0, 0, 0
                 return
         if mask & v.IBV_QP_DEST_QPN:
             qp.dest_qp_num = attr.dest_qp_num
-        if mask & v.IBV_QP_AV:
-            qp.ah = _copy_ah(attr.ah_attr)
-        if mask & v.IBV_QP_ALT_PATH:
-            qp.alt_ah = _copy_ah(attr.alt_ah_attr)
+        self._note_paths(qp, attr, mask)
+        if record and mask & v.IBV_QP_PATH_MIG_STATE and int(attr.path_mig_state) == int(v.IBV_MIG_MIGRATED):
+            self.track_path(qp)  # a manual migration: done, or refused by the HCA (PATH_MIG_ERR, same path)
         if mask & v.IBV_QP_PATH_MTU:
             qp.mtu = 128 << int(attr.path_mtu)
         if mask & v.IBV_QP_SQ_PSN:
             qp.next_psn = attr.sq_psn & PSN_MASK
         if record:
-            qp.modifies.append((_copy_attr(attr), mask))
+            qp.modifies.append((copy_attr(attr), mask))
+
+    @staticmethod
+    def _note_paths(qp: ShadowQP, attr: QPAttr, mask: int) -> None:
+        """The shadow's paths after a modify the real QP took."""
+        if mask & v.IBV_QP_AV:
+            qp.ah = copy_ah(attr.ah_attr)
+        if mask & v.IBV_QP_PORT:
+            qp.port_num = int(attr.port_num)
+        if mask & v.IBV_QP_TIMEOUT:
+            qp.timeout = int(attr.timeout)
+        if mask & v.IBV_QP_PKEY_INDEX:
+            qp.pkey_index = int(attr.pkey_index)
+        if mask & v.IBV_QP_ALT_PATH:
+            qp.alt_ah = copy_ah(attr.alt_ah_attr)
+            qp.alt_port_num, qp.alt_timeout = int(attr.alt_port_num), int(attr.alt_timeout)
+            qp.alt_pkey_index = int(attr.alt_pkey_index)
+        if mask & v.IBV_QP_PATH_MIG_STATE and int(attr.path_mig_state) == int(v.IBV_MIG_REARM):
+            qp.mig_state = int(v.IBV_MIG_REARM)  # the HCA arms it shortly (track_path sees ARMED)
+
+    def track_path(self, qp: ShadowQP) -> bool:
+        """Follow a migration the HCA made behind the program's back (a link failed while the alternate
+        path was ARMED; or the peer migrated and this responder with it): swap the shadow's primary and
+        alternate paths if the real QP is on the alternate one now.  Whether it was."""
+        if not qp.alt_ah.dlid or qp.real is None:
+            return False  # no alternate path was ever loaded: nothing to migrate to
+        real, _ = self.inner.query_qp(qp.real, v.IBV_QP_PORT | v.IBV_QP_AV | v.IBV_QP_PATH_MIG_STATE)
+        on = (int(real.port_num), int(real.ah_attr.dlid))
+        migrated = on != (qp.port_num, self.real_lid(qp.ah.dlid)) and on == (
+            qp.alt_port_num,
+            self.real_lid(qp.alt_ah.dlid),
+        )
+        if migrated:
+            _swap_paths(qp)
+        qp.mig_state = int(real.path_mig_state)
+        return migrated
+
+    def track_paths(self) -> int:
+        """`track_path` for every QP (at a checkpoint: the image records the paths QPs are really on)."""
+        return sum(self.track_path(qp) for qp in self.registry.qps)
 
     def modify_qp(self, qp: ShadowQP, attr: QPAttr, mask: int) -> None:
         self.apply_modify(qp, attr, int(mask), record=True)
 
     def query_qp(self, qp: ShadowQP, mask: int) -> Any:
+        self.track_path(qp)
         attr, init = self.inner.query_qp(qp.real, mask)
         attr.dest_qp_num = qp.dest_qp_num
-        attr.ah_attr, attr.alt_ah_attr = _copy_ah(qp.ah), _copy_ah(qp.alt_ah)
+        attr.ah_attr, attr.alt_ah_attr = copy_ah(qp.ah), copy_ah(qp.alt_ah)
         return attr, init
 
     def post_recv(self, qp: ShadowQP, wr: Any) -> None:
@@ -581,13 +625,21 @@ def _sges(wr: Any) -> list[tuple[int, int, int]]:
     return [(int(s.addr), int(s.length), int(s.lkey)) for s in wr.sg[:n]]
 
 
-def _copy_ah(ah: Any) -> Any:
+def _swap_paths(qp: ShadowQP) -> None:
+    """The alternate path becomes the primary one and the primary the alternate, as in the HCA's migration."""
+    qp.ah, qp.alt_ah = qp.alt_ah, qp.ah
+    qp.port_num, qp.alt_port_num = qp.alt_port_num, qp.port_num
+    qp.timeout, qp.alt_timeout = qp.alt_timeout or qp.timeout, qp.timeout
+    qp.pkey_index, qp.alt_pkey_index = qp.alt_pkey_index, qp.pkey_index
+
+
+def copy_ah(ah: Any) -> Any:
     from dataclasses import replace
 
     return replace(ah) if ah is not None else v.AHAttr()
 
 
-def _copy_attr(attr: QPAttr) -> QPAttr:
+def copy_attr(attr: QPAttr) -> QPAttr:
     from dataclasses import replace
 
-    return replace(attr, ah_attr=_copy_ah(attr.ah_attr), alt_ah_attr=_copy_ah(attr.alt_ah_attr))
+    return replace(attr, ah_attr=copy_ah(attr.ah_attr), alt_ah_attr=copy_ah(attr.alt_ah_attr))
