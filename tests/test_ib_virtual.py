@@ -288,3 +288,10 @@ def test_a_transport_device_stays_when_the_wrapped_provider_is_no_transport() ->
     vz = Virtualizer(FakeRuntime())
     vz.provider = "ibt_a"
     assert vz.real_device_name("simib1") == "simib1"
+
+
+def test_path_records_come_back_with_virtual_lids(ib: IbEnv) -> None:
+    a, b = _pair(ib)
+    lids = [b.ctx.query_port(p).lid for p in (1, 2)]
+    expected = [v.PathRecord(sport, lids[dport - 1], dport, True) for sport in (1, 2) for dport in (1, 2)]
+    assert a.ctx.query_paths(b.lid2) == a.ctx.query_paths(b.lid) == expected

@@ -253,3 +253,15 @@ def test_connect_rc_brings_a_pair_to_rts_with_the_given_attributes(ctxs: tuple[v
     a.qp.post_send(send_wr([a.sge(0, 8)], wr_id=3))
     assert poll_one(a.scq).status == v.IBV_WC_SUCCESS
     assert poll_one(b.rcq).byte_len == 8
+
+
+# ====================================================================== path records (APM's raw material)
+def test_query_paths_lists_every_port_pair_to_the_peers_hca(ctxs: tuple[v.Context, ...], provider: str) -> None:
+    """simib: from each of this HCA's ports to each of the peer's, from the subnet manager's routes, whichever
+    of the peer's LIDs is asked; tcp has no subnet manager, so no paths."""
+    a, b = ctxs
+    lids = [b.query_port(p).lid for p in (1, 2)]
+    expected = [v.PathRecord(sport, lids[dport - 1], dport, True) for sport in (1, 2) for dport in (1, 2)]
+    for dlid in lids:
+        assert a.query_paths(dlid) == (expected if provider == "simib" else [])
+    assert a.query_paths(0xBFFE) == []  # no HCA has it

@@ -1079,3 +1079,20 @@ def test_link_failure_without_alternate_path_is_retry_exceeded(apm_ctxs: tuple[v
     assert a.ctx.query_port(1).state == v.IBV_PORT_ACTIVE
     c, d = rc_two(apm_ctxs)  # the restored link carries traffic again
     _round_trip(c, d, 7)
+
+
+def test_path_records_show_a_failed_link_as_down(apm_ctxs: tuple[v.Context, ...]) -> None:
+    sm = subnet_manager()
+    a, b = apm_ctxs
+    failed = a.query_port(1).lid
+    sm.fail_link(failed)
+    try:
+        wait_link(failed, up=False)
+        paths = {(p.port_num, p.dport): p.up for p in a.query_paths(b.query_port(1).lid)}
+        assert paths == {(1, 1): False, (1, 2): False, (2, 1): True, (2, 2): True}
+        back = {(p.port_num, p.dport): p.up for p in b.query_paths(failed)}
+        assert back == {(1, 1): False, (2, 1): False, (1, 2): True, (2, 2): True}
+    finally:
+        sm.restore_link(failed)
+        wait_link(failed, up=True)
+    assert all(p.up for p in a.query_paths(b.query_port(1).lid))

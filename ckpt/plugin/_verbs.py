@@ -33,6 +33,7 @@ class VerbsOpsTable(Protocol):
     query_gid: Callable[[Handle, int, int], Any]  # (device, port, index) -> GID
     get_async_event: Callable[[Handle, float | None], Any]  # (device, timeout) -> AsyncEvent | None
     device_statistics: Callable[[Handle], Any]  # an extension: the provider's counters (a frozen dataclass)
+    query_paths: Callable[[Handle, int], list[Any]]  # an extension: (device, dlid) -> [PathRecord] (APM)
     # protection domains and memory
     alloc_pd: Callable[[Handle], Handle]
     dealloc_pd: Callable[[Handle], None]

@@ -438,6 +438,21 @@ class PortAttr:
     flags: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class PathRecord:
+    """One path to a peer's HCA, as a subnet administrator's path record gives it (an extension).
+
+    From this HCA's port ``port_num`` to ``dlid``, the LID of the peer HCA's port ``dport``;
+    ``up``: both links are up now.  `Context.query_paths` lists every such path to the HCA
+    owning a LID: the raw material of an alternate path (APM).
+    """
+
+    port_num: int
+    dlid: int
+    dport: int
+    up: bool
+
+
 class AsyncEvent:
     """``ibv_async_event``: what happened (``event_type``) and to what (``element``: QP, CQ, SRQ or port)."""
 

@@ -33,7 +33,7 @@ import numpy as np
 from ckpt.plugin._verbs import Directory, DirectoryFactory
 from ckpt.verbs import _enums as e
 from ckpt.verbs import _wire as w
-from ckpt.verbs._attrs import WC, AsyncEvent, SrqAttr
+from ckpt.verbs._attrs import WC, AsyncEvent, PathRecord, SrqAttr
 from ckpt.verbs._errors import PyverbsError, PyverbsRDMAError
 
 if TYPE_CHECKING:
@@ -371,6 +371,26 @@ class Hca:
             self.event(e.IBV_EVENT_PORT_ACTIVE if up else e.IBV_EVENT_PORT_ERR, self.port_of_lid(lid))
         if not up:
             self._routes.pop(lid, None)
+
+    def paths_to(self, dlid: int) -> list[PathRecord]:
+        """Every path from this HCA's two ports to the HCA owning `dlid`, from the subnet manager's routes
+        (`PathRecord`); empty if no HCA has `dlid` or the directory has no routes (a transport without a
+        subnet manager)."""
+        routes = getattr(self.sm, "routes", None)
+        if routes is None:
+            return []
+        table = {int(lid): route for lid, route in routes().items()}
+        target = table.get(dlid)
+        if target is None:
+            return []
+        ports = sorted(
+            (int(r["port"]), lid, bool(r["up"])) for lid, r in table.items() if r["endpoint"] == target["endpoint"]
+        )
+        return [
+            PathRecord(sport, lid, dport, up and self.link_up.get(slid, True))
+            for sport, slid in enumerate(self.lids, start=1)
+            for dport, lid, up in ports
+        ]
 
     # ------------------------------------------------------------------ sending
     def path_ok(self, port: int, dlid: int) -> bool:

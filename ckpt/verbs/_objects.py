@@ -16,7 +16,18 @@ from typing import Any
 import numpy as np
 
 from ckpt.verbs import _enums as e
-from ckpt.verbs._attrs import GID, AHAttr, AsyncEvent, DeviceAttr, PortAttr, QPAttr, QPInitAttr, SrqAttr, SrqInitAttr
+from ckpt.verbs._attrs import (
+    GID,
+    AHAttr,
+    AsyncEvent,
+    DeviceAttr,
+    PathRecord,
+    PortAttr,
+    QPAttr,
+    QPInitAttr,
+    SrqAttr,
+    SrqInitAttr,
+)
 from ckpt.verbs._errors import PyverbsRDMAError, PyverbsUserError
 from ckpt.verbs._provider import VerbsOps, get_ops, parse_device_name
 from ckpt.verbs._qpstate import required_mask
@@ -126,6 +137,14 @@ class Context(VerbsObject):
         """The device's counters (an extension; simib: packets, bytes, losses, retransmissions, migrations)."""
         self._check_open()
         return self.ops.device_statistics(self.handle)
+
+    def query_paths(self, dlid: int) -> list[PathRecord]:
+        """Every path from this device's ports to the HCA owning `dlid`: `PathRecord` (port_num, dlid,
+        dport, up), as a subnet administrator's path records give them (an extension; empty where the
+        transport has no subnet manager, e.g. ``tcp``)."""
+        self._check_open()
+        paths: list[PathRecord] = self.ops.query_paths(self.handle, dlid)
+        return paths
 
     def get_async_event(self, timeout: float | None = None) -> AsyncEvent:
         """Block until the device reports an asynchronous event (a `timeout` in seconds is an extension)."""

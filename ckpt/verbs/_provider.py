@@ -66,6 +66,7 @@ OPERATIONS = (
     "create_ah",
     "destroy_ah",
     "device_statistics",  # an extension: the provider's counters for a device (a frozen dataclass)
+    "query_paths",  # an extension: the subnet administrator's path records to a LID's HCA (APM)
 )
 
 

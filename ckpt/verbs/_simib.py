@@ -8,7 +8,7 @@ from typing import Any
 from ckpt.plugin import DirectoryFactory
 from ckpt.verbs import _enums as e
 from ckpt.verbs import _hca as hw
-from ckpt.verbs._attrs import GID, DeviceAttr, PortAttr, QPInitAttr, SrqAttr
+from ckpt.verbs._attrs import GID, DeviceAttr, PathRecord, PortAttr, QPInitAttr, SrqAttr
 from ckpt.verbs._errors import PyverbsRDMAError
 from ckpt.verbs._provider import VerbsOps
 from ckpt.verbs._qp import QPHandle
@@ -207,6 +207,10 @@ def destroy_ah(ah: hw.AHHandle) -> None:
 
 def device_statistics(dev: DeviceHandle) -> hw.HcaStatistics:
     return dev.hca.statistics()
+
+
+def query_paths(dev: DeviceHandle, dlid: int) -> list[PathRecord]:
+    return dev.hca.paths_to(dlid)
 
 
 def make_ops(

@@ -35,10 +35,11 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any
 
 from ckpt import verbs as v
-from ckpt.verbs import SGE, WC, AsyncEvent, PyverbsRDMAError, QPAttr, QPInitAttr, RecvWR, SendWR
+from ckpt.verbs import SGE, WC, AsyncEvent, PathRecord, PyverbsRDMAError, QPAttr, QPInitAttr, RecvWR, SendWR
 from ckpt_ib._shadows import (
     QPInit,
     RecvEntry,
@@ -188,6 +189,16 @@ class Virtualizer:
 
     def device_statistics(self, dev: ShadowDevice) -> Any:
         return self.inner.device_statistics(dev.real)
+
+    def query_paths(self, dev: ShadowDevice, dlid: int) -> list[PathRecord]:
+        """The real path records to the HCA of virtual LID `dlid`, their LIDs virtual: a device's virtual
+        LIDs are consecutive (ports 1 and 2, `open_device`), so the peer's port p is dlid - dport + p."""
+        records: list[PathRecord] = self.inner.query_paths(dev.real, self.real_lid(dlid))
+        real = self.real_lid(dlid)
+        dport = next((r.dport for r in records if r.dlid == real), None)
+        if dport is None:
+            return []
+        return [replace(r, dlid=dlid - dport + r.dport) for r in records]
 
     def get_async_event(self, dev: ShadowDevice, timeout: float | None) -> AsyncEvent | None:
         event = self.inner.get_async_event(dev.real, timeout)
