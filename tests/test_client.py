@@ -20,6 +20,7 @@ from ckpt import _wire as wire
 from ckpt._errors import CoordinatorError
 from ckpt.coordinator.client import CoordinatorClient, control
 from ckpt.coordinator.server import Coordinator
+from ckpt.plugin import STATS_NS
 from harness import trickle_until_closed
 
 pytestmark = pytest.mark.timeout(60)
@@ -202,6 +203,17 @@ def test_control_client_gets_a_welcome_and_status(
     assert answer["status"]["ranks"] == []
 
 
+def test_status_shows_what_each_ranks_plugins_publish_as_statistics(
+    coordinator: Coordinator, ranks: Callable[..., list[CoordinatorClient]]
+) -> None:
+    r0, r1 = ranks(2)
+    r1.call("publish", reply_timeout=WAIT, ns=STATS_NS, key="1/apm", value={"rearms": 2})
+    r1.call("publish", reply_timeout=WAIT, ns=STATS_NS, key="1/other", value=[1])
+    r0.call("publish", reply_timeout=WAIT, ns=STATS_NS, key="10/apm", value={"rearms": 9})  # rank 10 is not rank 1
+    shown = [r["plugins"] for r in status(coordinator)["ranks"]]
+    assert shown == [{}, {"apm": {"rearms": 2}, "other": [1]}]
+
+
 def test_status_shape(coordinator: Coordinator, ranks: Callable[..., list[CoordinatorClient]]) -> None:
     clients = ranks(2)
     job = clients[0].welcome["job"]
@@ -215,7 +227,7 @@ def test_status_shape(coordinator: Coordinator, ranks: Callable[..., list[Coordi
     assert st["unanimous"] is True
     assert st["last_checkpoint"] is None
     assert (st["fallbacks"], st["checkpoint_holds"]) == (None, [])
-    shown = {"step": 0, "host": "h", "incarnation": 0, "replay": None, "latest_image": None}
+    shown = {"step": 0, "host": "h", "incarnation": 0, "replay": None, "plugins": {}, "latest_image": None}
     assert st["ranks"] == [
         {"rank": 0, "state": "running", "pid": 1000, **shown},
         {"rank": 1, "state": "running", "pid": 1001, **shown},

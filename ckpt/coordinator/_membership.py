@@ -26,7 +26,7 @@ from ckpt.coordinator import protocol
 from ckpt.coordinator._recovery import RankRecovery
 from ckpt.coordinator._scheduler import Scheduler, Timer
 from ckpt.coordinator.kvstore import KeyValueStore, Reply
-from ckpt.plugin import Phase
+from ckpt.plugin import STATS_NS, Phase
 
 # One logger for the whole job (its membership here, its checkpoints in job.py): what users filter on.
 log = logging.getLogger("ckpt.coordinator.job")
@@ -447,6 +447,9 @@ class JobMembership(abc.ABC):
                 "pid": info.pid,
                 "incarnation": info.incarnation,
                 "replay": self.recovery.replay_progress(r),  # [done, total] (RANKS_NS replay/<r>) or None
+                "plugins": {  # STATS_NS <r>/<plugin>: what the rank's plugins publish
+                    key.partition("/")[2]: value for key, value in self.kv.matching(STATS_NS, f"{r}/").items()
+                },
             }
             for r, info in sorted(self.ranks.items())
         ]

@@ -61,6 +61,10 @@ class KeyValueStore:
             return True, self._values[(ns, key)]
         return False, None
 
+    def matching(self, ns: str, prefix: str) -> dict[str, Any]:
+        """Every value of `ns` whose key starts with `prefix`, by key."""
+        return self._matching(ns, prefix)
+
     def _matching(self, ns: str, prefix: str) -> dict[str, Any]:
         return {k: v for (n, k), v in self._values.items() if n == ns and k.startswith(prefix)}
 

@@ -37,12 +37,17 @@ ENTRY_POINT_GROUP = "ckpt.plugins"
 #: ``ckpt status`` shows "replaying done/total" while done < total (``--json``: ``ranks[i].replay``);
 #: the coordinator clears it (None) when that rank is lost.
 RANKS_NS = "ckpt.ranks"
+#: The key-value namespace where a rank's plugins publish their statistics for ``ckpt status --json``:
+#: key ``<rank>/<plugin>``, any msgpack-able value (a dict of counters); ``ranks[i].plugins`` shows
+#: ``{plugin: value}``.  Like every value it is the current generation's: republish after a restart.
+STATS_NS = "ckpt.stats"
 
 __all__ = [
     "CKPT_PLUGIN_API",
     "ENTRY_POINT_GROUP",
     "PROJECT",
     "RANKS_NS",
+    "STATS_NS",
     "Direction",
     "Directory",
     "DirectoryFactory",

@@ -16,6 +16,7 @@ from typing import Any
 
 import ckpt
 from ckpt import verbs
+from ckpt.plugin import STATS_NS
 
 from ._apm import Apm, Statistics
 
@@ -25,7 +26,6 @@ CKPT_PLUGIN_API = 2
 #: Above ckpt_ib (100): its wrappers see the program's shadow objects, and its modifies go into their histories.
 CKPT_PLUGIN_ORDER = 200
 POLICIES = ("off", "auto", "balance")
-STATS_NS = "stats"  # the coordinator's key-value namespace ranks publish plugin statistics in (`ckpt status --json`)
 BALANCE_INTERVAL = 2.0
 
 log = logging.getLogger(__name__)

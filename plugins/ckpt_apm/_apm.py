@@ -77,6 +77,7 @@ class Managed:
     device: Any
     migrating: bool = False  # a manual migration was asked for: its PATH_MIG is not a fault's
     waiting: bool = False  # no healthy alternate path the last time: try again when a port comes back
+    degraded: bool = False  # its alternate path shares an end with the primary: look for a disjoint one
 
 
 class Apm:
@@ -100,7 +101,10 @@ class Apm:
         self.paused = False
         self.stopping = threading.Event()
         self.said_unsupported = False
-        self.balanced_at = self.retried_at = time.monotonic()
+        self.supported_on: dict[int, bool] = {}  # id(device) -> whether it gives path records
+        self.balanced_at = time.monotonic()
+        self.retried_at: dict[int, float] = {}  # id(device) -> when its QPs without a good alternate were tried
+        self.changed = False  # statistics changed since the last publication
 
     def __getstate__(self) -> dict[str, Any]:
         """What an image keeps: the devices and QPs (ckpt_ib's shadows) and the counters; no threads."""
@@ -181,6 +185,7 @@ class Apm:
                 self.managed[id(qp)] = Managed(qp, device)
                 self.stats.qps += 1
             self.arm(self.managed[id(qp)])
+            self.changed = True  # published by an event thread (no coordinator round trip on the program's)
 
     def get_async_event(self, device: Any, timeout: float | None) -> Any:
         events = self.events.get(id(device))
@@ -192,29 +197,49 @@ class Apm:
             return None
 
     # ------------------------------------------------------------------ the modules
-    def alternate(self, managed: Managed, port: int, dlid: int) -> v.PathRecord | None:
-        """The alternate path specification module: the best healthy path to the peer other than the primary."""
+    def alternate(self, managed: Managed, port: int, dlid: int) -> tuple[v.PathRecord | None, bool]:
+        """The alternate path specification module: the best healthy path to the peer other than the primary,
+        and whether it is disjoint from it at both ends."""
+        if not self.supports(managed.device):
+            return None, False
         records: list[v.PathRecord] = self.inner.query_paths(managed.device, dlid)
         if not records:
-            self.stats.supported = False
-            if not self.said_unsupported:
-                self.said_unsupported = True
-                log.warning("APM is a no-op here: the transport has no subnet manager to give alternate paths")
-            return None
+            log.warning("QP %#x: no path records for LID %d", managed.qp.qp_num, dlid)
+            return None, False
         dport = next((r.dport for r in records if r.dlid == dlid), 0)
         others = [r for r in records if r.up and (r.port_num, r.dlid) != (port, dlid)]
         disjoint = [r for r in others if r.port_num != port and r.dport != dport]
         best = disjoint or others
-        return best[0] if best else None
+        return (best[0] if best else None), bool(disjoint)
 
-    def arm(self, managed: Managed) -> bool:
-        """The path loading module: load the alternate path and REARM (caller holds the lock)."""
+    def supports(self, device: Any) -> bool:
+        """Does the transport give path records?  Asked once per device, about its own port 1: a transport
+        without a subnet manager (tcp) gives none, and APM says once that it is a no-op."""
+        known = self.supported_on.get(id(device))
+        if known is None:
+            own = int(self.inner.query_port(device, 1).lid)
+            known = self.supported_on[id(device)] = bool(self.inner.query_paths(device, own))
+            if not known:
+                self.stats.supported = False
+                if not self.said_unsupported:
+                    self.said_unsupported = True
+                    log.warning("APM is a no-op here: the transport has no subnet manager to give alternate paths")
+        return known
+
+    def arm(self, managed: Managed, only_disjoint: bool = False) -> bool:
+        """The path loading module: load the alternate path and REARM (caller holds the lock).
+
+        A QP armed on a path that shares an end with its primary (all that was healthy) is `degraded`:
+        a fault at that end would leave it nothing.  `only_disjoint`: re-arm only if a disjoint path is
+        healthy now (the periodic look: a peer's port that came back sends this rank no event)."""
         attr, _ = self.inner.query_qp(managed.qp, _PATH_MASK)
         if int(attr.qp_state) != int(v.IBV_QPS_RTS):
             return False
-        path = self.alternate(managed, int(attr.port_num), int(attr.ah_attr.dlid))
+        path, disjoint = self.alternate(managed, int(attr.port_num), int(attr.ah_attr.dlid))
+        if only_disjoint and not disjoint:
+            return False
         if path is None:
-            if self.stats.supported:
+            if self.supported_on.get(id(managed.device)):
                 self.stats.no_alternate += 1
                 managed.waiting = True
                 log.warning("QP %#x: no healthy alternate path to LID %d", managed.qp.qp_num, attr.ah_attr.dlid)
@@ -229,7 +254,7 @@ class Apm:
             log.warning("QP %#x: REARM refused: %s", managed.qp.qp_num, exc)
             return False
         self.stats.rearms += 1
-        managed.waiting = False
+        managed.waiting, managed.degraded = False, not disjoint
         return True
 
     def migrate(self, managed: Managed) -> bool:
@@ -258,12 +283,17 @@ class Apm:
                 event = self.inner.get_async_event(device, POLL)
             except v.PyverbsError:
                 return  # the device was closed under it
-            if event is None:
-                self._idle(device)
-                continue
-            with self.lock:
-                self._handle(device, event)
-                self._hand_on(device, event)
+            try:
+                if event is None:
+                    self._idle(device)
+                    continue
+                with self.lock:
+                    try:
+                        self._handle(device, event)
+                    finally:
+                        self._hand_on(device, event)
+            except Exception:  # one event's handling failed: the thread goes on (its counters say what it did)
+                log.exception("APM: handling an event of %r failed", device)
 
     def _hand_on(self, device: Any, event: Any) -> None:
         """To the program: a QP's event to the device it was made on, a port's to every device (contexts of one
@@ -287,9 +317,11 @@ class Apm:
             self.fault_at[(id(device), int(element))] = time.monotonic()
         elif kind == int(v.IBV_EVENT_PORT_ACTIVE):
             self.fault_at.pop((id(device), int(element)), None)
+            # a link is back: every QP gets the best alternate path again -- one with none gets one, one armed
+            # on a path sharing an end with its primary (all there was) gets the disjoint pair back, so a fault
+            # on the port it still uses is survived too
             for other in list(self.managed.values()):
-                if other.waiting:  # any device's: the event says a link is back, maybe a peer's path's
-                    self.arm(other)
+                self.arm(other)
         elif kind == int(v.IBV_EVENT_PATH_MIG) and managed is not None:
             if managed.migrating:
                 managed.migrating = False
@@ -310,14 +342,20 @@ class Apm:
         self._publish()
 
     def _idle(self, device: Any) -> None:
-        """No event for a while: try the QPs with no alternate path again (a peer's port that came back
-        sends no event here), and under `balance` move every ARMED QP to its alternate path."""
+        """No event for a while: look again for the QPs with no alternate path or a degraded one (a peer's
+        port that came back sends no event here), and under `balance` move every ARMED QP to its alternate."""
+        if self.changed:
+            self.changed = False
+            self._publish()
         now = time.monotonic()
-        if now - self.retried_at >= RETRY and not self.paused:
-            self.retried_at = now
+        if now - self.retried_at.get(id(device), 0.0) >= RETRY and not self.paused:
+            self.retried_at[id(device)] = now
             with self.lock:
-                for managed in [m for m in self.managed.values() if m.waiting and m.device is device]:
-                    self.arm(managed)
+                for managed in [m for m in self.managed.values() if m.device is device]:
+                    if managed.waiting:
+                        self.arm(managed)
+                    elif managed.degraded:
+                        self.arm(managed, only_disjoint=True)
         if self.policy != "balance" or now - self.balanced_at < self.interval or self.paused:
             return
         self.balanced_at = now

@@ -1,0 +1,142 @@
+"""End-to-end: `--apm auto` through the CLI -- a ring keeps running across failed links, and restarts after them.
+
+The fault is `ckpt fabric fail-link` of a random rank's port at a random step.  With `--apm off` the same
+fault fails the job with one RETRY_EXC_ERR line (tests/test_e2e_ring.py).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from dsm_cases import CASES as DSM_CASES
+from ib_cases import CASES, RANKS, Hold, launch_args, random_seed, take
+from test_e2e_dsm import PROGRAM_ENV, Pauses, uninterrupted
+
+from ckpt.testing import Job, results, run, wait_for
+from harness import PROGRAMS
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+RING = next(c for c in CASES if c.name == "ring")
+RUNS, IN_CI = 10, 2  # link failures at random moments: all under -m stress, the first IN_CI in CI
+SEED = random_seed()
+
+
+def _lids(ckpt_dir: Path, job: Job) -> dict[int, list[int]]:
+    """Each rank's real LIDs (ports 1 and 2), from `ckpt fabric status`."""
+    shown = run("fabric", "status", "--dir", str(ckpt_dir), "--json")
+    assert shown.returncode == 0, shown.stderr
+    pids = job.rank_pids()
+    hcas = json.loads(shown.stdout)["hcas"]
+    return {rank: next(h["lids"] for h in hcas if h["pid"] == pid) for rank, pid in pids.items()}
+
+
+def _link(ckpt_dir: Path, lid: int, up: bool) -> None:
+    done = run("fabric", "restore-link" if up else "fail-link", str(lid), "--dir", str(ckpt_dir))
+    assert done.returncode == 0, done.stderr
+
+
+def _apm(job: Job, rank: int) -> dict[str, Any]:
+    """Rank `rank`'s APM statistics as `ckpt status --json` shows them ({} before it published any)."""
+    status = job.status() or {"ranks": []}
+    entry = next((r for r in status["ranks"] if r["rank"] == rank), {})
+    return dict((entry.get("plugins") or {}).get("apm") or {})
+
+
+def _launch(start_job: Callable[..., Job], ckpt_dir: Path, steps: int, *options: str, env: Any = None) -> Job:
+    return start_job(
+        *launch_args(ckpt_dir, RING.argv(steps), "--apm", "auto", *options), ckpt_dir=ckpt_dir, extra_env=env
+    )
+
+
+@pytest.mark.parametrize(
+    "index", [pytest.param(i, marks=[] if i < IN_CI else [pytest.mark.stress]) for i in range(RUNS)]
+)
+def test_a_ring_gives_the_uninterrupted_answer_across_a_link_failure_at_a_random_moment(
+    index: int, start_job: Callable[..., Job], tmp_path: Path
+) -> None:
+    rng = random.Random(SEED + index)
+    ckpt_dir, steps = tmp_path / "ckpt", RING.steps * 4
+    victim, at = rng.randint(0, RANKS - 1), rng.randint(5, steps // 4)  # early: traffic goes on long after it
+    label = f"seed {SEED + index} (CKPT_TEST_SEED={SEED}): rank {victim}'s port 1 failed at step {at}"
+    hold = Hold(tmp_path)  # the ring does not end before the fault has struck
+    job = _launch(start_job, ckpt_dir, steps, env=hold.env)
+    job.wait_step(at)
+    _link(ckpt_dir, _lids(ckpt_dir, job)[victim][0], up=False)
+    failed_at = job.status()["ranks"][victim]["step"]  # type: ignore[index]
+    label += f" (the link went down at step {failed_at})"
+    wait_for(lambda: _apm(job, victim).get("migrations_automatic", 0) >= 1, 60, f"{label}: a migration")
+    hold.release()
+    assert job.wait() == 0, f"{label}\n{job.stderr}"
+    assert results(job.stdout) == RING.expect(steps), label
+
+
+def test_a_second_link_failure_after_the_re_arm_is_survived_too(start_job: Callable[..., Job], tmp_path: Path) -> None:
+    """Port 1 of a rank fails (its QPs move to port 2), comes back (they are re-armed on the disjoint port pair),
+    then port 2 fails: they move back to port 1.  Without the re-arm the second fault would end the job."""
+    ckpt_dir, steps, hold = tmp_path / "ckpt", RING.steps * 3, Hold(tmp_path)
+    job = _launch(start_job, ckpt_dir, steps, env=hold.env)
+    job.wait_step(20)
+    lids = _lids(ckpt_dir, job)[1]
+    _link(ckpt_dir, lids[0], up=False)
+    wait_for(lambda: _apm(job, 1).get("migrations_automatic", 0) >= 1, 60, "the first migration")
+    rearms = _apm(job, 1)["rearms"]
+    _link(ckpt_dir, lids[0], up=True)
+    wait_for(lambda: _apm(job, 1).get("rearms", 0) > rearms, 60, "the re-arm once port 1 is back")
+    migrated = _apm(job, 1)["migrations_automatic"]
+    _link(ckpt_dir, lids[1], up=False)
+    wait_for(lambda: _apm(job, 1).get("migrations_automatic", 0) > migrated, 60, "the second migration")
+    hold.release()
+    assert job.wait() == 0, job.stderr
+    assert results(job.stdout) == RING.expect(steps)
+    stats = json.loads(run("status", "--ckpt-dir", str(ckpt_dir), "--json").stdout)["ranks"][1]["plugins"]["apm"]
+    assert stats["migration_errors"] == 0 and stats["port_faults"] >= 2
+
+
+@pytest.mark.parametrize("transport", ["simib", pytest.param("tcp", marks=pytest.mark.stress)])
+def test_a_restart_after_an_automatic_migration_gives_the_uninterrupted_answer(
+    transport: str, start_job: Callable[..., Job], tmp_path: Path
+) -> None:
+    """The image holds QPs on port 2 (ckpt_ib tracked the migration); the restart rebuilds them there, on a new
+    fabric -- or on tcp, where APM says it is a no-op."""
+    ckpt_dir, steps, hold = tmp_path / "ckpt", RING.steps * 2, Hold(tmp_path)
+    job = _launch(start_job, ckpt_dir, steps, env=hold.env)
+    job.wait_step(RING.checkpoint_at)
+    _link(ckpt_dir, _lids(ckpt_dir, job)[2][0], up=False)
+    wait_for(lambda: _apm(job, 2).get("migrations_automatic", 0) >= 1, 60, "a migration")
+    take(ckpt_dir, "--kill")
+    assert job.wait() == 0, job.stderr
+    hold.release()
+    again = start_job("restart", "--transport", transport, "--ckpt-dir", str(ckpt_dir), ckpt_dir=ckpt_dir)
+    assert again.wait() == 0, again.stderr
+    assert results(again.stdout) == RING.expect(steps)
+    no_op = "APM is a no-op here: the transport has no subnet manager" in again.stderr
+    assert no_op == (transport == "tcp"), again.stderr
+
+
+@pytest.mark.parametrize("protocol", ["async", pytest.param("onesided", marks=pytest.mark.stress)])
+def test_a_dsm_program_gives_numpys_answer_across_a_link_failure(
+    protocol: str, start_job: Callable[..., Job], tmp_path: Path
+) -> None:
+    """Jacobi paused at a random step; a random rank's port 1 fails; it goes on, its QPs (the DSM's, made
+    through ckpt_ib like any program's) on their alternate paths, and ends with the uninterrupted answer."""
+    case = next(c for c in DSM_CASES if c.name == "jacobi")
+    rng = random.Random(SEED)
+    victim, at = rng.randint(0, RANKS - 1), rng.randint(5, 40)
+    label = f"CKPT_TEST_SEED={SEED}: jacobi/{protocol}, rank {victim}'s port 1 failed at step {at}"
+    ckpt_dir, hold, pauses = tmp_path / "ckpt", Hold(tmp_path), Pauses(tmp_path, at)
+    env = {PROGRAM_ENV: case.name, **hold.env, **pauses.env}
+    argv = [str(PROGRAMS / "dsm_held.py"), *case.long]
+    options = ("--dsm-protocol", protocol, "--apm", "auto")
+    job = start_job(*launch_args(ckpt_dir, argv, *options), ckpt_dir=ckpt_dir, extra_env=env)
+    pauses.wait(at)
+    _link(ckpt_dir, _lids(ckpt_dir, job)[victim][0], up=False)
+    pauses.open(at)
+    wait_for(lambda: _apm(job, victim).get("migrations_automatic", 0) >= 1, 60, f"{label}: a migration")
+    hold.release()
+    assert job.wait() == 0, f"{label}\n{job.stderr}"
+    assert results(job.stdout) == uninterrupted(case, protocol), label
