@@ -15,9 +15,8 @@ from verbs_util import (
     FAST_TIMEOUT,
     Endpoint,
     connect_rc,
-    poll_one,
-    post_recv,
-    send_wr,
+    exchange,
+    paths,
     wait_event,
     wait_for,
     wait_link,
@@ -57,23 +56,8 @@ def _pair(env: IbEnv) -> tuple[Endpoint, Endpoint]:
     return connect_rc(env.context(0), env.context(1), timeout=FAST_TIMEOUT, retry_cnt=FAST_RETRY)
 
 
-def _path(ep: Endpoint) -> tuple[tuple[int, int], tuple[int, int], int]:
-    attr = ep.qp.query(v.IBV_QP_PORT | v.IBV_QP_AV | v.IBV_QP_ALT_PATH | v.IBV_QP_PATH_MIG_STATE)[0]
-    return (attr.port_num, attr.ah_attr.dlid), (attr.alt_port_num, attr.alt_ah_attr.dlid), int(attr.path_mig_state)
-
-
 def _armed(ep: Endpoint) -> None:
-    wait_for(lambda: _path(ep)[2] == v.IBV_MIG_ARMED, what="the alternate path to be ARMED")
-
-
-def _exchange(a: Endpoint, b: Endpoint, tag: int) -> None:
-    for src, dst in ((a, b), (b, a)):
-        post_recv(dst, offset=8192, length=64, wr_id=tag)
-        src.buf[:4] = tag
-        src.qp.post_send(send_wr([src.sge(0, 4)], wr_id=tag))
-        assert poll_one(src.scq).status == v.IBV_WC_SUCCESS
-        wc = poll_one(dst.rcq)
-        assert (wc.wr_id, wc.status) == (tag, v.IBV_WC_SUCCESS)
+    wait_for(lambda: paths(ep)[2] == v.IBV_MIG_ARMED, what="the alternate path to be ARMED")
 
 
 def _real_lid(env: IbEnv, ep: Endpoint, port: int) -> int:
@@ -84,11 +68,11 @@ def test_every_rc_qp_brought_to_rts_gets_the_other_port_pair_armed(env: ApmEnv) 
     a, b = _pair(env)
     _armed(a)
     _armed(b)
-    assert _path(a) == ((1, b.lid), (2, b.lid2), v.IBV_MIG_ARMED)
-    assert _path(b) == ((1, a.lid), (2, a.lid2), v.IBV_MIG_ARMED)
+    assert paths(a) == ((1, b.lid), (2, b.lid2), v.IBV_MIG_ARMED)
+    assert paths(b) == ((1, a.lid), (2, a.lid2), v.IBV_MIG_ARMED)
     stats = env.apm.stats
     assert (stats.qps, stats.rearms, stats.failed_rearms, stats.supported) == (2, 2, 0, True)
-    _exchange(a, b, 1)
+    exchange(a, b, 1)
 
 
 def test_a_qp_whose_program_drives_apm_itself_is_left_alone(env: ApmEnv) -> None:
@@ -98,8 +82,8 @@ def test_a_qp_whose_program_drives_apm_itself_is_left_alone(env: ApmEnv) -> None
     a.qp.modify(attr, v.IBV_QP_PATH_MIG_STATE)  # the program migrates it by hand: from now on it is the program's
     wait_event(a.ctx, v.IBV_EVENT_PATH_MIG, a.qp)
     assert env.apm.stats.qps == 1 and env.apm.stats.migrations_manual == 0
-    assert _path(a)[2] == v.IBV_MIG_MIGRATED  # not re-armed behind the program's back
-    _exchange(a, b, 2)
+    assert paths(a)[2] == v.IBV_MIG_MIGRATED  # not re-armed behind the program's back
+    exchange(a, b, 2)
 
 
 def test_two_link_failures_in_a_row_are_survived_and_the_program_still_sees_every_event(env: ApmEnv) -> None:
@@ -110,24 +94,24 @@ def test_two_link_failures_in_a_row_are_survived_and_the_program_still_sees_ever
     a, b = _pair(env)
     _armed(a)
     _armed(b)
-    _exchange(a, b, 1)
+    exchange(a, b, 1)
     first, second = _real_lid(env, a, 1), _real_lid(env, b, 2)
     try:
         sm.fail_link(first)
         wait_link(first, up=False)
-        _exchange(a, b, 2)
+        exchange(a, b, 2)
         wait_for(lambda: env.apm.stats.migrations_automatic >= 2, what="both QPs to migrate")
         _armed(a)
         _armed(b)
-        assert _path(a) == ((2, b.lid2), (2, b.lid), v.IBV_MIG_ARMED)  # alternate: to b's port 1, from port 2
-        assert _path(b) == ((2, a.lid2), (1, a.lid2), v.IBV_MIG_ARMED)  # alternate: from b's port 1, to a's 2
+        assert paths(a) == ((2, b.lid2), (2, b.lid), v.IBV_MIG_ARMED)  # alternate: to b's port 1, from port 2
+        assert paths(b) == ((2, a.lid2), (1, a.lid2), v.IBV_MIG_ARMED)  # alternate: from b's port 1, to a's 2
         wait_event(a.ctx, v.IBV_EVENT_PATH_MIG, a.qp)  # handed on to the program
         sm.fail_link(second)
         wait_link(second, up=False)
-        _exchange(a, b, 3)
+        exchange(a, b, 3)
         wait_for(lambda: env.apm.stats.migrations_automatic >= 4, what="both QPs to migrate again")
-        assert _path(a)[0] == (2, b.lid) and _path(b)[0] == (1, a.lid2)
-        _exchange(b, a, 4)
+        assert paths(a)[0] == (2, b.lid) and paths(b)[0] == (1, a.lid2)
+        exchange(b, a, 4)
     finally:
         for lid in (first, second):
             sm.restore_link(lid)
@@ -149,16 +133,16 @@ def test_a_qp_with_no_healthy_alternate_is_reported_and_armed_once_a_port_comes_
             wait_link(lid, up=False)
         c, d = _pair(env)
         wait_for(lambda: env.apm.stats.no_alternate >= 2, what="the missing alternates to be counted")
-        assert _path(c)[2] == _path(d)[2] == v.IBV_MIG_MIGRATED
+        assert paths(c)[2] == paths(d)[2] == v.IBV_MIG_MIGRATED
     finally:
         for lid in failed:
             sm.restore_link(lid)
             wait_link(lid, up=True)
     for ep, peer in ((c, d), (d, c)):  # armed on a PORT_ACTIVE, on whichever path was healthy then
         _armed(ep)
-        primary, alternate, _ = _path(ep)
+        primary, alternate, _ = paths(ep)
         assert primary == (1, peer.lid) and alternate in ((2, peer.lid2), (2, peer.lid), (1, peer.lid2))
-    _exchange(c, d, 5)
+    exchange(c, d, 5)
 
 
 def test_a_paused_apm_touches_no_qp_until_it_resumes(env: ApmEnv) -> None:
@@ -185,7 +169,7 @@ def test_balance_moves_armed_qps_between_healthy_paths() -> None:
     try:
         a, b = _pair(env)
         wait_for(lambda: env.apm.stats.migrations_manual >= 2, what="two balancing migrations")
-        _exchange(a, b, 6)
+        exchange(a, b, 6)
         assert env.apm.stats.migration_errors == 0 and env.apm.stats.port_faults == 0
     finally:
         env.apm.stop()
@@ -206,5 +190,5 @@ def test_without_a_subnet_manager_apm_says_once_that_it_is_a_no_op(
     ]
     stats = env.apm.stats
     assert (stats.supported, stats.rearms, stats.no_alternate) == (False, 0, 0)
-    assert _path(a)[2] == v.IBV_MIG_MIGRATED
-    _exchange(a, b, 7)
+    assert paths(a)[2] == v.IBV_MIG_MIGRATED
+    exchange(a, b, 7)

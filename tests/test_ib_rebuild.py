@@ -14,6 +14,8 @@ from verbs_util import (
     Endpoint,
     assert_no_completion,
     connect_rc,
+    exchange,
+    paths,
     poll_one,
     poll_until,
     post_recv,
@@ -180,34 +182,17 @@ def _load_alternate(ep: Endpoint, peer: Endpoint, *, rearm: bool = True) -> None
         mask |= v.IBV_QP_PATH_MIG_STATE
     ep.qp.modify(attr, mask)
     if rearm:
-        wait_for(lambda: _path(ep)[2] == v.IBV_MIG_ARMED, what="the alternate path to be ARMED")
+        wait_for(lambda: paths(ep)[2] == v.IBV_MIG_ARMED, what="the alternate path to be ARMED")
 
 
 def _migrate(ep: Endpoint) -> None:
     ep.qp.modify(v.QPAttr(qp_state=v.IBV_QPS_RTS, path_mig_state=v.IBV_MIG_MIGRATED), v.IBV_QP_PATH_MIG_STATE)
 
 
-def _path(ep: Endpoint) -> tuple[tuple[int, int], tuple[int, int], int]:
-    """((port, dlid) primary, (port, dlid) alternate, path_mig_state), as the program's query_qp shows it."""
-    attr = ep.qp.query(v.IBV_QP_PORT | v.IBV_QP_AV | v.IBV_QP_ALT_PATH | v.IBV_QP_PATH_MIG_STATE)[0]
-    return (attr.port_num, attr.ah_attr.dlid), (attr.alt_port_num, attr.alt_ah_attr.dlid), int(attr.path_mig_state)
-
-
 def _real_path(ib: IbEnv, ep: Endpoint) -> tuple[int, int]:
     """(port, dlid) of the real QP: the dlid a real LID, the real port LID of the peer's port that is meant."""
     attr = ib.vz.inner.query_qp(real_of(ep.qp), v.IBV_QP_PORT | v.IBV_QP_AV)[0]
     return attr.port_num, attr.ah_attr.dlid
-
-
-def _exchange(a: Endpoint, b: Endpoint, tag: int) -> None:
-    for src, dst in ((a, b), (b, a)):
-        post_recv(dst, offset=8192, length=64, wr_id=tag)
-        src.buf[:4] = tag
-        src.qp.post_send(send_wr([src.sge(0, 4)], wr_id=tag))
-        assert poll_one(src.scq).status == v.IBV_WC_SUCCESS
-        wc = poll_one(dst.rcq)
-        assert (wc.wr_id, wc.status) == (tag, v.IBV_WC_SUCCESS)
-        assert list(dst.buf[8192:8196]) == [tag] * 4
 
 
 def _real_lid(ib: IbEnv, ep: Endpoint, port: int) -> int:
@@ -217,20 +202,20 @@ def _real_lid(ib: IbEnv, ep: Endpoint, port: int) -> int:
 def test_query_after_a_manual_migration_shows_the_path_the_qp_is_on(ib: IbEnv) -> None:
     a, b = _pair(ib)
     _load_alternate(a, b)
-    assert _path(a) == ((1, b.lid), (2, b.lid2), v.IBV_MIG_ARMED)
+    assert paths(a) == ((1, b.lid), (2, b.lid2), v.IBV_MIG_ARMED)
     _migrate(a)
-    assert _path(a) == ((2, b.lid2), (1, b.lid), v.IBV_MIG_MIGRATED)
-    _exchange(a, b, 1)
+    assert paths(a) == ((2, b.lid2), (1, b.lid), v.IBV_MIG_MIGRATED)
+    exchange(a, b, 1)
 
 
 def test_a_restart_rebuilds_an_armed_qp_on_its_primary_path_and_arms_it_again(ib: IbEnv) -> None:
     a, b = _pair(ib)
     _load_alternate(a, b)
     a, b = _restart(ib, a, b)
-    wait_for(lambda: _path(a)[2] == v.IBV_MIG_ARMED, what="the alternate path to be ARMED again")
-    assert _path(a) == ((1, b.lid), (2, b.lid2), v.IBV_MIG_ARMED)
+    wait_for(lambda: paths(a)[2] == v.IBV_MIG_ARMED, what="the alternate path to be ARMED again")
+    assert paths(a) == ((1, b.lid), (2, b.lid2), v.IBV_MIG_ARMED)
     assert _real_path(ib, a) == (1, _real_lid(ib, b, 1))
-    _exchange(a, b, 2)
+    exchange(a, b, 2)
 
 
 def test_a_restart_after_a_manual_migration_rebuilds_the_qp_on_the_path_it_migrated_to(ib: IbEnv) -> None:
@@ -243,11 +228,11 @@ def test_a_restart_after_a_manual_migration_rebuilds_the_qp_on_the_path_it_migra
     _migrate(b)
     a, b = _restart(ib, a, b)
     for ep, peer in ((a, b), (b, a)):
-        assert _path(ep) == ((2, peer.lid2), (1, peer.lid), v.IBV_MIG_MIGRATED)
+        assert paths(ep) == ((2, peer.lid2), (1, peer.lid), v.IBV_MIG_MIGRATED)
         assert _real_path(ib, ep) == (2, _real_lid(ib, peer, 2))
-    _exchange(a, b, 3)
+    exchange(a, b, 3)
     _load_alternate(a, b)  # the program re-arms as before: its alternate path is the other port pair again
-    assert _path(a) == ((2, b.lid2), (2, b.lid2), v.IBV_MIG_ARMED)
+    assert paths(a) == ((2, b.lid2), (2, b.lid2), v.IBV_MIG_ARMED)
 
 
 def test_a_restart_after_an_automatic_migration_rebuilds_the_qp_on_the_path_it_migrated_to(ib: IbEnv) -> None:
@@ -261,12 +246,12 @@ def test_a_restart_after_an_automatic_migration_rebuilds_the_qp_on_the_path_it_m
     sm.fail_link(failed)
     try:
         wait_link(failed, up=False)
-        _exchange(a, b, 4)  # a's first send is lost on port 1: a migrates, and b, ARMED, with it
+        exchange(a, b, 4)  # a's first send is lost on port 1: a migrates, and b, ARMED, with it
         a, b = _restart(ib, a, b)
     finally:
         sm.restore_link(failed)
         wait_link(failed, up=True)
     for ep, peer in ((a, b), (b, a)):
-        assert _path(ep) == ((2, peer.lid2), (1, peer.lid), v.IBV_MIG_MIGRATED)
+        assert paths(ep) == ((2, peer.lid2), (1, peer.lid), v.IBV_MIG_MIGRATED)
         assert _real_path(ib, ep) == (2, _real_lid(ib, peer, 2))
-    _exchange(a, b, 5)
+    exchange(a, b, 5)

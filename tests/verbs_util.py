@@ -354,3 +354,22 @@ def contexts(*names: str) -> Iterator[tuple[v.Context, ...]]:
     finally:
         for ctx in reversed(ctxs):
             ctx.close()
+
+
+# ---------------------------------------------------------------- APM
+def paths(ep: Endpoint) -> tuple[tuple[int, int], tuple[int, int], int]:
+    """((port, dlid) primary, (port, dlid) alternate, path_mig_state), as the program's query_qp shows them."""
+    attr = ep.qp.query(v.IBV_QP_PORT | v.IBV_QP_AV | v.IBV_QP_ALT_PATH | v.IBV_QP_PATH_MIG_STATE)[0]
+    return (attr.port_num, attr.ah_attr.dlid), (attr.alt_port_num, attr.alt_ah_attr.dlid), int(attr.path_mig_state)
+
+
+def exchange(a: Endpoint, b: Endpoint, tag: int) -> None:
+    """A 4-byte SEND each way (landing at offset 8192), both completing successfully with the bytes sent."""
+    for src, dst in ((a, b), (b, a)):
+        post_recv(dst, offset=8192, length=64, wr_id=tag)
+        src.buf[:4] = tag
+        src.qp.post_send(send_wr([src.sge(0, 4)], wr_id=tag))
+        assert poll_one(src.scq).status == v.IBV_WC_SUCCESS
+        wc = poll_one(dst.rcq)
+        assert (wc.wr_id, wc.status) == (tag, v.IBV_WC_SUCCESS)
+        assert list(dst.buf[8192:8196]) == [tag] * 4
