@@ -62,11 +62,15 @@ def test_a_ring_gives_the_uninterrupted_answer_across_a_link_failure_at_a_random
     rng = random.Random(SEED + index)
     ckpt_dir, steps = tmp_path / "ckpt", RING.steps * 2
     victim, at = rng.randint(0, RANKS - 1), rng.randint(5, steps // 4)  # early: traffic goes on long after it
-    label = f"seed {SEED + index} (CKPT_TEST_SEED={SEED}): rank {victim}'s port 1 failed at step {at}"
-    hold = Hold(tmp_path)  # the ring does not end before the fault has struck
-    job = _launch(start_job, ckpt_dir, steps, env=hold.env)
-    job.wait_step(at)
-    _link(ckpt_dir, _lids(ckpt_dir, job)[victim][0], up=False)
+    label = f"seed {SEED + index} (CKPT_TEST_SEED={SEED}): rank {victim}'s port 1 failed after step {at}"
+    # the job pauses at step `at` while the test looks up the LIDs, and the link fails as the traffic resumes
+    # (one CLI call later: a moment no step boundary decides), so a loaded machine cannot let the ring end first
+    hold, pauses = Hold(tmp_path), Pauses(tmp_path, at)
+    job = _launch(start_job, ckpt_dir, steps, env={**hold.env, **pauses.env})
+    pauses.wait(at)
+    lid = _lids(ckpt_dir, job)[victim][0]
+    pauses.open(at)
+    _link(ckpt_dir, lid, up=False)
     failed_at = job.status()["ranks"][victim]["step"]  # type: ignore[index]
     label += f" (the link went down at step {failed_at})"
     wait_for(lambda: _apm(job, victim).get("migrations_automatic", 0) >= 1, 60, f"{label}: a migration")
@@ -77,18 +81,25 @@ def test_a_ring_gives_the_uninterrupted_answer_across_a_link_failure_at_a_random
 
 def test_a_second_link_failure_after_the_re_arm_is_survived_too(start_job: Callable[..., Job], tmp_path: Path) -> None:
     """Port 1 of a rank fails (its QPs move to port 2), comes back (they are re-armed on the disjoint port pair),
-    then port 2 fails: they move back to port 1.  Without the re-arm the second fault would end the job."""
+    then port 2 fails: they move back to port 1.  Without the re-arm the second fault would end the job.
+    Each fault strikes while the ring is paused at a gate, so the traffic that finds it is still to come
+    however fast the ring ran."""
     ckpt_dir, steps, hold = tmp_path / "ckpt", RING.steps * 3, Hold(tmp_path)
-    job = _launch(start_job, ckpt_dir, steps, env=hold.env)
-    job.wait_step(20)
+    first, second = 20, RING.steps
+    pauses = Pauses(tmp_path, first, second)
+    job = _launch(start_job, ckpt_dir, steps, env={**hold.env, **pauses.env})
+    pauses.wait(first)
     lids = _lids(ckpt_dir, job)[1]
     _link(ckpt_dir, lids[0], up=False)
+    pauses.open(first)
     wait_for(lambda: _apm(job, 1).get("migrations_automatic", 0) >= 1, 60, "the first migration")
+    pauses.wait(second)
     rearms = _apm(job, 1)["rearms"]
     _link(ckpt_dir, lids[0], up=True)
     wait_for(lambda: _apm(job, 1).get("rearms", 0) > rearms, 60, "the re-arm once port 1 is back")
     migrated = _apm(job, 1)["migrations_automatic"]
     _link(ckpt_dir, lids[1], up=False)
+    pauses.open(second)
     wait_for(lambda: _apm(job, 1).get("migrations_automatic", 0) > migrated, 60, "the second migration")
     hold.release()
     assert job.wait() == 0, job.stderr
@@ -104,9 +115,11 @@ def test_a_restart_after_an_automatic_migration_gives_the_uninterrupted_answer(
     """The image holds QPs on port 2 (ckpt_ib tracked the migration); the restart rebuilds them there, on a new
     fabric -- or on tcp, where APM says it is a no-op."""
     ckpt_dir, steps, hold = tmp_path / "ckpt", RING.steps * 2, Hold(tmp_path)
-    job = _launch(start_job, ckpt_dir, steps, env=hold.env)
-    job.wait_step(RING.checkpoint_at)
+    pauses = Pauses(tmp_path, RING.checkpoint_at)  # the fault strikes before the traffic that finds it
+    job = _launch(start_job, ckpt_dir, steps, env={**hold.env, **pauses.env})
+    pauses.wait(RING.checkpoint_at)
     _link(ckpt_dir, _lids(ckpt_dir, job)[2][0], up=False)
+    pauses.open(RING.checkpoint_at)
     wait_for(lambda: _apm(job, 2).get("migrations_automatic", 0) >= 1, 60, "a migration")
     take(ckpt_dir, "--kill")
     assert job.wait() == 0, job.stderr

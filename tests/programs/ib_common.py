@@ -26,6 +26,9 @@ ACCESS = (
 WAIT_LIMIT = 60.0  # seconds without progress before a program gives up (a test fails rather than hangs)
 #: When set, a program wrapped with `held` does not finish before this file exists (see `held`).
 HOLD_ENV = "CKPT_TEST_HOLD"
+#: With PAUSE_AT_ENV="10,20", a program wrapped with `pausable` idles before its 10th (then 20th) real step
+#: until the file PAUSE_ENV.10 exists (see `pausable`).
+PAUSE_ENV, PAUSE_AT_ENV = "CKPT_TEST_PAUSE", "CKPT_TEST_PAUSE_AT"
 
 Link = tuple[int, str]
 
@@ -93,6 +96,40 @@ class Deadline:
 
 
 Step = Callable[[Any, ckpt.Runtime], bool]
+
+
+def _paused(real_steps: int, rank: int) -> bool:
+    prefix, at = os.environ.get(PAUSE_ENV), os.environ.get(PAUSE_AT_ENV, "")
+    if not prefix or str(real_steps) not in at.split(","):
+        return False
+    gate = f"{prefix}.{real_steps}"
+    if os.path.exists(gate):
+        return False
+    if rank == 0:
+        open(f"{gate}.reached", "a").close()
+    time.sleep(0.005)  # idle: nothing to do until the test opens the gate
+    return True
+
+
+def pausable(step: Step) -> Step:
+    """Wrap a program's `step` so that it idles before chosen real steps until the test opens a gate.
+
+    $CKPT_TEST_PAUSE_AT="10,20" with $CKPT_TEST_PAUSE=PREFIX: before its 10th (then 20th)
+    real step each rank idles until the file PREFIX.10 exists; rank 0 first creates
+    PREFIX.10.reached.  A test checkpoints or injects a fault there, so it happens mid-run
+    however fast the program is, and the traffic resumes after it.  Idle steps do no
+    collective and change no state, so the result is the program's.
+    """
+
+    @functools.wraps(step)
+    def run(self: Any, rt: ckpt.Runtime) -> bool:
+        real = int(getattr(self, "_real_steps", 0))
+        if _paused(real, rt.rank):
+            return True
+        self._real_steps = real + 1
+        return step(self, rt)
+
+    return run
 
 
 def held(step: Step) -> Step:
