@@ -35,9 +35,11 @@ from ckpt.verbs import _enums as e
 from ckpt.verbs import _wire as w
 from ckpt.verbs._attrs import WC, AsyncEvent, PathRecord, SrqAttr
 from ckpt.verbs._errors import PyverbsError, PyverbsRDMAError
+from ckpt.verbs._rx import ACK_LATER, ACK_NOW, DELAYED_ACK, ReceiveEngine, RxChannel
 
 if TYPE_CHECKING:
     from ckpt.verbs._qp import QPHandle
+    from ckpt.verbs._requester import Requester
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +51,10 @@ MAX_RD_ATOMIC, MAX_INLINE = 16, 1024
 
 #: Longest an empty CQ.poll waits for a completion before returning none (seconds).
 POLL_WAIT = float(os.environ.get("CKPT_SIMIB_POLL_WAIT", "0.0005"))
+#: Longest a thread blocked in get_cq_event runs the receive engine before it looks again (seconds).
+DRIVE_SLICE = 0.05
+#: Longest a WR posted behind others in flight waits for a poll to send it (seconds; `Hca.defer`).
+FLUSH_DELAY = 0.001
 
 
 @dataclass(frozen=True)
@@ -63,6 +69,10 @@ class HcaStatistics:
     retransmissions: int  # go-back-N restarts (timeouts, sequence NAKs, RNR back-offs)
     rnr_naks_received: int
     path_migrations: int
+    doorbells: int  # writes to a link: a chain of WRs, or the WRs a poll flushed (`Hca.defer`), is one
+    acks_sent: int  # ACK packets
+    acks_carried: int  # ACKs a request carried instead (`_wire.F_ACK`)
+    packets_polled: int  # packets executed on a thread that polled (poll-driven progress), not a reader thread
 
 
 class Timers:
@@ -151,10 +161,23 @@ class ChannelHandle(NotCheckpointable):
         with self.cond:
             self.events.append(cq)
             self.cond.notify()
+        rx = self.hca.rx
+        if rx.driving:
+            rx.wake()
 
     def get(self, timeout: float | None) -> CQHandle | None:
+        """The next CQ that fired; while there is none, this thread may run the receive engine (`_rx`)."""
+        events = self.events
+        if self.hca.unsent:
+            self.hca.flush()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not events:
+            left = DRIVE_SLICE if deadline is None else min(DRIVE_SLICE, deadline - time.monotonic())
+            if left <= 0 or not self.hca.rx.drive(lambda: bool(events), left):
+                break  # the time is up, or another thread drives (it notifies `cond`)
         with self.cond:
-            if not self.cond.wait_for(lambda: self.events, timeout):
+            rest = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not self.cond.wait_for(lambda: self.events, rest):
                 return None
             cq = self.events.popleft()
             cq.unacked_events += 1
@@ -187,8 +210,11 @@ class CQHandle(NotCheckpointable):
                     self.hca.event(e.IBV_EVENT_CQ_ERR, self)
                 return
             self.entries.append(wc)
-            if self.hca.poll_waiters:
-                self.hca.wake_pollers()
+            hca = self.hca
+            if hca.poll_waiters:
+                hca.wake_pollers()
+            if hca.rx.driving:  # (never the driver itself: it is not in epoll while it executes packets)
+                hca.rx.wake()
             armed = self.armed
             if armed and (armed == self.ARM_ALL or solicited or wc.status != e.IBV_WC_SUCCESS):
                 self.armed = 0
@@ -197,6 +223,8 @@ class CQHandle(NotCheckpointable):
 
     def poll(self, n: int) -> list[WC]:
         entries = self.entries
+        if self.hca.unsent:
+            self.hca.flush()
         if not entries:
             self.hca.wait_for_completion(entries)
             if not entries:
@@ -285,6 +313,9 @@ class Hca:
         self.qps: dict[int, QPHandle] = {}
         self.mrs_by_lkey: dict[int, MRHandle] = {}
         self.mrs_by_rkey: dict[int, MRHandle] = {}
+        self._last_inline: MRHandle | None = None
+        self.unsent: dict[Requester, None] = {}  # QPs with posted WRs that wait for a flush (`defer`)
+        self._flush_armed = False
         self.atomic_lock = threading.Lock()
         self.timers = Timers(name)
         self._doorbell = threading.Lock()
@@ -311,7 +342,7 @@ class Hca:
         self.bandwidth = float(reply.get("bandwidth") or 0.0)
         for lid, up in dict(reply.get("links") or {}).items():
             self.link_up.setdefault(int(lid), bool(up))
-        threading.Thread(target=self._accept_loop, name=f"{name}-accept", daemon=True).start()
+        self.rx = ReceiveEngine(self, self._listener)
         log.debug("HCA %s: LIDs %s, endpoint %s", name, self.lids, self.endpoint)
 
     # ------------------------------------------------------------------ identities
@@ -330,16 +361,17 @@ class Hca:
 
     # ------------------------------------------------------------------ polling
     def wait_for_completion(self, entries: deque[WC]) -> None:
-        """An empty poll: let the NIC threads run, and come back as soon as a completion lands.
+        """An empty poll: come back as soon as a completion lands, or after at most POLL_WAIT.
 
-        A program spinning on an empty CQ would otherwise hold the GIL for a
-        whole switch interval (5 ms) while its own NIC's thread waits to
-        deliver the completion it is polling for; and two spinning programs on
-        two cores leave no core for the NIC threads.  So an empty poll blocks
-        (releasing the GIL and the core) for at most POLL_WAIT, and any
-        completion on this HCA ends the wait at once.  The doorbell is a bare
-        lock, the cheapest thing a thread can block on and be woken from.
+        The polling thread runs the receive engine itself if nobody else does (poll-driven
+        progress, `_rx`): a reply it waits for then completes on this thread, with no hand-over
+        from a NIC thread.  Otherwise it blocks on the doorbell, releasing the GIL and the core
+        (a program spinning on an empty CQ would hold the GIL for a whole switch interval while
+        the thread with its completion waits), and any completion on this HCA rings it.  The
+        doorbell is a bare lock, the cheapest thing a thread can block on and be woken from.
         """
+        if self.rx.drive(entries.__len__, POLL_WAIT, takeover=True) or entries:
+            return
         self.poll_waiters += 1
         try:
             if not entries:
@@ -348,10 +380,51 @@ class Hca:
             self.poll_waiters -= 1
 
     def wake_pollers(self) -> None:
+        """A completion was queued: ring the doorbell for the threads waiting on it (`poll_waiters`)."""
         try:
             self._doorbell.release()
         except RuntimeError:  # already rung and not yet answered
             pass
+
+    # ------------------------------------------------------------------ doorbell batching
+    def defer(self, qp: Requester) -> None:
+        """`qp` has WRs posted behind others still in flight: send them with the next flush (QP lock held).
+
+        A post to an idle QP leaves at once, on the caller's thread (the latency path).  A post
+        behind WRs in flight waits for the first of: this thread's (or any thread's) next poll of
+        a CQ of this HCA, the peer's next ACK (which pumps the QP), or FLUSH_DELAY -- so posting
+        in a loop costs one write per poll, not one per WR, as a NIC fetches WQEs in bursts.
+        """
+        unsent = self.unsent
+        unsent[qp] = None
+        if not self._flush_armed:
+            self._flush_armed = True
+            self.timers.at(time.monotonic() + FLUSH_DELAY, self._flush_late)
+
+    def flush(self) -> None:
+        """Send what `defer` held back (the poller's thread, before it looks at its CQ)."""
+        unsent = self.unsent
+        while unsent:
+            try:
+                qp = next(iter(unsent))
+                del unsent[qp]
+            except (StopIteration, KeyError, RuntimeError):  # another thread took it meanwhile
+                continue
+            with qp.lock:
+                qp._pump(blocking=True)
+
+    def _flush_late(self) -> None:
+        """Nobody polled within FLUSH_DELAY: send the held-back WRs from the timer thread (without blocking)."""
+        self._flush_armed = False
+        unsent = self.unsent
+        while unsent:
+            try:
+                qp = next(iter(unsent))
+                del unsent[qp]
+            except (StopIteration, KeyError, RuntimeError):
+                continue
+            with qp.lock:
+                qp._pump(blocking=False)
 
     # ------------------------------------------------------------------ events
     def event(self, event_type: int, element: Any) -> None:
@@ -407,7 +480,7 @@ class Hca:
     def transmit(self, port: int, dlid: int, header: tuple[Any, ...], payload: list[Any], blocking: bool) -> bool:
         """Send one packet on the path (port, dlid); False if it is lost (link down, no route, peer gone).
 
-        `header` is every field of `_wire.HEADER` but slid, dlid and arrival, which the path decides.
+        `header` is every field of `_wire.HEADER` in order, with 0.0 for arrival (the link model's).
         """
         return self.transmit_many(port, dlid, [(header, payload)], blocking)
 
@@ -426,13 +499,15 @@ class Hca:
             return False
         counts = self.counts
         counts["packets_sent"] += len(packets)
+        counts["doorbells"] += 1
         buffers: list[Any] = []
         pack = w.HEADER.pack
         modelled = self.latency or self.bandwidth
         for header, payload in packets:
             counts["payload_bytes_sent"] += header[8]
-            arrival = self._arrival(port, w.HEADER_SIZE + header[8]) if modelled else 0.0
-            buffers.append(pack(*header[:11], slid, dlid, *header[11:], arrival))
+            if modelled:
+                header = (*header[:16], self._arrival(port, w.HEADER_SIZE + header[8]), header[17])
+            buffers.append(pack(*header))
             buffers.extend(payload)
         return conn.send(buffers) if blocking else conn.post(buffers)
 
@@ -484,59 +559,63 @@ class Hca:
         log.debug("HCA %s: the connection to %s broke", self.name, conn.endpoint)
 
     # ------------------------------------------------------------------ receiving
-    def _accept_loop(self) -> None:
-        while True:
-            try:
-                sock, _ = self._listener.accept()
-            except OSError:
-                return
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=self._serve, args=(sock,), name=f"{self.name}-rx", daemon=True).start()
+    def dispatch(self, fields: tuple[Any, ...], reader: w.PacketReader, chan: RxChannel) -> None:
+        """Execute one incoming packet (the receive engine's, on whichever thread runs it: `_rx`).
 
-    def _serve(self, sock: socket.socket) -> None:
-        """One incoming connection: the NIC's receive engine for packets from one peer HCA."""
-        reader = w.PacketReader(sock)
-        acks: dict[QPHandle, None] = {}
-        try:
-            while True:
-                if acks and not reader.staged():
-                    for due in acks:
-                        due.send_ack()
-                    acks.clear()
-                fields = reader.header()
-                if fields is None:
-                    return
-                self.counts["packets_received"] += 1
-                self.counts["payload_bytes_received"] += fields[8]
-                arrival = fields[16]
-                if arrival:
-                    delay = arrival - time.monotonic()
-                    if delay > 0:
-                        time.sleep(delay)
-                dlid = fields[12]
-                qp: QPHandle | None = self.qps.get(fields[4])
-                if qp is None or not self.link_up.get(dlid, True) or not self.link_up.get(fields[11], True):
-                    reader.skip(fields[8])
-                    if qp is None and fields[0] == w.REQ:
-                        self.report_lost(fields)
-                    continue
-                if fields[0] == w.REQ:
-                    if qp.on_request(fields, reader):
-                        acks[qp] = None
-                else:
-                    qp.on_response(fields, reader)
-        except (OSError, EOFError) as exc:
-            log.debug("HCA %s: receive connection ended: %s", self.name, exc)
-        finally:
-            for due in acks:
-                due.send_ack()
-            sock.close()
+        A QP that owes an ACK goes to the channel's `acks` (sent at the end of the burst) or, for a
+        coalesced one, to its `owed` (sent once DELAYED_ACK has passed, unless a request carried it).
+        """
+        counts = self.counts
+        counts["packets_received"] += 1
+        counts["payload_bytes_received"] += fields[8]
+        arrival = fields[16]
+        if arrival:
+            delay = arrival - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+        dlid = fields[12]
+        qp: QPHandle | None = self.qps.get(fields[4])
+        if qp is None or not self.link_up.get(dlid, True) or not self.link_up.get(fields[11], True):
+            reader.skip(fields[8])
+            if qp is None and fields[0] == w.REQ:
+                self.report_lost(fields)
+            return
+        if fields[0] == w.REQ:
+            if fields[2] & w.F_ACK:
+                qp.on_piggybacked_ack(fields[17])
+            due = qp.on_request(fields, reader)
+            if due == ACK_NOW:
+                chan.acks[qp] = None
+            elif due == ACK_LATER and qp not in chan.owed:
+                chan.owe(qp, time.monotonic() + DELAYED_ACK)
+        else:
+            qp.on_response(fields, reader)
 
     def report_lost(self, fields: tuple[Any, ...]) -> None:
         """Tell a requester its packet vanished (a simulation aid: it then counts a retry on timeout)."""
         slid, dlid = fields[11], fields[12]
         port = self.port_of_lid(dlid) or 1
-        self.transmit(port, slid, (w.LOST, 0, 0, 0, fields[5], fields[4], fields[6], 0, 0, 0, 0, 0, 0, 0), [], False)
+        lost = (
+            w.LOST,
+            0,
+            0,
+            0,
+            fields[5],
+            fields[4],
+            fields[6],
+            0,
+            0,
+            0,
+            0,
+            self.lids[port - 1],
+            slid,
+            0,
+            0,
+            0,
+            0.0,
+            0,
+        )
+        self.transmit(port, slid, lost, [], False)
 
     # ------------------------------------------------------------------ memory
     def register(self, mr: MRHandle) -> None:
@@ -545,8 +624,12 @@ class Hca:
 
     def mr_containing(self, addr: int, length: int) -> MRHandle | None:
         """The registered region holding [addr, addr + length) (inline data is found by address, not lkey)."""
+        mr = self._last_inline  # a program posts inline data from the same buffer, mostly
+        if mr is not None and mr.valid and mr.addr <= addr and addr + length <= mr.addr + mr.length:
+            return mr
         for mr in self.mrs_by_lkey.values():
             if mr.addr <= addr and addr + length <= mr.addr + mr.length:
+                self._last_inline = mr
                 return mr
         return None
 

@@ -180,3 +180,4 @@ class QPHandle(Requester, Responder):
             self.sq.clear()
             self.rq.clear()
             self.hca.qps.pop(self.qp_num, None)
+            self.hca.unsent.pop(self, None)

@@ -86,7 +86,6 @@ _ATOMIC_CACHE = 64
 SQ_FULL_GRACE = 0.2  # seconds post_send waits for a full send queue to drain before ENOMEM
 ACK_EVERY = 16  # a requester asks for an ACK at least every this many packets (or half its send queue)
 LATE_ACK_LIMIT = 1.0  # seconds of silence from a reachable peer after which timeouts count as retries
-DELAYED_ACK = 0.001  # seconds a responder may sit on an ACK nobody asked for
 
 
 def psn_diff(a: int, b: int) -> int:
@@ -149,12 +148,14 @@ class SendEntry:
         "wr_id",
     )
 
-    def __init__(self, wr: Any, signaled: bool, length: int) -> None:
+    def __init__(
+        self, wr: Any, opcode: int, flags: int, signaled: bool, sg: list[tuple[int, int, int]], length: int
+    ) -> None:
         self.wr_id = wr.wr_id
-        self.opcode = int(wr.opcode)
-        self.flags = int(wr.send_flags)
+        self.opcode = opcode
+        self.flags = flags
         self.signaled = signaled
-        self.sg = [(s.addr, s.length, s.lkey) for s in wr.sg[: wr.num_sge or len(wr.sg)]]
+        self.sg = sg
         self.inline: bytes | None = None
         self.rkey = wr.rkey or 0
         self.raddr = wr.remote_addr or 0
@@ -236,7 +237,8 @@ class QPState(NotCheckpointable):
         self.rnr_pending = False
         self.nak_seq_sent = False
         self.comm_est = False
-        self.delayed_ack = False
+        self.ack_owed = False  # requests executed that no ACK has covered yet (`Responder.ack_due`)
+        self.owed_on: Any = None  # the receive channel that keeps the time of that ACK (`_rx.RxChannel.owe`)
         self.atomic_cache: dict[int, int] = {}
 
     def _path(self) -> tuple[int, int]:

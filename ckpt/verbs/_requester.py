@@ -70,6 +70,9 @@ from ckpt.verbs._qpbase import (
 
 log = logging.getLogger(__name__)
 
+#: Posts of at most this many bytes behind WRs in flight are batched into the next flush (`Hca.defer`).
+DEFER_BYTES = 8192
+
 
 class Requester(QPState):
     """Posting and the send queue."""
@@ -90,11 +93,17 @@ class Requester(QPState):
                 for entry in entries:
                     self.scq.push(self._send_wc(entry, _FLUSH))
                 return
+            # small WRs behind others in flight wait for this thread's next poll (`Hca.defer`); a large
+            # one would then cross the socket on whichever thread flushes it, possibly through the outbox
+            busy = bool(self.sq) and sum(x.length for x in entries) <= DEFER_BYTES
             for entry in entries:
                 entry.psn = self.sq_psn
                 self.sq_psn = (self.sq_psn + entry.npkts) & PSN_MASK
                 self.sq.append(entry)
-            self._pump(blocking=True)
+            if busy and self.state == _RTS:
+                self.hca.defer(self)
+            else:
+                self._pump(blocking=True)
 
     def _wait_for_room(self, pending: int) -> None:
         """A full send queue: give the NIC threads (which share the CPU here) a moment to retire WRs.
@@ -104,6 +113,7 @@ class Requester(QPState):
         queue that a real NIC would already have drained.  Wait (bounded) for
         in-flight WRs to complete before reporting ENOMEM.
         """
+        self._pump(blocking=True)  # what waits for a doorbell (`Hca.defer`) goes now
         deadline = time.monotonic() + SQ_FULL_GRACE
         while len(self.sq) + pending >= self.cap.max_send_wr and any(x.sent and not x.done for x in self.sq):
             left = deadline - time.monotonic()
@@ -113,33 +123,41 @@ class Requester(QPState):
 
     def _entry(self, wr: Any, depth: int, mtu: int) -> SendEntry:
         opcode = int(wr.opcode)
-        allowed = _RC_OPCODES if self.qp_type == _RC else _UC_OPCODES
-        if opcode not in allowed:
+        if opcode not in (_RC_OPCODES if self.qp_type == _RC else _UC_OPCODES):
             raise PyverbsRDMAError(f"opcode {opcode} is not supported on this QP type", EINVAL)
-        nsge = wr.num_sge or len(wr.sg)
-        if nsge > self.cap.max_send_sge or nsge > len(wr.sg):
-            raise PyverbsRDMAError(f"send WR with {nsge} SGEs, the QP allows {self.cap.max_send_sge}", EINVAL)
-        if depth >= self.cap.max_send_wr:
-            raise PyverbsRDMAError(f"send queue full ({self.cap.max_send_wr} WRs outstanding)", ENOMEM)
-        length = sum(s.length for s in wr.sg[:nsge])
+        cap = self.cap
+        given = wr.sg
+        nsge = wr.num_sge or len(given)
+        if nsge > cap.max_send_sge or nsge > len(given):
+            raise PyverbsRDMAError(f"send WR with {nsge} SGEs, the QP allows {cap.max_send_sge}", EINVAL)
+        if depth >= cap.max_send_wr:
+            raise PyverbsRDMAError(f"send queue full ({cap.max_send_wr} WRs outstanding)", ENOMEM)
+        if nsge == 1:  # the common case, without a loop
+            s = given[0]
+            sg = [(s.addr, s.length, s.lkey)]
+            length = s.length
+        else:
+            sg = [(s.addr, s.length, s.lkey) for s in given[:nsge]]
+            length = sum(s[1] for s in sg)
         flags = int(wr.send_flags)
-        entry = SendEntry(wr, self.sq_sig_all or bool(flags & _SIGNALED), length)
+        entry = SendEntry(wr, opcode, flags, self.sq_sig_all or bool(flags & _SIGNALED), sg, length)
         if opcode in (_CAS, _FAA) and length != 8:
             raise PyverbsRDMAError("an atomic WR needs exactly one 8-byte SGE", EINVAL)
         if flags & _INLINE and opcode not in _RD_ATOMIC:
-            if length > self.cap.max_inline_data:
-                raise PyverbsRDMAError(f"{length} bytes inline, the QP allows {self.cap.max_inline_data}", EINVAL)
-            entry.inline = b"".join(bytes(self._gather_inline(s)) for s in wr.sg[:nsge])
-        entry.npkts = max(1, -(-length // mtu))
+            if length > cap.max_inline_data:
+                raise PyverbsRDMAError(f"{length} bytes inline, the QP allows {cap.max_inline_data}", EINVAL)
+            entry.inline = b"".join([bytes(self._gather_inline(addr, size)) for addr, size, _ in sg])
+        if length > mtu:
+            entry.npkts = -(-length // mtu)
         return entry
 
-    def _gather_inline(self, sge: Any) -> memoryview:
+    def _gather_inline(self, addr: int, length: int) -> memoryview:
         """Inline data is copied at post time and its lkey is not checked (ibv_post_send(3))."""
-        mr = self.hca.mr_containing(sge.addr, sge.length)
+        mr = self.hca.mr_containing(addr, length)
         if mr is None:
-            raise PyverbsRDMAError(f"inline SGE address {sge.addr:#x} is not in any registered memory", EINVAL)
-        off = sge.addr - mr.addr
-        return mr.view[off : off + sge.length]
+            raise PyverbsRDMAError(f"inline SGE address {addr:#x} is not in any registered memory", EINVAL)
+        off = addr - mr.addr
+        return mr.view[off : off + length]
 
     def _pump(self, blocking: bool) -> None:
         """Transmit queued WRs in order as far as fences, rd/atomic credits and back-off allow (lock held).
@@ -151,20 +169,21 @@ class Requester(QPState):
         idle = self.next_send == 0  # nothing in flight: a send now starts the transport timer afresh
         packets: list[tuple[tuple[Any, ...], list[Any]]] = []
         sent: list[SendEntry] = []
+        port, dlid = self._path()
+        slid = self.hca.lids[port - 1]
         while self.next_send < len(sq) and self.state == _RTS and not self.backoff:
             entry = sq[self.next_send]
             if entry.opcode in _RD_ATOMIC and self.rd_outstanding >= max(1, self.max_rd_atomic):
                 break
             if entry.flags & _FENCE and self.rd_outstanding:
                 break
-            packet = self._packet(entry)
+            packet = self._packet(entry, slid, dlid)
             if packet is None:
                 break
             packets.append(packet)
             sent.append(entry)
             self.next_send += 1
         if packets:
-            port, dlid = self._path()
             if not self.hca.transmit_many(port, dlid, packets, blocking):
                 self.lost = True
             for entry in sent:
@@ -196,7 +215,7 @@ class Requester(QPState):
             views.append(mr.view[off : off + length])
         return views
 
-    def _packet(self, entry: SendEntry) -> tuple[tuple[Any, ...], list[Any]] | None:
+    def _packet(self, entry: SendEntry, slid: int, dlid: int) -> tuple[tuple[Any, ...], list[Any]] | None:
         """The request packet of one WR (lock held); None if it failed locally (the QP is now in ERR)."""
         op = entry.opcode
         payload: list[Any]
@@ -230,6 +249,14 @@ class Requester(QPState):
         if entry.signaled or self.unrequested >= self.ack_every or op in _RD_ATOMIC:
             flags |= w.F_ACKREQ
             self.unrequested = 0
+        ack = 0
+        if self.ack_owed:  # the responder side owes the peer an ACK: this request carries it
+            self.ack_owed = False
+            flags |= w.F_ACK
+            ack = (self.epsn - 1) & PSN_MASK
+            self.hca.counts["acks_carried"] += 1
+            if self.owed_on is not None:
+                self.owed_on.forgive(self)
         header = (
             w.REQ,
             op,
@@ -242,9 +269,13 @@ class Requester(QPState):
             length,
             entry.imm,
             entry.rkey,
+            slid,
+            dlid,
             entry.raddr,
             arg1,
             entry.swap,
+            0.0,
+            ack,
         )
         return header, payload
 
@@ -300,6 +331,12 @@ class Requester(QPState):
             if self.backoff:
                 self.backoff = False
                 self._pump(blocking=False)
+
+    def on_piggybacked_ack(self, psn: int) -> None:
+        """An ACK the peer's request carried (`_wire.F_ACK`): as if an ACK packet had come just before it."""
+        with self.lock:
+            if self.state in (_RTS, _SQD, _SQE) and self.qp_type == _RC:
+                self._acknowledge(psn, inclusive=True)
 
     def on_response(self, fields: tuple[Any, ...], reader: w.PacketReader) -> None:
         """ACK / NAK / READ or atomic response for this QP's requests (HCA reader thread)."""

@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import numpy as np
@@ -52,12 +51,12 @@ from ckpt.verbs._qpbase import (
     _WITH_IMM,
     _WRITE,
     _WRITE_IMM,
-    DELAYED_ACK,
     PSN_MASK,
     QPState,
     psn_diff,
     rnr_delay,
 )
+from ckpt.verbs._rx import ACK_LATER, ACK_NONE, ACK_NOW
 
 
 class Responder(QPState):
@@ -89,25 +88,25 @@ class Responder(QPState):
     def send_ack(self) -> None:
         with self.lock:
             if self.state in (_RTR, _RTS, _SQD, _SQE):
+                self.ack_owed = False
+                self.hca.counts["acks_sent"] += 1
                 self._respond(w.ACK, 0, (self.epsn - 1) & PSN_MASK, 0, [])
 
-    def _ack_due(self, flags: int) -> bool:
-        """ACK now if the requester asked; otherwise at most DELAYED_ACK later (coalesced with others)."""
+    def _ack_due(self, flags: int) -> int:
+        """ACK now if the requester asked; otherwise later, coalesced with others: at most DELAYED_ACK
+        later (the receive engine keeps the time, `_rx`), or sooner, carried by this QP's next request
+        (`Requester._packet`)."""
         if flags & w.F_ACKREQ:
-            return True
-        if not self.delayed_ack:
-            self.delayed_ack = True
-            self.hca.timers.at(time.monotonic() + DELAYED_ACK, self._send_delayed_ack)
-        return False
-
-    def _send_delayed_ack(self) -> None:
-        self.delayed_ack = False
-        self.send_ack()
+            return ACK_NOW
+        self.ack_owed = True
+        return ACK_LATER
 
     def _respond(self, kind: int, syndrome: int, psn: int, arg1: int, payload: list[Any]) -> None:
         port, dlid = self._path()
         length = sum(len(p) for p in payload)
-        header = (kind, syndrome, 0, 0, self.dest_qp_num, self.qp_num, psn, 0, length, 0, 0, 0, arg1, 0)
+        slid = self.hca.lids[port - 1]
+        qpns = (self.dest_qp_num, self.qp_num)
+        header = (kind, syndrome, 0, 0, *qpns, psn, 0, length, 0, 0, slid, dlid, 0, arg1, 0, 0.0, 0)
         self.hca.transmit(port, dlid, header, payload, blocking=False)
 
     def _error_nak(self, syndrome: int, psn: int, event: int) -> None:
@@ -154,31 +153,31 @@ class Responder(QPState):
             return None
         return mr.view[off : off + length]
 
-    def on_request(self, fields: tuple[Any, ...], reader: w.PacketReader) -> bool:
-        """Execute one incoming request (HCA reader thread).  True if an ACK is due."""
-        _, op, flags, _, _, sqpn, psn, npkts, length, imm, rkey, slid, _, raddr, arg1, arg2, _ = fields
+    def on_request(self, fields: tuple[Any, ...], reader: w.PacketReader) -> int:
+        """Execute one incoming request (the receive engine's thread): ACK_NONE, ACK_NOW or ACK_LATER."""
+        _, op, flags, _, _, sqpn, psn, npkts, length, imm, rkey, slid, _, raddr, arg1, arg2, _, _ = fields
         state = self.state
         if state not in (_RTR, _RTS, _SQD, _SQE) or sqpn != self.dest_qp_num:
             reader.skip(length)
             self.hca.report_lost(fields)
-            return False
+            return ACK_NONE
         if flags & w.F_MIGRATE and self.mig_state == _ARMED:
             # before the PSN check: the requester may have migrated to resend something we already
             # executed, whose ACK was lost on the old path -- answering it there again would loop
             with self.lock:
                 self._migrate(initiated_here=False)
         rc = self.qp_type == _RC
-        if rc:
+        if rc and psn != self.epsn:
             d = psn_diff(psn, self.epsn)
             if d < 0:
                 return self._duplicate(op, psn, length, rkey, raddr, arg1, reader)
-            if d > 0:
+            if d > 0:  # (d == 0 cannot happen: psn != epsn)
                 reader.skip(length)
                 if not self.rnr_pending and not self.nak_seq_sent:
                     self.nak_seq_sent = True
                     with self.lock:
                         self._respond(w.NAK, w.NAK_SEQ, self.epsn, 0, [])
-                return False
+                return ACK_NONE
         if state == _RTR and not self.comm_est:
             self.comm_est = True
             self.hca.event(e.IBV_EVENT_COMM_EST, self)
@@ -197,7 +196,7 @@ class Responder(QPState):
                     delay = int(rnr_delay(self.min_rnr_timer) * 1e9)
                     with self.lock:
                         self._respond(w.NAK, w.NAK_RNR, psn, delay, [])
-                return False
+                return ACK_NONE
             self.rnr_pending = False
             if view is not None:
                 reader.take_into(view)
@@ -212,26 +211,30 @@ class Responder(QPState):
                     reader.take_into(v)
                 opcode, byte_len = _RECV, length
             self.epsn = (psn + npkts) & PSN_MASK
+            with_imm = flags & w.F_IMM
+            # WC fields in order: wr_id status opcode vendor_err byte_len qp_num src_qp imm_data wc_flags pkey slid
             wc = WC(
-                wr_id=wr.wr_id,
-                status=_OK,
-                opcode=opcode,
-                byte_len=byte_len,
-                qp_num=self.qp_num,
-                src_qp=sqpn,
-                imm_data=imm if flags & w.F_IMM else 0,
-                wc_flags=_WITH_IMM if flags & w.F_IMM else 0,
-                slid=slid,
+                wr.wr_id,
+                _OK,
+                opcode,
+                0,
+                byte_len,
+                self.qp_num,
+                sqpn,
+                imm if with_imm else 0,
+                with_imm and _WITH_IMM,
+                0,
+                slid,
             )
-            self.rcq.push(wc, solicited=bool(flags & w.F_SOLICITED))
-            return rc and self._ack_due(flags)
+            self.rcq.push(wc, bool(flags & w.F_SOLICITED))
+            return self._ack_due(flags) if rc else ACK_NONE
         if op == _WRITE:
             view = self._remote_view(rkey, raddr, length, _REMOTE_WRITE) if length else memoryview(b"")
             if view is None:
                 return self._refuse(rc, reader, length, w.NAK_ACCESS, psn, e.IBV_EVENT_QP_ACCESS_ERR)
             reader.take_into(view)
             self.epsn = (psn + npkts) & PSN_MASK
-            return rc and self._ack_due(flags)
+            return self._ack_due(flags) if rc else ACK_NONE
         if op == _READ:
             reader.skip(length)
             view = self._remote_view(rkey, raddr, arg1, _REMOTE_READ) if arg1 else memoryview(b"")
@@ -240,7 +243,7 @@ class Responder(QPState):
             self.epsn = (psn + npkts) & PSN_MASK
             with self.lock:
                 self._respond(w.READ_RESP, 0, psn, 0, [view] if arg1 else [])
-            return False
+            return ACK_NONE
         # atomics
         reader.skip(length)
         if raddr % 8:
@@ -262,15 +265,15 @@ class Responder(QPState):
         self.epsn = (psn + 1) & PSN_MASK
         with self.lock:
             self._respond(w.ATOMIC_RESP, 0, psn, orig, [])
-        return False
+        return ACK_NONE
 
-    def _refuse(self, rc: bool, reader: w.PacketReader, length: int, syndrome: int, psn: int, event: Any) -> bool:
+    def _refuse(self, rc: bool, reader: w.PacketReader, length: int, syndrome: int, psn: int, event: Any) -> int:
         reader.skip(length)
         if rc:
             self._error_nak(syndrome, psn, event)
-        return False
+        return ACK_NONE
 
-    def _duplicate(self, op: int, psn: int, length: int, rkey: int, raddr: int, arg1: int, r: w.PacketReader) -> bool:
+    def _duplicate(self, op: int, psn: int, length: int, rkey: int, raddr: int, arg1: int, r: w.PacketReader) -> int:
         """A retransmission of something already executed: answer it again, execute nothing twice."""
         r.skip(length)
         if op == _READ:
@@ -278,11 +281,11 @@ class Responder(QPState):
             if view is not None:
                 with self.lock:
                     self._respond(w.READ_RESP, 0, psn, 0, [view] if arg1 else [])
-            return False
+            return ACK_NONE
         if op in (_CAS, _FAA):
             orig = self.atomic_cache.get(psn)
             if orig is not None:
                 with self.lock:
                     self._respond(w.ATOMIC_RESP, 0, psn, orig, [])
-            return False
-        return True
+            return ACK_NONE
+        return ACK_NOW

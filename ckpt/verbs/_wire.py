@@ -35,12 +35,15 @@ REQ, ACK, NAK, READ_RESP, ATOMIC_RESP, LOST = 1, 2, 3, 4, 5, 6
 # NAK syndromes (the requester's resulting WC status is chosen by the requester).
 NAK_RNR, NAK_SEQ, NAK_ACCESS, NAK_INV_REQ, NAK_OP = 1, 2, 3, 4, 5
 
-# Header flags.
-F_SOLICITED, F_MIGRATE, F_IMM, F_ACKREQ = 1, 2, 4, 8
+# Header flags.  F_ACK: a request that also acknowledges, for the reverse direction of its QP, every
+# request up to the PSN in its `ack` field -- an ACK the responder owed, carried by the next request
+# it sends instead of a packet of its own (a ping-pong then sends no ACK packets at all).
+F_SOLICITED, F_MIGRATE, F_IMM, F_ACKREQ, F_ACK = 1, 2, 4, 8, 16
 
 #: kind, opcode/syndrome, flags, spare, dqpn, sqpn, psn, npkts, length, imm, rkey, slid, dlid,
-#: raddr, arg1 (compare_add / atomic result / rnr delay ns), arg2 (swap), arrival (monotonic seconds, 0 = now)
-HEADER = struct.Struct("<BBBBIIIIIIIHHQQQd")
+#: raddr, arg1 (compare_add / atomic result / rnr delay ns), arg2 (swap), arrival (monotonic seconds, 0 = now),
+#: ack (with F_ACK)
+HEADER = struct.Struct("<BBBBIIIIIIIHHQQQdI")
 HEADER_SIZE = HEADER.size
 
 _STAGE = 256 * 1024
@@ -59,6 +62,27 @@ class PacketReader:
     def staged(self) -> bool:
         """True if more bytes are already staged (the caller is in the middle of a burst)."""
         return self._end > self._start
+
+    def has_header(self) -> bool:
+        """True if a whole header is staged (`header` will not block)."""
+        return self._end - self._start >= HEADER_SIZE
+
+    def fill(self) -> bool:
+        """Stage what the socket has now, without blocking; False if it had nothing.  EOFError at its end."""
+        if self._start:
+            pending = self._end - self._start
+            self._view[:pending] = self._view[self._start : self._end]
+            self._start, self._end = 0, pending
+        if self._end == len(self._buf):
+            return True  # full of staged packets (a zero-byte recv would read as the end of the stream)
+        try:
+            n = self.sock.recv_into(self._view[self._end :], 0, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return False
+        if n == 0:
+            raise EOFError("connection closed")
+        self._end += n
+        return True
 
     def header(self) -> tuple[Any, ...] | None:
         """The next header, or None at a clean end of stream."""
@@ -129,7 +153,8 @@ class Connection:
             return False
         with self._lock:
             try:
-                self._flush(blocking=True)
+                if self._outbox:
+                    self._flush(blocking=True)
                 _sendmsg_all(self.sock, buffers)
             except OSError as exc:
                 self._broken(exc)
@@ -205,9 +230,8 @@ class Connection:
 
 def _sendmsg_all(sock: socket.socket, buffers: Sequence[Any]) -> None:
     """sendmsg until every byte of `buffers` (bytes or byte-format memoryviews) is written."""
-    total = sum(len(b) for b in buffers)
     sent = sock.sendmsg(buffers)
-    if sent == total:
+    if sent == sum(map(len, buffers)):
         return
     views = [memoryview(b).cast("B") for b in buffers if len(b)]
     while views:

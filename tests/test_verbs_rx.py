@@ -1,0 +1,154 @@
+"""ckpt.verbs' receive engine (`ckpt.verbs._rx`): poll-driven progress, reader threads, carried ACKs, doorbells."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from verbs_util import (
+    WAIT,
+    connect_rc,
+    contexts,
+    poll_one,
+    post_recv,
+    rdma_wr,
+    send_wr,
+    wait_for,
+)
+
+from ckpt import verbs as v
+from ckpt.verbs import _hca, _rx
+
+pytestmark = pytest.mark.timeout(60)
+
+ROUNDS = 50
+
+
+@pytest.fixture
+def ctxs(provider: str) -> Iterator[tuple[v.Context, ...]]:
+    yield from contexts(f"{provider}0", f"{provider}1")
+
+
+def _unsignaled_pair(ctxs: tuple[v.Context, ...]) -> tuple[object, object]:
+    return connect_rc(
+        *ctxs,
+        endpoint_a={"sq_sig_all": 0, "separate_cqs": True, "max_send_wr": 256},
+        endpoint_b={"sq_sig_all": 0, "separate_cqs": True, "max_send_wr": 256},
+    )
+
+
+def test_a_thread_that_polls_executes_the_packets_it_waits_for(ctxs: tuple[v.Context, ...]) -> None:
+    """Poll-driven progress: B's program thread, polling its receive CQ, runs B's receive engine itself, so each
+    SEND it waits for is executed on that thread, not handed over from a reader thread."""
+    a, b = connect_rc(*ctxs)
+    engine = _hca.hca(ctxs[1].name).rx
+    before = ctxs[1].statistics().packets_polled
+    for i in range(ROUNDS):
+        post_recv(b, wr_id=i)
+        got: list[v.WC] = []
+        poller = threading.Thread(target=lambda: got.append(poll_one(b.rcq)), daemon=True)
+        poller.start()
+        wait_for(lambda: engine._kind == _rx._POLL, what="B's poller to drive B's engine")
+        a.qp.post_send(send_wr([a.sge(0, 8)], wr_id=i))  # arrives while B's poller waits in the engine
+        poller.join(WAIT)
+        assert got and got[0].status == v.IBV_WC_SUCCESS and got[0].wr_id == i
+        assert poll_one(a.scq).status == v.IBV_WC_SUCCESS
+    assert ctxs[1].statistics().packets_polled - before == ROUNDS
+
+
+def test_once_nobody_polls_the_reader_threads_serve_one_sided_operations(ctxs: tuple[v.Context, ...]) -> None:
+    """B's thread drove B's engine, then stops polling (it computes, or is parked): within the lease B's reader
+    threads take over, and an RDMA READ and an atomic on B's memory complete without B's program."""
+    a, b = connect_rc(*ctxs)
+    b.buf[:64] = 7
+    post_recv(b, offset=1024)
+    a.qp.post_send(send_wr([a.sge(0, 8)]))
+    assert poll_one(b.rcq).status == v.IBV_WC_SUCCESS  # B's thread drove its engine: the lease is B's
+    assert poll_one(a.scq).status == v.IBV_WC_SUCCESS
+    polled = ctxs[1].statistics().packets_polled
+    a.qp.post_send(rdma_wr(v.IBV_WR_RDMA_READ, a.sge(128, 64), b.mr.rkey, b.addr(0)))
+    assert poll_one(a.scq).status == v.IBV_WC_SUCCESS
+    fetch = send_wr([a.sge(256, 8)], opcode=v.IBV_WR_ATOMIC_FETCH_AND_ADD)
+    fetch.set_wr_atomic(b.mr.rkey, b.addr(64), 5)
+    a.qp.post_send(fetch)
+    assert poll_one(a.scq).status == v.IBV_WC_SUCCESS
+    assert (a.buf[128:192] == 7).all() and int(b.buf[64:72].view(np.uint64)[0]) == 5
+    assert ctxs[1].statistics().packets_polled == polled  # served by B's readers: nobody polled B
+
+
+def test_a_thread_blocked_on_a_completion_channel_drives_and_is_woken(ctxs: tuple[v.Context, ...]) -> None:
+    """A thread blocked in get_cq_event runs the engine too (it executes the SEND that fires its CQ)."""
+    channel = v.CompChannel(ctxs[1])
+    a, b = connect_rc(*ctxs, endpoint_b={"channel": channel})
+    post_recv(b)
+    b.rcq.req_notify()
+    got: list[v.CQ] = []
+    waiter = threading.Thread(target=lambda: got.append(channel.get_cq_event(b.rcq, WAIT)), daemon=True)
+    waiter.start()
+    engine = _hca.hca(ctxs[1].name).rx
+    wait_for(lambda: engine._kind == _rx._CHANNEL, what="the waiter to drive B's engine")
+    polled = ctxs[1].statistics().packets_polled
+    a.qp.post_send(send_wr([a.sge(0, 8)]))
+    waiter.join(WAIT)
+    assert got == [b.rcq]
+    assert ctxs[1].statistics().packets_polled > polled
+    b.rcq.ack_events(1)
+    assert poll_one(b.rcq).status == v.IBV_WC_SUCCESS
+
+
+def test_a_request_carries_the_ack_its_qp_owes(ctxs: tuple[v.Context, ...]) -> None:
+    """Ping-pong of unsignaled SENDs: each side's reply carries the ACK of the request it answers, so hardly any
+    ACK packet is sent, and every SEND still retires (a signaled one at the end completes)."""
+    a, b = _unsignaled_pair(ctxs)
+    before = [c.statistics() for c in ctxs]
+    for i in range(ROUNDS):
+        post_recv(b, wr_id=i)
+        post_recv(a, wr_id=i)
+        a.qp.post_send(send_wr([a.sge(0, 8)], wr_id=i, flags=0))
+        assert poll_one(b.rcq).wr_id == i
+        b.qp.post_send(send_wr([b.sge(0, 8)], wr_id=i, flags=0))
+        assert poll_one(a.rcq).wr_id == i
+    after = [c.statistics() for c in ctxs]
+    assert after[1].acks_carried - before[1].acks_carried >= ROUNDS - 5
+    assert after[0].acks_carried - before[0].acks_carried >= ROUNDS - 6
+    assert after[1].acks_sent - before[1].acks_sent <= 10
+    a.qp.post_send(send_wr([a.sge(0, 8)], wr_id=99, flags=v.IBV_SEND_SIGNALED))
+    post_recv(b, wr_id=99)
+    assert poll_one(a.scq).wr_id == 99  # RC: everything before it retired too
+
+
+def test_posts_behind_work_requests_in_flight_leave_with_the_next_poll(ctxs: tuple[v.Context, ...]) -> None:
+    """Doorbell batching: 64 small WRITEs posted one by one behind one in flight leave in a few writes to the
+    link (the next poll flushes them), not 64; every byte lands."""
+    a, b = _unsignaled_pair(ctxs)
+    a.buf[:4096] = np.arange(4096, dtype=np.uint64).astype(np.uint8)
+    before = ctxs[0].statistics().doorbells
+    for i in range(64):
+        flags = v.IBV_SEND_SIGNALED if i == 63 else 0
+        a.qp.post_send(rdma_wr(v.IBV_WR_RDMA_WRITE, a.sge(64 * i, 64), b.mr.rkey, b.addr(64 * i), wr_id=i, flags=flags))
+    assert poll_one(a.scq).wr_id == 63
+    assert ctxs[0].statistics().doorbells - before <= 8
+    assert (b.buf[:4096] == a.buf[:4096]).all()
+
+
+def test_a_post_held_back_for_a_poll_leaves_anyway_when_nobody_polls(ctxs: tuple[v.Context, ...]) -> None:
+    """A WRITE posted behind one in flight, by a program that then never polls, still lands (FLUSH_DELAY)."""
+    a, b = _unsignaled_pair(ctxs)
+    a.buf[:128] = 3
+    a.qp.post_send(rdma_wr(v.IBV_WR_RDMA_WRITE, a.sge(0, 64), b.mr.rkey, b.addr(0), flags=0))
+    a.qp.post_send(rdma_wr(v.IBV_WR_RDMA_WRITE, a.sge(64, 64), b.mr.rkey, b.addr(64), flags=0))
+    started = time.monotonic()
+    wait_for(lambda: (b.buf[:128] == 3).all(), what="both WRITEs to land without a poll")
+    assert time.monotonic() - started < WAIT
+
+
+def test_the_lease_is_short() -> None:
+    """The reader threads are off their sockets for at most LEASE after a poll: a program that stops polling
+    has its memory served again within it (and DELAYED_ACK stays below the shortest retransmission timer)."""
+    from ckpt.verbs._qpbase import _MIN_TIMER
+
+    assert 0 < _rx.LEASE <= 0.005
+    assert _rx.DELAYED_ACK < _MIN_TIMER / 2
