@@ -59,6 +59,7 @@ only while the link number the message started on is current.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -373,10 +374,9 @@ class Endpoint:
                 for wr in chunk[:-1]:
                     wr.send_flags = 0
                     wr.wr_id = RDMA
-                    self.qps[peer].post_send(wr)
                 last = chunk[-1]
                 last.send_flags, last.wr_id = verbs.IBV_SEND_SIGNALED, wr_id
-                self.qps[peer].post_send(last)
+                self.qps[peer].post_send(chain(chunk))  # one doorbell for the chunk
 
             def landed_or_moved(wr_id: int = wr_id) -> bool:
                 return wr_id in self.rdma_done or self.link[peer] != link
@@ -397,6 +397,15 @@ class Endpoint:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._transient()
+
+
+def chain(wrs: Sequence[verbs.SendWR]) -> verbs.SendWR:
+    """Link `wrs` through ``next_wr`` (the last one ends the chain) and return the first: one post_send, one
+    doorbell, for all of them."""
+    for wr, following in itertools.pairwise(wrs):
+        wr.next_wr = following
+    wrs[-1].next_wr = None
+    return wrs[0]
 
 
 def rdma(opcode: int, local: tuple[int, int, int], rkey: int, addr: int) -> verbs.SendWR:

@@ -51,8 +51,6 @@ MAX_RD_ATOMIC, MAX_INLINE = 16, 1024
 
 #: Longest an empty CQ.poll waits for a completion before returning none (seconds).
 POLL_WAIT = float(os.environ.get("CKPT_SIMIB_POLL_WAIT", "0.0005"))
-#: Longest a thread blocked in get_cq_event runs the receive engine before it looks again (seconds).
-DRIVE_SLICE = 0.05
 #: Longest a WR posted behind others in flight waits for a poll to send it (seconds; `Hca.defer`).
 FLUSH_DELAY = 0.001
 
@@ -166,18 +164,16 @@ class ChannelHandle(NotCheckpointable):
             rx.wake()
 
     def get(self, timeout: float | None) -> CQHandle | None:
-        """The next CQ that fired; while there is none, this thread may run the receive engine (`_rx`)."""
-        events = self.events
+        """The next CQ that fired, waiting up to `timeout` seconds (None: for ever).
+
+        A thread blocked here does not run the receive engine (`_rx`): it is woken by whoever
+        executes the packet -- a reader thread, or a thread that polls a CQ.  (Letting it drive
+        too made it wrestle the role from the program's polling thread on every message.)
+        """
         if self.hca.unsent:
             self.hca.flush()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not events:
-            left = DRIVE_SLICE if deadline is None else min(DRIVE_SLICE, deadline - time.monotonic())
-            if left <= 0 or not self.hca.rx.drive(lambda: bool(events), left):
-                break  # the time is up, or another thread drives (it notifies `cond`)
         with self.cond:
-            rest = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not self.cond.wait_for(lambda: self.events, rest):
+            if not self.cond.wait_for(lambda: self.events, timeout):
                 return None
             cq = self.events.popleft()
             cq.unacked_events += 1
@@ -370,7 +366,7 @@ class Hca:
         the thread with its completion waits), and any completion on this HCA rings it.  The
         doorbell is a bare lock, the cheapest thing a thread can block on and be woken from.
         """
-        if self.rx.drive(entries.__len__, POLL_WAIT, takeover=True) or entries:
+        if self.rx.drive(entries.__len__, POLL_WAIT) or entries:
             return
         self.poll_waiters += 1
         try:

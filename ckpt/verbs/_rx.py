@@ -10,14 +10,14 @@
 # (docs/benchmarks.md).
 #
 # Poll-driven progress, as UCX and libfabric's manual progress mode do it: a
-# thread that waits on an empty CQ (or a completion channel) of this HCA becomes
-# the *driver*: it waits on every incoming connection at once (epoll) and
-# executes what arrives itself, so a reply it polls for completes on its own
-# thread.  One thread drives at a time; the others wait on the doorbell (or their
-# channel) as before and are woken by the completions the driver queues.  A CQ
-# poller takes the role over from a thread that only waits on a completion
-# channel (`drive(takeover=True)`): the poller is on the critical path, the
-# channel waiter (a protocol handler, typically) is not.
+# thread that polls an empty CQ of this HCA becomes the *driver*: it waits on
+# every incoming connection at once (epoll) and executes what arrives itself, so
+# a reply it polls for completes on its own thread.  One thread drives at a time;
+# the others wait on the doorbell as before and are woken by the completions the
+# driver queues.  A thread blocked on a completion channel does not drive: a
+# protocol handler idling there would take the role from the program's polling
+# thread, and hand it back, on every message (measured: the DSM's page fetch
+# got slower, not faster).
 #
 # The reader threads step aside while someone drives: a reader that wakes while
 # the *lease* is live (a driver was active within LEASE seconds) parks until it
@@ -65,8 +65,6 @@ ENABLED = os.environ.get("CKPT_SIMIB_POLL_PROGRESS", "1") != "0"
 DELAYED_ACK = 0.0005
 #: What executing a request asks of the responder (`Responder.on_request`).
 ACK_NONE, ACK_NOW, ACK_LATER = 0, 1, 2
-
-_POLL, _CHANNEL = 1, 2  # who drives: a CQ poller, or a thread waiting on a completion channel
 
 
 class RxChannel:
@@ -123,9 +121,7 @@ class ReceiveEngine:
         self._epoll = select.epoll()
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._epoll.register(self._wake_fd, select.EPOLLIN)
-        self._driver = threading.Lock()
-        self._kind = 0  # what the current driver waits for (_POLL, _CHANNEL)
-        self._takeover = False  # a CQ poller asked the channel waiter that drives to hand over
+        self._driver = threading.Lock()  # held by the thread that drives
         #: a driver is blocked in epoll: a completion queued by another thread must wake it
         self.driving = False
         self.lease_until = 0.0
@@ -135,28 +131,16 @@ class ReceiveEngine:
         threading.Thread(target=self._accept_loop, name=f"{hca.name}-accept", daemon=True).start()
 
     # ------------------------------------------------------------------ the polling thread
-    def drive(self, ready: Callable[[], object], timeout: float, takeover: bool = False) -> bool:
-        """Execute incoming packets on this thread until `ready()` or `timeout` seconds; False if it cannot drive.
-
-        Another thread may be driving: then False at once -- unless `takeover` (a CQ poller) and that
-        thread only waits on a completion channel, which then hands over within one wake-up.
-        """
+    def drive(self, ready: Callable[[], object], timeout: float) -> bool:
+        """Execute incoming packets on this thread until `ready()` or `timeout` seconds; False if another drives."""
         if not ENABLED:
             return False
         driver = self._driver
         if not driver.acquire(blocking=False):
-            if not (takeover and self._kind == _CHANNEL):
-                return False
-            self._takeover = True
-            self.wake()
-            if not driver.acquire(timeout=timeout):
-                return False
-        self._kind = _POLL if takeover else _CHANNEL
-        self._takeover = False
+            return False
         try:
             self._run(ready, time.monotonic() + timeout)
         finally:
-            self._kind = 0
             self.lease_until = time.monotonic() + LEASE
             driver.release()
         return True
@@ -184,8 +168,6 @@ class ReceiveEngine:
                         os.eventfd_read(wake_fd)
                     except BlockingIOError:
                         pass
-                    if self._takeover and self._kind == _CHANNEL:
-                        return  # a CQ poller waits for the role: this thread goes on waiting on its channel
                     continue
                 chan = channels.get(fd)
                 if chan is None:
@@ -263,6 +245,7 @@ class ReceiveEngine:
         """Execute every complete packet the connection has for us now, then send the ACKs it owes; how many."""
         reader, dispatch, acks = chan.reader, self.hca.dispatch, chan.acks
         executed = 0
+        w.begin_burst()
         try:
             # one read per wake-up: what it leaves (the socket is level-triggered) wakes us again
             if not reader.has_header() and not reader.fill():
@@ -280,6 +263,7 @@ class ReceiveEngine:
                 for due in acks:
                     due.send_ack()
                 acks.clear()
+            w.end_burst()  # the responses and ACKs of the burst leave together
         return executed
 
     def _close(self, chan: RxChannel) -> None:

@@ -163,10 +163,23 @@ class Connection:
 
     # ------------------------------------------------------------------ HCA threads
     def post(self, buffers: Sequence[Any]) -> bool:
-        """Queue `buffers` and send what can be sent without blocking; never waits."""
+        """Queue `buffers` and send what can be sent without blocking; never waits.
+
+        Inside a burst of the receive engine (`bursting`) nothing is sent yet: the engine flushes
+        every connection its burst touched once, at the end (`end_burst`), so the responses to a
+        chain of requests leave in one write.
+        """
         if not self.alive:
             return False
         self._outbox.extend(memoryview(b).cast("B") for b in buffers if len(b))
+        touched = getattr(_burst, "touched", None)
+        if touched is not None:
+            touched[self] = None
+            return True
+        return self.flush_now()
+
+    def flush_now(self) -> bool:
+        """Send the outbox as far as the socket takes it without blocking (the writer thread does the rest)."""
         if self._lock.acquire(blocking=False):
             try:
                 self._flush(blocking=False)
@@ -226,6 +239,23 @@ class Connection:
             self.alive = False
             self._outbox.clear()
             self._on_broken(self)
+
+
+_burst = threading.local()  # `touched`: the connections a burst of the receive engine posted to (on this thread)
+
+
+def begin_burst() -> None:
+    """From here on, this thread's `Connection.post`s only queue (the receive engine executes a burst)."""
+    _burst.touched = {}
+
+
+def end_burst() -> None:
+    """Flush every connection the burst posted to, once."""
+    touched = _burst.touched
+    _burst.touched = None
+    for conn in touched:
+        if conn.alive:
+            conn.flush_now()
 
 
 def _sendmsg_all(sock: socket.socket, buffers: Sequence[Any]) -> None:

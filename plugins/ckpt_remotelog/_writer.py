@@ -38,7 +38,7 @@ import numpy as np
 
 from ckpt import verbs
 from dsm import DsmError
-from dsm._net import UP
+from dsm._net import UP, chain
 
 from ._records import HEADER_SIZE, Record, commit_word, scan, walk
 from ._ring import CONTROL, REMOTE, spans
@@ -205,12 +205,10 @@ class RingWriter:
         with client.lock:  # the endpoint's: a post never reaches a QP being replaced (dsm._net)
             if client.state[peer] != UP:
                 return False
-            qp = client.qps[peer]
             for wr in wrs[:-1]:
                 wr.send_flags, wr.wr_id = 0, ONE_SIDED
-                qp.post_send(wr)
             last.send_flags, last.wr_id = verbs.IBV_SEND_SIGNALED, ONE_SIDED | (seq[0] & 0xFFFFFFFFFF)
-            qp.post_send(last)
+            client.qps[peer].post_send(chain(wrs))  # one doorbell for the batch
             self.sent[last.wr_id] = (peer, client.link[peer])
         ids.append(last.wr_id)
         return True
