@@ -115,14 +115,20 @@ def test_a_restart_after_an_automatic_migration_gives_the_uninterrupted_answer(
     """The image holds QPs on port 2 (ckpt_ib tracked the migration); the restart rebuilds them there, on a new
     fabric -- or on tcp, where APM says it is a no-op."""
     ckpt_dir, steps, hold = tmp_path / "ckpt", RING.steps * 2, Hold(tmp_path)
-    pauses = Pauses(tmp_path, RING.checkpoint_at)  # the fault strikes before the traffic that finds it
+    # the fault strikes at a gate, before the traffic that finds it; the checkpoint is taken at a second gate,
+    # where every rank idles at the same step of the ring (a rank idling at a gate takes steps its neighbours do
+    # not, so a checkpoint between gates could park a rank before the message its neighbour waits for)
+    fault, taken = RING.checkpoint_at, RING.checkpoint_at + 200
+    pauses = Pauses(tmp_path, fault, taken)
     job = _launch(start_job, ckpt_dir, steps, env={**hold.env, **pauses.env})
-    pauses.wait(RING.checkpoint_at)
+    pauses.wait(fault)
     _link(ckpt_dir, _lids(ckpt_dir, job)[2][0], up=False)
-    pauses.open(RING.checkpoint_at)
+    pauses.open(fault)
     wait_for(lambda: _apm(job, 2).get("migrations_automatic", 0) >= 1, 60, "a migration")
+    pauses.wait(taken)
     take(ckpt_dir, "--kill")
     assert job.wait() == 0, job.stderr
+    pauses.open(taken)
     hold.release()
     again = start_job("restart", "--transport", transport, "--ckpt-dir", str(ckpt_dir), ckpt_dir=ckpt_dir)
     assert again.wait() == 0, again.stderr
