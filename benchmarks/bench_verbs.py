@@ -18,16 +18,17 @@
 #           until --stream-mib MiB have been acknowledged (RC: placed in the
 #           child's memory), against sendall of 4 MiB buffers that the child
 #           recv_into's until it has them all and answers one byte.
-#           Target: verbs / TCP bandwidth >= 0.5.
+#           Target: verbs / TCP bandwidth >= 0.9 (issue 15; it was 0.5).
 #   rtt     8-byte ping-pong: each side posts a receive, sends 8 bytes (inline,
 #           unsignaled but every 64th) and waits for its receive completion;
 #           against 8-byte sendall / recv_into echoes.  Target: verbs / TCP
 #           round-trip time <= 2.0.
 #   rate    --rate-msgs RDMA WRITEs of 8, 16, 32, 64 bytes in turn, unsignaled
 #           but every 64th, up to 512 in flight, the send CQ polled; one WR per
-#           post_send, and again as 64-WR chains (one doorbell per chain).  For
-#           context, not a target: the same number of TCP sends of those sizes
-#           (one sendall each) that the child reads in bulk.
+#           post_send, and again as 64-WR chains (one doorbell per chain);
+#           against the same number of TCP sends of those sizes (one sendall
+#           each) that the child reads in bulk.  Target, one WR per post:
+#           verbs / TCP >= 0.5 (issue 15); the chains are context.
 
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ RATE_DEPTH = 512
 SQ_DEPTH = 1024
 RQ_DEPTH = 256
 CASES = ("stream", "rtt", "rate", "rate_chained")
-TARGETS = {"stream": (">=", 0.5), "rtt": ("<=", 2.0)}
+TARGETS = {"stream": (">=", 0.9), "rtt": ("<=", 2.0), "rate": (">=", 0.5)}  # issue 15's
 ACCESS = v.IBV_ACCESS_LOCAL_WRITE | v.IBV_ACCESS_REMOTE_WRITE
 
 
@@ -487,7 +488,7 @@ def report(summary: dict[str, Any], args: argparse.Namespace, command: str) -> N
     print("|---|---|---|---|---|---|")
     print(
         f"| bandwidth, 4 MiB messages | {s['verbs'] / 1e9:.2f} GB/s | {s['tcp'] / 1e9:.2f} GB/s "
-        f"| {s['ratio']:.2f} | >= 0.5 | {met('stream', s['ratio'])} |"
+        f"| {s['ratio']:.2f} | >= 0.9 | {met('stream', s['ratio'])} |"
     )
     print(
         f"| 8-byte round trip | {r['verbs'] * 1e6:.1f} us | {r['tcp'] * 1e6:.1f} us "
@@ -495,7 +496,7 @@ def report(summary: dict[str, Any], args: argparse.Namespace, command: str) -> N
     )
     print(
         f"| small-message rate, 1 WR per post | {m['verbs'] / 1e3:.1f} k msg/s | {m['tcp'] / 1e3:.1f} k msg/s "
-        f"| {m['ratio']:.2f} | - | - |"
+        f"| {m['ratio']:.2f} | >= 0.5 | {met('rate', m['ratio'])} |"
     )
     print(f"| small-message rate, 64-WR chains | {c['verbs'] / 1e3:.1f} k msg/s | | | - | - |")
     print()

@@ -134,7 +134,8 @@ def test_posts_behind_work_requests_in_flight_leave_with_the_next_poll(ctxs: tup
 
 
 def test_a_post_held_back_for_a_poll_leaves_anyway_when_nobody_polls(ctxs: tuple[v.Context, ...]) -> None:
-    """A WRITE posted behind one in flight, by a program that then never polls, still lands (FLUSH_DELAY)."""
+    """A WRITE posted behind one in flight, by a program that then never polls, still lands: the first one's
+    coalesced ACK, executed by a reader thread, pumps the QP."""
     a, b = _unsignaled_pair(ctxs)
     a.buf[:128] = 3
     a.qp.post_send(rdma_wr(v.IBV_WR_RDMA_WRITE, a.sge(0, 64), b.mr.rkey, b.addr(0), flags=0))

@@ -51,8 +51,6 @@ MAX_RD_ATOMIC, MAX_INLINE = 16, 1024
 
 #: Longest an empty CQ.poll waits for a completion before returning none (seconds).
 POLL_WAIT = float(os.environ.get("CKPT_SIMIB_POLL_WAIT", "0.0005"))
-#: Longest a WR posted behind others in flight waits for a poll to send it (seconds; `Hca.defer`).
-FLUSH_DELAY = 0.001
 
 
 @dataclass(frozen=True)
@@ -311,7 +309,6 @@ class Hca:
         self.mrs_by_rkey: dict[int, MRHandle] = {}
         self._last_inline: MRHandle | None = None
         self.unsent: dict[Requester, None] = {}  # QPs with posted WRs that wait for a flush (`defer`)
-        self._flush_armed = False
         self.atomic_lock = threading.Lock()
         self.timers = Timers(name)
         self._doorbell = threading.Lock()
@@ -387,18 +384,16 @@ class Hca:
         """`qp` has WRs posted behind others still in flight: send them with the next flush (QP lock held).
 
         A post to an idle QP leaves at once, on the caller's thread (the latency path).  A post
-        behind WRs in flight waits for the first of: this thread's (or any thread's) next poll of
-        a CQ of this HCA, the peer's next ACK (which pumps the QP), or FLUSH_DELAY -- so posting
-        in a loop costs one write per poll, not one per WR, as a NIC fetches WQEs in bursts.
+        behind WRs in flight waits for the first of: the next poll of a CQ of this HCA (by any
+        thread: `flush`), or the progress of those WRs -- their ACK or response, or their
+        retransmission, which pumps the QP (`Requester._progress`, `_on_timer`).  So posting in a
+        loop costs one socket write per poll, not one per WR, as a NIC fetches WQEs in bursts;
+        and a program that never polls is not kept waiting longer than its peer's coalesced ACK.
         """
-        unsent = self.unsent
-        unsent[qp] = None
-        if not self._flush_armed:
-            self._flush_armed = True
-            self.timers.at(time.monotonic() + FLUSH_DELAY, self._flush_late)
+        self.unsent[qp] = None
 
     def flush(self) -> None:
-        """Send what `defer` held back (the poller's thread, before it looks at its CQ)."""
+        """Send what `defer` held back (a polling thread, in blocking writes, before it waits)."""
         unsent = self.unsent
         while unsent:
             try:
@@ -408,19 +403,6 @@ class Hca:
                 continue
             with qp.lock:
                 qp._pump(blocking=True)
-
-    def _flush_late(self) -> None:
-        """Nobody polled within FLUSH_DELAY: send the held-back WRs from the timer thread (without blocking)."""
-        self._flush_armed = False
-        unsent = self.unsent
-        while unsent:
-            try:
-                qp = next(iter(unsent))
-                del unsent[qp]
-            except (StopIteration, KeyError, RuntimeError):
-                continue
-            with qp.lock:
-                qp._pump(blocking=False)
 
     # ------------------------------------------------------------------ events
     def event(self, event_type: int, element: Any) -> None:

@@ -400,7 +400,8 @@ class Requester(QPState):
         self.last_progress = self.progress_at = time.monotonic()
         self.mig_announce = False
         self._retire()
-        self._pump(blocking=False)
+        if self not in self.hca.unsent or not self.hca.rx.polled():
+            self._pump(blocking=False)  # (else a polling thread flushes the held-back posts, in one blocking write)
 
     def _nak(self, syndrome: int, psn: int, delay_ns: int) -> None:
         self.progress_at = time.monotonic()  # a NAK is an answer: the peer is alive

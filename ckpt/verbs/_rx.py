@@ -19,9 +19,9 @@
 # thread, and hand it back, on every message (measured: the DSM's page fetch
 # got slower, not faster).
 #
-# The reader threads step aside while someone drives: a reader that wakes while
-# the *lease* is live (a driver was active within LEASE seconds) parks until it
-# expires, off its socket, so a packet wakes one thread, not two.  Once nobody has
+# The reader threads step aside while someone drives: a reader that wakes while a
+# thread drives, or while the *lease* is live (one drove within LEASE seconds),
+# parks, off its socket, so a packet wakes one thread, not two.  Once nobody has
 # driven for LEASE, the readers take over again: a program that stops polling
 # (computing, parked at a checkpoint) has its memory served within LEASE.
 #
@@ -146,8 +146,10 @@ class ReceiveEngine:
         return True
 
     def _run(self, ready: Callable[[], object], deadline: float) -> None:
-        epoll, channels, wake_fd = self._epoll, self._channels, self._wake_fd
+        epoll, channels, wake_fd, hca = self._epoll, self._channels, self._wake_fd, self.hca
         while True:
+            if hca.unsent:  # posts held back for a poll (`Hca.defer`): this is one
+                hca.flush()
             now = time.monotonic()
             self.lease_until = now + LEASE
             if now >= self.next_due:
@@ -230,6 +232,10 @@ class ReceiveEngine:
             self._close(chan)
         finally:
             chan.sock.close()
+
+    def polled(self) -> bool:
+        """A thread drives the engine (it flushes held-back posts before each wait: `Hca.defer`)."""
+        return self._driver.locked()
 
     def _leased(self) -> bool:
         """A thread drives, or drove within LEASE: the reader threads keep off their sockets."""
