@@ -58,7 +58,7 @@ import ckpt
 from ckpt import verbs
 from ckpt.plugin import PluginCalls, Runtime
 
-from . import _onesided, _reconnect, _replay, hookspecs
+from . import _fetch, _onesided, _reconnect, _replay, hookspecs
 from ._diff import Diff, diff_size, diff_unit, make_diff
 from ._errors import DsmError
 from ._handler import Handler
@@ -72,9 +72,6 @@ from ._messages import (
     HomeReply,
     HomeRequest,
     Notice,
-    OldPageRequest,
-    PageReply,
-    PageRequest,
     ReleaseRequest,
     Reply,
     Request,
@@ -114,8 +111,9 @@ class Memory(RequestClient):
         slot = page_size + 1024
         self.client = Endpoint(self.ctx, self.pd, self.size, slot, nrecv=WINDOW * 2, nsend=WINDOW * 2)
         self.server = Endpoint(self.ctx, self.pd, self.size, slot, nrecv=WINDOW * 2, nsend=WINDOW * 2)
-        # metadata read twice (ARDMAR), an atomic's landing word, DRAW's -interval and interval sources
-        self.scratch = np.zeros(2 * self.size + 3, dtype=np.int64)
+        # metadata read twice (ARDMAR) for FETCH_BATCH pages at once (the first pair is a single fetch's), then
+        # an atomic's landing word, DRAW's -interval and interval sources
+        self.scratch = np.zeros(2 * self.size * _onesided.FETCH_BATCH + 3, dtype=np.int64)
         self.scratch_mr = verbs.MR(self.pd, self.scratch, ACCESS)
         self.regions: list[Region] = []
         self.vt = [0] * self.size
@@ -296,16 +294,18 @@ class Memory(RequestClient):
 
     # ------------------------------------------------------------------ faults
     def read_fault(self, region: Region, pages: np.ndarray) -> None:
-        for page in pages[region.state[pages] == INVALID]:
-            self.counters.read_faults += 1
-            self._fetch(region, int(page))
+        invalid = [int(page) for page in pages[region.state[pages] == INVALID]]
+        self.counters.read_faults += len(invalid)
+        if invalid:
+            self._fetch_many(region, invalid)
 
     def write_fault(self, region: Region, pages: np.ndarray) -> None:
-        for page in pages[region.state[pages] != DIRTY]:
-            page = int(page)
+        todo = [int(page) for page in pages[region.state[pages] != DIRTY]]
+        invalid = [page for page in todo if region.state[page] == INVALID]
+        if invalid:
+            self._fetch_many(region, invalid)
+        for page in todo:
             self.counters.write_faults += 1
-            if region.state[page] == INVALID:
-                self._fetch(region, page)
             if region.home[page] < 0:
                 self._lookup_home(region, page)
             if region.home[page] != self.rank or self.twin_homes:
@@ -337,25 +337,11 @@ class Memory(RequestClient):
         if home == self.rank:
             self.counters.homes_taken += 1
 
+    def _fetch_many(self, region: Region, pages: list[int]) -> None:
+        _fetch.fetch_many(self, region, pages)
+
     def _fetch(self, region: Region, page: int) -> None:
-        self._check()
-        started = time.perf_counter()
-        home, gid, need = int(region.home[page]), gid_of(region.aid, page), region.need[page]
-        if home < 0 or home == self.rank:
-            raise DsmError(f"page {gid:#x} is invalid but its home is {home} (rank {self.rank})")
-        if self.replay is not None:  # the page as this rank saw it the first time: the intervals its vt covers
-            old = OldPageRequest(self._next_rid(), gid, list(self.vt))
-            reply = self._request(home, old, PageReply, f"page {gid:#x} as of {self.vt}")
-            region.program_page(page)[:] = np.frombuffer(reply.data, dtype=np.uint8)
-            self.counters.regenerated_pages += 1
-        elif self.protocol == "async":
-            reply = self._request(home, PageRequest(self._next_rid(), gid, need.tolist()), PageReply, f"page {gid:#x}")
-            region.program_page(page)[:] = np.frombuffer(reply.data, dtype=np.uint8)
-        else:
-            _onesided.ardmar(self, region, page, home, need)
-        region.state[page] = VALID
-        self.counters.page_fetches += 1
-        self.counters.page_fetch_seconds += time.perf_counter() - started
+        _fetch.fetch(self, region, page)
 
     # ------------------------------------------------------------------ intervals
     def _close_interval(self) -> None:

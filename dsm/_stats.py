@@ -45,6 +45,7 @@ class Statistics:
     page_seconds: float
     wait_seconds: float
     compute_seconds: float
+    fetch_rounds: int = 0  # rounds of page fetching: one per fault, or one for all the invalid pages of one access
     # remote / stable logging (plugins/ckpt_remotelog): 0 without it
     log_records: int = 0  # records this rank wrote into log rings (remote logging, by RDMA)
     log_bytes: int = 0
@@ -81,6 +82,7 @@ class Counters:
     homes_taken: int = 0
     page_fetches: int = 0
     page_fetch_seconds: float = 0.0
+    fetch_rounds: int = 0
     fetch_retries: int = 0
     pages_served: int = 0
     diffs_applied: int = 0

@@ -244,6 +244,38 @@ def test_after_a_barrier_only_pages_another_rank_wrote_are_refetched(protocol: s
         assert values == [value] * 3
 
 
+@pytest.mark.parametrize("homes", [1, 2])
+def test_the_invalid_pages_of_one_access_are_fetched_in_one_round(protocol: str, homes: int) -> None:
+    """A read of 12 invalid pages (homed at one rank, or at two) fetches them all in one round, more than the
+    one-sided scratch area batches at once, and every value is the home's; a write of invalid pages too."""
+    pages = 12
+
+    def body(mem: dsm.Memory, rt: ThreadRuntime) -> Any:
+        a = mem.array(pages * DOUBLES, np.float64)
+        if rt.rank < homes:  # rank 0 homes every page (or ranks 0 and 1 every other page)
+            for page in range(rt.rank, pages, homes):
+                with a.write(slice(page * DOUBLES, (page + 1) * DOUBLES)) as v:
+                    v[:] = page + 1
+        mem.barrier()
+        if rt.rank != homes:
+            mem.barrier()
+            return None
+        before = mem.statistics()
+        with a.read(slice(0, pages * DOUBLES)) as v:
+            seen = v[::DOUBLES].tolist()
+        after = mem.statistics()
+        with a.write(slice(0, pages * DOUBLES)) as v:  # all valid now: nothing to fetch, only twins
+            v[1::DOUBLES] = -1.0
+        written = mem.statistics()
+        mem.barrier()
+        return seen, after.page_fetches - before.page_fetches, after.fetch_rounds - before.fetch_rounds, written
+
+    seen, fetched, rounds, written = run_ranks(homes + 1, body, protocol)[homes]
+    assert seen == [float(page + 1) for page in range(pages)]
+    assert (fetched, rounds) == (pages, 1)
+    assert written.page_fetches == pages and written.twins == pages
+
+
 def test_a_page_is_not_refetched_at_its_home(protocol: str) -> None:
     def body(mem: dsm.Memory, rt: ThreadRuntime) -> Any:
         a = mem.array(DOUBLES, np.float64)
