@@ -164,7 +164,8 @@ def _gone(pid: int) -> bool:
 
 @pytest.mark.e2e
 def test_a_job_killed_and_restarted_twice_ends_as_an_uninterrupted_run(tmp_path: Path) -> None:
-    program = (str(PROGRAMS / "counter.py"), "60", "0.02")
+    # 270 steps after the last kill point: the checkpoint must land before the job ends, on a loaded machine too
+    program = (str(PROGRAMS / "counter.py"), "300", "0.02")
     jobs = Jobs(tmp_path / "cycle")
     try:
         restarted = jobs.restarted_results(2, *program, kill_at=[10, 30])
