@@ -102,10 +102,11 @@ class RxChannel:
         """Send the coalesced ACKs that are due (channel lock held); forget those a request carried."""
         owed = self.owed
         for qp, due in list(owed.items()):
+            # a post on another thread may `forgive` any entry meanwhile (it does not take the channel lock):
+            # pop, never del, and send only an ACK still owed here
             if not qp.ack_owed:
-                del owed[qp]
-            elif due <= now:
-                del owed[qp]
+                owed.pop(qp, None)
+            elif due <= now and owed.pop(qp, None) is not None:
                 qp.send_ack()
         if not owed:
             self.engine.owing.discard(self)
