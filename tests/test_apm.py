@@ -119,6 +119,8 @@ def test_two_link_failures_in_a_row_are_survived_and_the_program_still_sees_ever
     stats = env.apm.stats
     assert stats.port_faults >= 2 and stats.migration_errors == 0 and len(stats.fault_to_migration) >= 2
     assert all(0 < t < 30 for t in stats.fault_to_migration)
+    # the exchanges after each migration polled completions on both QPs: each fault's first one is timed
+    assert len(stats.fault_to_completion) >= 2 and all(0 < t < 30 for t in stats.fault_to_completion)
 
 
 def test_a_qp_with_no_healthy_alternate_is_reported_and_armed_once_a_port_comes_back(env: ApmEnv) -> None:

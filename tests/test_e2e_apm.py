@@ -17,8 +17,8 @@ from dsm_cases import CASES as DSM_CASES
 from ib_cases import CASES, RANKS, Hold, launch_args, random_seed, take
 from test_e2e_dsm import PROGRAM_ENV, Pauses, uninterrupted
 
-from ckpt.testing import Job, results, run, wait_for
-from harness import PROGRAMS
+from ckpt.testing import Job, kill_pids, results, run, wait_for
+from harness import PROGRAMS, start_fabric
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 RING = next(c for c in CASES if c.name == "ring")
@@ -26,13 +26,18 @@ RUNS, IN_CI = 10, 1  # link failures at random moments: all under -m stress, the
 SEED = random_seed()
 
 
-def _lids(ckpt_dir: Path, job: Job) -> dict[int, list[int]]:
-    """Each rank's real LIDs (ports 1 and 2), from `ckpt fabric status`."""
-    shown = run("fabric", "status", "--dir", str(ckpt_dir), "--json")
+def _hcas(fabric_dir: Path) -> list[dict[str, Any]]:
+    """The HCAs on the fabric recorded in `fabric_dir` (the job's ckpt dir, for its own), from `ckpt fabric status`."""
+    shown = run("fabric", "status", "--dir", str(fabric_dir), "--json")
     assert shown.returncode == 0, shown.stderr
-    pids = job.rank_pids()
-    hcas = json.loads(shown.stdout)["hcas"]
-    return {rank: next(h["lids"] for h in hcas if h["pid"] == pid) for rank, pid in pids.items()}
+    hcas: list[dict[str, Any]] = json.loads(shown.stdout)["hcas"]
+    return hcas
+
+
+def _lids(fabric_dir: Path, job: Job) -> dict[int, list[int]]:
+    """Each rank's real LIDs (ports 1 and 2)."""
+    hcas = _hcas(fabric_dir)
+    return {rank: next(h["lids"] for h in hcas if h["pid"] == pid) for rank, pid in job.rank_pids().items()}
 
 
 def _link(ckpt_dir: Path, lid: int, up: bool) -> None:
@@ -79,52 +84,93 @@ def test_a_ring_gives_the_uninterrupted_answer_across_a_link_failure_at_a_random
     assert results(job.stdout) == RING.expect(steps), label
 
 
+def _fail_twice(ckpt_dir: Path, job: Job, victim: int, pauses: Pauses, first: int, second: int) -> None:
+    """Port 1 of `victim` fails at gate `first` (its QPs move to port 2); at gate `second` it comes back (the
+    victim re-arms its QPs on the disjoint port pair on its PORT_ACTIVE), then port 2 fails as the gate opens:
+    the QPs must move back to port 1.  Without the re-arm the second fault would end the job.  Each fault
+    strikes while the job is paused at a gate, so the traffic that finds it is still to come however fast the
+    job ran."""
+    pauses.wait(first)
+    lids = _lids(ckpt_dir, job)[victim]
+    _link(ckpt_dir, lids[0], up=False)
+    pauses.open(first)
+    wait_for(lambda: _apm(job, victim).get("migrations_automatic", 0) >= 1, 60, "the first migration")
+    pauses.wait(second)
+    rearms = _apm(job, victim)["rearms"]
+    migrated = _apm(job, victim)["migrations_automatic"]
+    _link(ckpt_dir, lids[0], up=True)
+    wait_for(lambda: _apm(job, victim).get("rearms", 0) > rearms, 60, "the victim's re-arm once port 1 is back")
+    _link(ckpt_dir, lids[1], up=False)
+    pauses.open(second)
+    wait_for(lambda: _apm(job, victim).get("migrations_automatic", 0) > migrated, 60, "the second migration")
+
+
+def _second_fault_seen(ckpt_dir: Path, victim: int) -> None:
+    stats = json.loads(run("status", "--ckpt-dir", str(ckpt_dir), "--json").stdout)["ranks"][victim]["plugins"]["apm"]
+    assert stats["migration_errors"] == 0 and stats["port_faults"] >= 2
+    assert stats["fault_to_completion"], stats  # the traffic after each fault completed on the new path
+
+
 def test_a_second_link_failure_after_the_re_arm_is_survived_too(start_job: Callable[..., Job], tmp_path: Path) -> None:
-    """Port 1 of a rank fails (its QPs move to port 2), comes back (they are re-armed on the disjoint port pair),
-    then port 2 fails: they move back to port 1.  Without the re-arm the second fault would end the job.
-    Each fault strikes while the ring is paused at a gate, so the traffic that finds it is still to come
-    however fast the ring ran."""
+    """The ring across two faults of rank 1 (`_fail_twice`)."""
     ckpt_dir, steps, hold = tmp_path / "ckpt", RING.steps * 3, Hold(tmp_path)
     first, second = 20, RING.steps
     pauses = Pauses(tmp_path, first, second)
     job = _launch(start_job, ckpt_dir, steps, env={**hold.env, **pauses.env})
-    pauses.wait(first)
-    lids = _lids(ckpt_dir, job)[1]
-    _link(ckpt_dir, lids[0], up=False)
-    pauses.open(first)
-    wait_for(lambda: _apm(job, 1).get("migrations_automatic", 0) >= 1, 60, "the first migration")
-    pauses.wait(second)
-    rearms = _apm(job, 1)["rearms"]
-    _link(ckpt_dir, lids[0], up=True)
-    wait_for(lambda: _apm(job, 1).get("rearms", 0) > rearms, 60, "the re-arm once port 1 is back")
-    migrated = _apm(job, 1)["migrations_automatic"]
-    _link(ckpt_dir, lids[1], up=False)
-    pauses.open(second)
-    wait_for(lambda: _apm(job, 1).get("migrations_automatic", 0) > migrated, 60, "the second migration")
+    _fail_twice(ckpt_dir, job, 1, pauses, first, second)
     hold.release()
     assert job.wait() == 0, job.stderr
     assert results(job.stdout) == RING.expect(steps)
-    stats = json.loads(run("status", "--ckpt-dir", str(ckpt_dir), "--json").stdout)["ranks"][1]["plugins"]["apm"]
-    assert stats["migration_errors"] == 0 and stats["port_faults"] >= 2
+    _second_fault_seen(ckpt_dir, 1)
+
+
+@pytest.mark.parametrize("protocol", ["async", pytest.param("onesided", marks=pytest.mark.stress)])
+def test_a_dsm_program_survives_a_second_link_failure_after_the_re_arm(
+    protocol: str, start_job: Callable[..., Job], tmp_path: Path
+) -> None:
+    """Jacobi across two faults of one rank (`_fail_twice`): the DSM's QPs to and from it, made through ckpt_ib,
+    migrate twice, and the job ends with the uninterrupted answer."""
+    case = next(c for c in DSM_CASES if c.name == "jacobi")
+    victim = random.Random(SEED + 200).randint(0, RANKS - 1)
+    first, second = 10, 35
+    ckpt_dir, hold, pauses = tmp_path / "ckpt", Hold(tmp_path), Pauses(tmp_path, first, second)
+    env = {PROGRAM_ENV: case.name, **hold.env, **pauses.env}
+    argv = [str(PROGRAMS / "dsm_held.py"), *case.long]
+    options = ("--dsm-protocol", protocol, "--apm", "auto")
+    job = start_job(*launch_args(ckpt_dir, argv, *options), ckpt_dir=ckpt_dir, extra_env=env)
+    label = f"seed {SEED} (CKPT_TEST_SEED={SEED}): jacobi/{protocol}, rank {victim}"
+    try:
+        _fail_twice(ckpt_dir, job, victim, pauses, first, second)
+    except AssertionError as exc:
+        raise AssertionError(f"{label}: {exc}") from None
+    hold.release()
+    assert job.wait() == 0, f"{label}\n{job.stderr}"
+    assert results(job.stdout) == uninterrupted(case, protocol), label
+    _second_fault_seen(ckpt_dir, victim)
 
 
 @pytest.mark.parametrize("transport", ["simib", pytest.param("tcp", marks=pytest.mark.stress)])
-def test_a_restart_after_an_automatic_migration_gives_the_uninterrupted_answer(
-    transport: str, start_job: Callable[..., Job], tmp_path: Path
+@pytest.mark.parametrize("migration", ["automatic", "manual"])
+def test_a_restart_after_migrations_gives_the_uninterrupted_answer(
+    transport: str, migration: str, start_job: Callable[..., Job], tmp_path: Path
 ) -> None:
-    """The image holds QPs on port 2 (ckpt_ib tracked the migration); the restart rebuilds them there, on a new
-    fabric -- or on tcp, where APM says it is a no-op."""
+    """The image holds QPs moved off their first path -- by the HCA on a fault (`auto`), or by the plugin's
+    manual migrations (`balance`, every 0.2 s) -- and ckpt_ib tracked where they are; the restart rebuilds them
+    there, on a new fabric -- or on tcp, where APM says it is a no-op."""
     ckpt_dir, steps, hold = tmp_path / "ckpt", RING.steps * 2, Hold(tmp_path)
     # the fault strikes at a gate, before the traffic that finds it; the checkpoint is taken at a second gate,
     # where every rank idles at the same step of the ring (a rank idling at a gate takes steps its neighbours do
     # not, so a checkpoint between gates could park a rank before the message its neighbour waits for)
     fault, taken = RING.checkpoint_at, RING.checkpoint_at + 200
     pauses = Pauses(tmp_path, fault, taken)
-    job = _launch(start_job, ckpt_dir, steps, env={**hold.env, **pauses.env})
+    policy = ("--apm", "balance", "--apm-interval", "0.2") if migration == "manual" else ()
+    job = _launch(start_job, ckpt_dir, steps, *policy, env={**hold.env, **pauses.env})
     pauses.wait(fault)
-    _link(ckpt_dir, _lids(ckpt_dir, job)[2][0], up=False)
+    if migration == "automatic":
+        _link(ckpt_dir, _lids(ckpt_dir, job)[2][0], up=False)
     pauses.open(fault)
-    wait_for(lambda: _apm(job, 2).get("migrations_automatic", 0) >= 1, 60, "a migration")
+    counter = f"migrations_{migration}"
+    wait_for(lambda: _apm(job, 2).get(counter, 0) >= 1, 60, f"an {migration} migration")
     pauses.wait(taken)
     take(ckpt_dir, "--kill")
     assert job.wait() == 0, job.stderr
@@ -135,6 +181,42 @@ def test_a_restart_after_an_automatic_migration_gives_the_uninterrupted_answer(
     assert results(again.stdout) == RING.expect(steps)
     no_op = "APM is a no-op here: the transport has no subnet manager" in again.stderr
     assert no_op == (transport == "tcp"), again.stderr
+
+
+def test_a_restart_with_a_link_still_down_gives_the_uninterrupted_answer(
+    start_job: Callable[..., Job], tmp_path: Path
+) -> None:
+    """On a fabric that outlives the job (`ckpt fabric start`, `--fabric`): the checkpoint holds every QP on
+    port 1 with port 2 ARMED; then rank 2's port 1 fails, the QPs migrate, and the whole job is killed -9.  The
+    restart onto the same fabric gets rank 2's node back with that cable still cut (same LIDs, port 1 DOWN):
+    ckpt_ib rebuilds the QPs on their recorded paths, the dead one included, with the alternate re-armed, and
+    their first traffic migrates them again."""
+    fabric_dir, ckpt_dir, steps, hold = tmp_path / "fabric", tmp_path / "ckpt", RING.steps * 2, Hold(tmp_path)
+    record, _ = start_fabric(fabric_dir)
+    try:
+        taken, fault = RING.checkpoint_at, RING.checkpoint_at + 200
+        pauses = Pauses(tmp_path, taken, fault)
+        env = {"CKPT_FABRIC": record["address"], "CKPT_FABRIC_TOKEN": record["token"], **hold.env, **pauses.env}
+        job = _launch(start_job, ckpt_dir, steps, env=env)
+        pauses.wait(taken)
+        take(ckpt_dir, "--wait")
+        pauses.open(taken)
+        pauses.wait(fault)
+        lids = _lids(fabric_dir, job)[2]
+        _link(fabric_dir, lids[0], up=False)
+        pauses.open(fault)
+        wait_for(lambda: _apm(job, 2).get("migrations_automatic", 0) >= 1, 60, "the migration before the kill")
+        job.kill()
+        wait_for(lambda: not _hcas(fabric_dir), 30, "the killed ranks' HCAs to leave the fabric")
+        again = start_job("restart", "--ckpt-dir", str(ckpt_dir), ckpt_dir=ckpt_dir, extra_env=env)
+        wait_for(lambda: _apm(again, 2).get("migrations_automatic", 0) >= 1, 60, "the migration after the restart")
+        node = next(h for h in _hcas(fabric_dir) if h["node"] == "rank2")
+        assert node["lids"] == lids and [p["up"] for p in node["ports"]] == [False, True], node
+        hold.release()
+        assert again.wait() == 0, again.stderr
+        assert results(again.stdout) == RING.expect(steps)
+    finally:
+        kill_pids([record["pid"]])
 
 
 @pytest.mark.parametrize(

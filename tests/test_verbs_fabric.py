@@ -184,6 +184,47 @@ def test_a_dead_hca_leaves_the_fabric_and_its_links_go_down(start_sm: StartSM, c
     assert [h["name"] for h in sm.status()["hcas"]] == ["simib0"]
 
 
+def test_a_node_gets_its_lids_and_its_cut_cables_back_after_its_process_died(
+    start_sm: StartSM, connect: Connect
+) -> None:
+    """A cable belongs to the node, not to the process: port 1 fails while the node's first HCA lives, port 2
+    while no HCA is on the node; the node's next HCA gets the same LIDs with both links still down."""
+    sm = start_sm()
+    pushes = Pushes()
+    survivor = connect(sm, pushes)
+    register(survivor, 1)
+
+    def on_node(client: FabricClient, guid: int) -> dict[str, Any]:
+        return client.register(guid=guid, name="simib0", endpoint="127.0.0.1:7100", pid=1, host="h", node="rank3")
+
+    first = FabricClient(sm.address, sm.token)
+    lids = on_node(first, 2)["lids"]
+    assert pushes.take(2) == {(lid, True) for lid in lids}
+    survivor.fail_link(lids[0])
+    assert pushes.next() == (lids[0], False)
+    first.close()
+    assert pushes.next() == (lids[1], False)  # it left: its live port went down with it
+    survivor.fail_link(lids[1])  # the node's cable, with no process on the node
+    stranger = register(connect(sm), 3)["lids"]
+    assert pushes.take(2) == {(lid, True) for lid in stranger}
+    assert set(stranger).isdisjoint(lids)  # a process without a node never gets a node's LIDs
+    again = on_node(connect(sm), 4)
+    assert again["lids"] == lids and again["links"][lids[0]] is False and again["links"][lids[1]] is False
+    assert pushes.take(2) == {(lid, False) for lid in lids}
+    assert [p["up"] for h in sm.status()["hcas"] if h["node"] == "rank3" for p in h["ports"]] == [False, False]
+    twin = on_node(connect(sm), 5)["lids"]  # the node's LIDs are held: a second HCA there gets its own
+    assert set(twin).isdisjoint(lids)
+    survivor.restore_link(lids[0])
+    assert pushes.take(3) == {(lid, True) for lid in twin} | {(lids[0], True)}
+    assert sm.statistics().links_failed == 2 and sm.statistics().links_restored == 1
+
+
+def test_a_node_name_must_be_a_string(start_sm: StartSM, connect: Connect) -> None:
+    client = connect(start_sm())
+    with pytest.raises(FabricError, match="bad 'node'"):
+        client._call("register", guid=1, name="simib0", endpoint="127.0.0.1:7001", pid=1, host="h", node=7)
+
+
 def test_stop_closes_every_connection_without_link_pushes(start_sm: StartSM, connect: Connect) -> None:
     sm = start_sm()
     pushes, lost = Pushes(), queue.Queue[str]()

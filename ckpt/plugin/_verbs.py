@@ -74,10 +74,14 @@ class Directory(Protocol):
     """How an engine HCA finds its peers: the simib subnet manager, ib2tcp's key-value directory, or another.
 
     ``register`` gives the HCA its two port LIDs (``{"lids", "sm_lid", "latency", "bandwidth", "links"}``);
+    ``node`` (passed only when the process has one, ``$CKPT_SIMIB_NODE``) names the machine the HCA stands
+    for: a directory may give the same node the same LIDs and link states again.
     ``resolve(lid)`` is (endpoint "host:port", port, link up), or (None, None, False) for an unknown LID.
     """
 
-    def register(self, guid: int, name: str, endpoint: str, pid: int, host: str) -> dict[str, Any]: ...
+    def register(
+        self, guid: int, name: str, endpoint: str, pid: int, host: str, node: str | None = None
+    ) -> dict[str, Any]: ...
 
     def resolve(self, lid: int) -> tuple[str | None, int | None, bool]: ...
 

@@ -51,6 +51,9 @@ MAX_RD_ATOMIC, MAX_INLINE = 16, 1024
 
 #: Longest an empty CQ.poll waits for a completion before returning none (seconds).
 POLL_WAIT = float(os.environ.get("CKPT_SIMIB_POLL_WAIT", "0.0005"))
+#: The machine this process's HCAs stand for (ckpt_simib sets "rank<R>" in a rank): the subnet manager gives a
+#: node's HCA the node's LIDs and link states again, so a cable pulled before a restart is still pulled after it.
+NODE_ENV = "CKPT_SIMIB_NODE"
 
 
 @dataclass(frozen=True)
@@ -328,7 +331,9 @@ class Hca:
         self.link_up: dict[int, bool] = {}
         self.lids: list[int] = []  # the SM may push link states before register() returns
         self.sm: Directory = (directory or _subnet_manager)(self._on_link)
-        reply = self.sm.register(guid=self.guid, name=name, endpoint=self.endpoint, pid=os.getpid(), host=host)
+        node = os.environ.get(NODE_ENV)
+        extra = {"node": node} if node else {}  # a directory written before nodes takes no `node`
+        reply = self.sm.register(guid=self.guid, name=name, endpoint=self.endpoint, pid=os.getpid(), host=host, **extra)
         self.lids = list(reply["lids"])
         self.sm_lid = int(reply["sm_lid"])
         self.latency = float(reply.get("latency") or 0.0)

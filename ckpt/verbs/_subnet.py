@@ -9,6 +9,12 @@
 #   per fabric (random start, random stride coprime with the range size), so a
 #   LID is never handed out twice by one fabric and two fabrics (before and
 #   after a restart) almost surely disagree on every LID;
+# * except to the same *node*: an HCA may register with a node name (a rank's
+#   process gets "rank<R>" from ckpt_simib), standing for the machine and the
+#   cables it sits on.  Its ports keep their LIDs and their cables' state
+#   across the HCA's processes, as OpenSM's guid2lid keeps a rebooted host's
+#   LIDs: a link failed before a restart onto the same fabric is still down
+#   when the restarted process registers, until it is restored;
 # * the SM is the only central piece: it assigns LIDs, keeps the LID -> HCA
 #   endpoint routing table and per-LID link state, and pushes every link change
 #   to every registered HCA.  Data never passes through it: HCAs talk to each
@@ -120,6 +126,7 @@ class _Hca:
     pid: int
     conn: _Connection
     lids: list[int] = field(default_factory=list)
+    node: str | None = None
 
 
 @dataclass
@@ -157,6 +164,9 @@ class SubnetManager(Server[_Connection]):
         self._lids = _LidAllocator(random.SystemRandom())
         self.sm_lid = self._lids.allocate()
         self._routes: dict[int, _Route] = {}
+        self._nodes: dict[tuple[str, str], list[int]] = {}  # (node, HCA name) -> its ports' LIDs, kept
+        self._node_lids: set[int] = set()
+        self._cut: set[int] = set()  # node LIDs whose cable is down (kept while no HCA holds them)
         self._counts = dict.fromkeys(("registered", "lost", "resolves", "failed", "restored"), 0)
 
     def start(self) -> SubnetManager:
@@ -210,6 +220,7 @@ class SubnetManager(Server[_Connection]):
             "hcas": [
                 {
                     "name": h.name,
+                    "node": h.node,
                     "guid": h.guid,
                     "pid": h.pid,
                     "host": h.host,
@@ -229,12 +240,21 @@ class SubnetManager(Server[_Connection]):
 
     def _set_link(self, lid: int, up: bool) -> None:
         route = self._routes.get(lid)
+        if route is None and lid in self._node_lids:  # a node's port with no process on it: its cable
+            if (lid not in self._cut) != up:
+                (self._cut.discard if up else self._cut.add)(lid)
+                self._counts["restored" if up else "failed"] += 1
+                log.info("fabric %s: link of LID %d (a node's, no HCA present) %s", self.fabric_id, lid,
+                         "restored" if up else "failed")  # fmt: skip
+            return
         if route is None:
             own = " (that is the subnet manager's own LID)" if lid == self.sm_lid else ""
             raise FabricError(f"no HCA port has LID {lid} on fabric {self.fabric_id}{own}")
         if route.up == up:
             return
         route.up = up
+        if lid in self._node_lids:
+            (self._cut.discard if up else self._cut.add)(lid)
         self._counts["restored" if up else "failed"] += 1
         log.info("fabric %s: link of LID %d (%s port %d) %s", self.fabric_id, lid, route.hca.name, route.port,
                  "restored" if up else "failed")  # fmt: skip
@@ -300,11 +320,12 @@ class SubnetManager(Server[_Connection]):
             host=_wire.require(message, "host", str),
             pid=_wire.require(message, "pid", int),
             conn=conn,
+            node=_optional_str(message, "node"),
         )
-        hca.lids = [self._lids.allocate() for _ in range(PORTS_PER_HCA)]
+        hca.lids = self._lids_of(hca)
         for port, lid in enumerate(hca.lids, 1):
-            self._routes[lid] = _Route(hca, port)
-            self._broadcast({"op": "link", "lid": lid, "up": True}, skip=conn)
+            route = self._routes[lid] = _Route(hca, port, up=lid not in self._cut)
+            self._broadcast({"op": "link", "lid": lid, "up": route.up}, skip=conn)
         conn.hcas.append(hca)
         self._counts["registered"] += 1
         log.debug("fabric %s: %s of pid %d at %s has LIDs %s", self.fabric_id, hca.name, hca.pid, endpoint, hca.lids)
@@ -316,6 +337,18 @@ class SubnetManager(Server[_Connection]):
             "links": {lid: route.up for lid, route in self._routes.items()},
             "fabric": self.fabric_id,
         }
+
+    def _lids_of(self, hca: _Hca) -> list[int]:
+        """Its node's LIDs when it has a node whose ports no other HCA holds now; else new ones."""
+        key = (hca.node, hca.name) if hca.node is not None else None
+        kept = self._nodes.get(key) if key is not None else None
+        if kept is not None and not any(lid in self._routes for lid in kept):
+            return list(kept)
+        lids = [self._lids.allocate() for _ in range(PORTS_PER_HCA)]
+        if key is not None and kept is None:
+            self._nodes[key] = lids
+            self._node_lids.update(lids)
+        return lids
 
     def _op_resolve(self, conn: _Connection, message: dict[str, Any]) -> dict[str, Any]:
         route = self._routes.get(_wire.require(message, "lid", int))
@@ -356,3 +389,10 @@ _OPS: dict[str, _Handler] = {
     "status": SubnetManager._op_status,
     "stop": SubnetManager._op_stop,
 }
+
+
+def _optional_str(message: dict[str, Any], key: str) -> str | None:
+    value = message.get(key)
+    if value is not None and not isinstance(value, str):
+        raise FabricError(f"bad {key!r} in request: expected a string")
+    return value or None

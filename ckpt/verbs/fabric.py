@@ -152,9 +152,14 @@ class FabricClient:
         self.close()
 
     # ----------------------------------------------------------- requests
-    def register(self, guid: int, name: str, endpoint: str, pid: int, host: str) -> dict[str, Any]:
-        """Register an HCA: {lids: [port 1, port 2], sm_lid, latency, bandwidth, links: {lid: up}, fabric}."""
-        answer = self._call("register", guid=guid, name=name, endpoint=endpoint, pid=pid, host=host)
+    def register(
+        self, guid: int, name: str, endpoint: str, pid: int, host: str, node: str | None = None
+    ) -> dict[str, Any]:
+        """Register an HCA: {lids: [port 1, port 2], sm_lid, latency, bandwidth, links: {lid: up}, fabric}.
+
+        An HCA of `node` gets that node's LIDs and link states again once no other HCA holds them."""
+        extra = {"node": node} if node else {}
+        answer = self._call("register", guid=guid, name=name, endpoint=endpoint, pid=pid, host=host, **extra)
         return {key: answer[key] for key in ("lids", "sm_lid", "latency", "bandwidth", "links", "fabric")}
 
     def resolve(self, lid: int) -> tuple[str | None, int | None, bool]:

@@ -40,7 +40,10 @@ def _random_lid() -> int:
 class _Directory:
     """Claims and records LIDs; subclasses say where."""
 
-    def register(self, guid: int, name: str, endpoint: str, pid: int, host: str) -> dict[str, Any]:
+    def register(
+        self, guid: int, name: str, endpoint: str, pid: int, host: str, node: str | None = None
+    ) -> dict[str, Any]:
+        """Two fresh LIDs (`node` is not kept: TCP has no links to fail)."""
         lids = []
         for port in (1, 2):
             lid = self._claim()

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ckpt.plugin import JobInfo, PluginOption, Transport, hookimpl
+from ckpt.plugin import JobInfo, PluginOption, Runtime, Transport, hookimpl
 
 if TYPE_CHECKING:
     import click
@@ -50,6 +50,16 @@ def ckpt_add_options() -> list[PluginOption]:
         {"name": "fabric-latency", "help": "Link latency of the job's fabric, e.g. 2us.", "metavar": "TIME"},
         {"name": "fabric-bandwidth", "help": "Link bandwidth of the job's fabric, e.g. 4GB/s.", "metavar": "RATE"},
     ]
+
+
+@hookimpl
+def ckpt_init(rt: Runtime) -> None:
+    """The rank's HCAs stand for node "rank<R>" of the fabric (unless $CKPT_SIMIB_NODE says otherwise): on a
+    fabric that outlives the job (`ckpt fabric start`, `--fabric`), a restarted or respawned rank gets its ports'
+    LIDs back, and a link that failed before is still down, as on a cluster whose cable nobody replaced."""
+    import os
+
+    os.environ.setdefault("CKPT_SIMIB_NODE", f"rank{rt.rank}")
 
 
 @hookimpl
