@@ -85,21 +85,25 @@ def test_a_ring_gives_the_uninterrupted_answer_across_a_link_failure_at_a_random
 
 
 def _fail_twice(ckpt_dir: Path, job: Job, victim: int, pauses: Pauses, first: int, second: int) -> None:
-    """Port 1 of `victim` fails at gate `first` (its QPs move to port 2); at gate `second` it comes back (the
-    victim re-arms its QPs on the disjoint port pair on its PORT_ACTIVE), then port 2 fails as the gate opens:
-    the QPs must move back to port 1.  Without the re-arm the second fault would end the job.  Each fault
-    strikes while the job is paused at a gate, so the traffic that finds it is still to come however fast the
-    job ran."""
+    """Port 1 of `victim` fails at gate `first` (its QPs move to port 2); at gate `second` it comes back (every
+    rank whose QPs moved re-arms them on the disjoint port pair: the victim on its PORT_ACTIVE, the others at
+    their periodic look, and each publishes it), then port 2 fails as the gate opens: the QPs must move back to
+    port 1.  Without the re-arm the second fault would end the job.  Each fault strikes while the job is paused
+    at a gate, so the traffic that finds it is still to come however fast the job ran."""
     pauses.wait(first)
     lids = _lids(ckpt_dir, job)[victim]
     _link(ckpt_dir, lids[0], up=False)
     pauses.open(first)
     wait_for(lambda: _apm(job, victim).get("migrations_automatic", 0) >= 1, 60, "the first migration")
     pauses.wait(second)
-    rearms = _apm(job, victim)["rearms"]
+    ranks = sorted(job.rank_pids())
+    rearms = {r: _apm(job, r).get("rearms", 0) for r in ranks}
     migrated = _apm(job, victim)["migrations_automatic"]
+    followed = [r for r in ranks if _apm(job, r).get("migrations_automatic", 0) > 0]  # QPs moved with the victim's
     _link(ckpt_dir, lids[0], up=True)
-    wait_for(lambda: _apm(job, victim).get("rearms", 0) > rearms, 60, "the victim's re-arm once port 1 is back")
+    wait_for(
+        lambda: all(_apm(job, r).get("rearms", 0) > rearms[r] for r in followed), 60, "the re-arms once port 1 is back"
+    )
     _link(ckpt_dir, lids[1], up=False)
     pauses.open(second)
     wait_for(lambda: _apm(job, victim).get("migrations_automatic", 0) > migrated, 60, "the second migration")

@@ -370,12 +370,15 @@ class Apm:
         now = time.monotonic()
         if now - self.retried_at.get(id(device), 0.0) >= RETRY and not self.paused:
             self.retried_at[id(device)] = now
+            armed = False
             with self.lock:
                 for managed in [m for m in self.managed.values() if m.device is device]:
                     if managed.waiting:
-                        self.arm(managed)
+                        armed |= self.arm(managed)
                     elif managed.degraded:
-                        self.arm(managed, only_disjoint=True)
+                        armed |= self.arm(managed, only_disjoint=True)
+            if armed:  # no event follows a peer's port coming back: publish the re-arms now
+                self._publish()
         if self.policy != "balance" or now - self.balanced_at < self.interval or self.paused:
             return
         self.balanced_at = now
