@@ -274,7 +274,7 @@ def test_a_thousand_pending_handshakes_cost_no_thread_and_little_memory(start_ga
         tracemalloc.stop()
     try:
         assert stats.pending == 500
-        assert threading.active_count() == threads
+        assert threading.active_count() <= threads  # none per handshake (one of an earlier test may have ended)
         # 500 sockets each side, 500 buffers of 4 KiB: a few MB (one 64 MiB buffer would be 64).
         assert grown < 16 << 20, f"{grown} bytes traced"
     finally:

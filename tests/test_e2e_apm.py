@@ -47,14 +47,16 @@ def _link(ckpt_dir: Path, lid: int, up: bool) -> None:
 
 def _apm(job: Job, rank: int) -> dict[str, Any]:
     """Rank `rank`'s APM statistics as `ckpt status --json` shows them ({} before it published any)."""
-    status = job.status() or {"ranks": []}
+    status = job.poll_status() or {"ranks": []}
     entry = next((r for r in status["ranks"] if r["rank"] == rank), {})
     return dict((entry.get("plugins") or {}).get("apm") or {})
 
 
-def _launch(start_job: Callable[..., Job], ckpt_dir: Path, steps: int, *options: str, env: Any = None) -> Job:
+def _launch(
+    start_job: Callable[..., Job], ckpt_dir: Path, steps: int, *options: str, env: Any = None, policy: str = "auto"
+) -> Job:
     return start_job(
-        *launch_args(ckpt_dir, RING.argv(steps), "--apm", "auto", *options), ckpt_dir=ckpt_dir, extra_env=env
+        *launch_args(ckpt_dir, RING.argv(steps), "--apm", policy, *options), ckpt_dir=ckpt_dir, extra_env=env
     )
 
 
@@ -85,25 +87,27 @@ def test_a_ring_gives_the_uninterrupted_answer_across_a_link_failure_at_a_random
 
 
 def _fail_twice(ckpt_dir: Path, job: Job, victim: int, pauses: Pauses, first: int, second: int) -> None:
-    """Port 1 of `victim` fails at gate `first` (its QPs move to port 2); at gate `second` it comes back (every
-    rank whose QPs moved re-arms them on the disjoint port pair: the victim on its PORT_ACTIVE, the others at
-    their periodic look, and each publishes it), then port 2 fails as the gate opens: the QPs must move back to
-    port 1.  Without the re-arm the second fault would end the job.  Each fault strikes while the job is paused
-    at a gate, so the traffic that finds it is still to come however fast the job ran."""
+    """Port 1 of `victim` fails at gate `first`: its QPs and their peers' move to the port 2 end, re-armed on
+    paths that share it (`degraded`).  At gate `second` port 1 comes back: every rank re-arms them on the
+    disjoint port pair (the victim on its PORT_ACTIVE, the others at their periodic look, and each publishes
+    it).  Then port 2 fails as the gate opens: the QPs must move back to port 1.  Without the re-arm the
+    second fault would end the job.  Each fault strikes while the job is paused at a gate, so the traffic that
+    finds it is still to come however fast the job ran."""
     pauses.wait(first)
     lids = _lids(ckpt_dir, job)[victim]
     _link(ckpt_dir, lids[0], up=False)
     pauses.open(first)
     wait_for(lambda: _apm(job, victim).get("migrations_automatic", 0) >= 1, 60, "the first migration")
     pauses.wait(second)
-    ranks = sorted(job.rank_pids())
-    rearms = {r: _apm(job, r).get("rearms", 0) for r in ranks}
+    wait_for(lambda: _apm(job, victim).get("degraded", 0) > 0, 60, "the victim's QPs re-armed through port 2")
     migrated = _apm(job, victim)["migrations_automatic"]
-    followed = [r for r in ranks if _apm(job, r).get("migrations_automatic", 0) > 0]  # QPs moved with the victim's
     _link(ckpt_dir, lids[0], up=True)
-    wait_for(
-        lambda: all(_apm(job, r).get("rearms", 0) > rearms[r] for r in followed), 60, "the re-arms once port 1 is back"
-    )
+
+    def disjoint_again() -> bool:
+        state = job.poll_status() or {"ranks": []}  # one snapshot of every rank
+        return all(not ((r.get("plugins") or {}).get("apm") or {}).get("degraded", 1) for r in state["ranks"])
+
+    wait_for(disjoint_again, 60, "every rank's QPs re-armed on a disjoint path once port 1 is back")
     _link(ckpt_dir, lids[1], up=False)
     pauses.open(second)
     wait_for(lambda: _apm(job, victim).get("migrations_automatic", 0) > migrated, 60, "the second migration")
@@ -167,8 +171,10 @@ def test_a_restart_after_migrations_gives_the_uninterrupted_answer(
     # not, so a checkpoint between gates could park a rank before the message its neighbour waits for)
     fault, taken = RING.checkpoint_at, RING.checkpoint_at + 200
     pauses = Pauses(tmp_path, fault, taken)
-    policy = ("--apm", "balance", "--apm-interval", "0.2") if migration == "manual" else ()
-    job = _launch(start_job, ckpt_dir, steps, *policy, env={**hold.env, **pauses.env})
+    manual = migration == "manual"
+    interval = ("--apm-interval", "0.2") if manual else ()
+    env = {**hold.env, **pauses.env}
+    job = _launch(start_job, ckpt_dir, steps, *interval, env=env, policy="balance" if manual else "auto")
     pauses.wait(fault)
     if migration == "automatic":
         _link(ckpt_dir, _lids(ckpt_dir, job)[2][0], up=False)

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from ckpt.coordinator._recovery import MAX_RECOVERY_ATTEMPTS
+from ckpt.plugin import Phase
 from ckpt.testing import Job, one_error_line, results, run, uninterrupted, wait_for
 from harness import PROGRAMS
 
@@ -30,6 +31,7 @@ COLLSUM = [str(PROGRAMS / "collsum.py"), str(STEPS)]
 #: The same computation with longer steps (the results do not depend on it): room for several kills.
 COLLSUM_SLOW = [*COLLSUM, "0.02"]
 RECOVER = ["--on-failure", "recover", "--disable-plugin", "ib"]
+RESTART_STATES = tuple(phase.state for phase in Phase.restart_sequence())
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +40,8 @@ def expected(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
 
 
 def _settled(job: Job, *, may_end: bool = False) -> dict[str, Any]:
-    """The status once every rank is in the job and running (none failed, recovering or in a phase), and there is
-    a checkpoint ({} if `may_end` and the job has ended well meanwhile)."""
+    """The status once every rank is in the job, none is failed, recovering or in a restart's phases, and there
+    is a checkpoint ({} if `may_end` and the job has ended well meanwhile)."""
 
     def settled() -> dict[str, Any] | None:
         assert job.process is not None
@@ -51,9 +53,10 @@ def _settled(job: Job, *, may_end: bool = False) -> dict[str, Any]:
         state = job.poll_status()
         if not state or len(state["ranks"]) < 3 or state["state"] in ("waiting", "finished", "failed", "killed"):
             return None
-        if any(r["state"] != "running" for r in state["ranks"]) or not state["last_checkpoint"]:
-            # not failed, recovering, nor in a restart's phases (a rank lost there fails a whole-job restart,
-            # by design; CI killed one in them); every rank has an image once the first checkpoint is written
+        unsettled = ("failed", "recovering", *RESTART_STATES)
+        if any(r["state"] in unsettled for r in state["ranks"]) or not state["last_checkpoint"]:
+            # a rank lost in a whole-job restart's phases fails the restart, by design (CI killed one there);
+            # every rank has an image once the first checkpoint, right after setup, is written
             return None
         return state
 

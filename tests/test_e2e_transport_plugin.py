@@ -63,7 +63,9 @@ def test_a_plugin_transport_checkpoints_and_restarts_onto_simib_and_back(
         counts = _counted(ckpt_dir, generation)
         assert {c["transport"] for c in counts} == {transport}
         if transport == "counted":
-            assert all(int(str(c["calls"])) > steps for c in counts), counts  # at least a post and a poll a step
+            # at least a post and a poll in each of the >= checkpoint_at steps it ran (not more: since issue 15 a
+            # poll waits for its completion instead of returning empty over and over, so the count was ~13 a step)
+            assert all(int(str(c["calls"])) >= 2 * SEQ.checkpoint_at for c in counts), counts
         else:
             assert all(c["calls"] == 0 for c in counts), counts  # its table was never used
     log = (ckpt_dir / "counted.log").read_text().splitlines()

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -34,6 +35,18 @@ def test_the_plugin_declares_simib_the_native_default() -> None:
     assert set(options) == {"fabric", "fabric-latency", "fabric-bandwidth"}
     assert options["fabric"].get("envvar") == "CKPT_FABRIC" and options["fabric"].get("per_run")
     assert not options["fabric-latency"].get("per_run")  # recorded: a restart gets the same link model
+
+
+def test_each_rank_stands_for_a_node_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ckpt_init names the rank's node (the subnet manager keeps a node's LIDs and cut cables for its next HCA):
+    rank<R>, or the job's $CKPT_SIMIB_NODE with {rank} filled in."""
+    monkeypatch.delenv(fabric.ENV_NODE, raising=False)
+    ckpt_simib.ckpt_init(rt=SimpleNamespace(rank=5))
+    assert os.environ[fabric.ENV_NODE] == "rank5"
+    monkeypatch.setenv(fabric.ENV_NODE, "rack2-{rank}")
+    ckpt_simib.ckpt_init(rt=SimpleNamespace(rank=3))
+    assert os.environ[fabric.ENV_NODE] == "rack2-3"
+    assert ckpt_simib.node_of(1, "") == "rank1"
 
 
 def test_fabric_file_and_locate(

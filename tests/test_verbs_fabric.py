@@ -205,6 +205,9 @@ def test_a_node_gets_its_lids_and_its_cut_cables_back_after_its_process_died(
     first.close()
     assert pushes.next() == (lids[1], False)  # it left: its live port went down with it
     survivor.fail_link(lids[1])  # the node's cable, with no process on the node
+    (node,) = sm.status()["nodes"]
+    assert (node["node"], node["present"]) == ("rank3", False)
+    assert [(p["lid"], p["up"]) for p in node["ports"]] == [(lids[0], False), (lids[1], False)]
     stranger = register(connect(sm), 3)["lids"]
     assert pushes.take(2) == {(lid, True) for lid in stranger}
     assert set(stranger).isdisjoint(lids)  # a process without a node never gets a node's LIDs

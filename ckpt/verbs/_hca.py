@@ -36,6 +36,7 @@ from ckpt.verbs import _wire as w
 from ckpt.verbs._attrs import WC, AsyncEvent, PathRecord, SrqAttr
 from ckpt.verbs._errors import PyverbsError, PyverbsRDMAError
 from ckpt.verbs._rx import ACK_LATER, ACK_NOW, DELAYED_ACK, ReceiveEngine, RxChannel
+from ckpt.verbs._subnet import ENV_NODE
 
 if TYPE_CHECKING:
     from ckpt.verbs._qp import QPHandle
@@ -51,9 +52,6 @@ MAX_RD_ATOMIC, MAX_INLINE = 16, 1024
 
 #: Longest an empty CQ.poll waits for a completion before returning none (seconds).
 POLL_WAIT = float(os.environ.get("CKPT_SIMIB_POLL_WAIT", "0.0005"))
-#: The machine this process's HCAs stand for (ckpt_simib sets "rank<R>" in a rank): the subnet manager gives a
-#: node's HCA the node's LIDs and link states again, so a cable pulled before a restart is still pulled after it.
-NODE_ENV = "CKPT_SIMIB_NODE"
 
 
 @dataclass(frozen=True)
@@ -331,7 +329,7 @@ class Hca:
         self.link_up: dict[int, bool] = {}
         self.lids: list[int] = []  # the SM may push link states before register() returns
         self.sm: Directory = (directory or _subnet_manager)(self._on_link)
-        node = os.environ.get(NODE_ENV)
+        node = os.environ.get(ENV_NODE)  # the machine it stands for: docs/verbs.md, "Nodes"
         extra = {"node": node} if node else {}  # a directory written before nodes takes no `node`
         reply = self.sm.register(guid=self.guid, name=name, endpoint=self.endpoint, pid=os.getpid(), host=host, **extra)
         self.lids = list(reply["lids"])

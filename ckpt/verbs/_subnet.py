@@ -108,6 +108,10 @@ class _LidAllocator:
         return lid
 
 
+#: The node a process's HCAs stand for (docs/verbs.md, "Nodes"): ckpt_simib sets it to "rank<R>" in a rank.
+ENV_NODE = "CKPT_SIMIB_NODE"
+
+
 # ----------------------------------------------------------- the subnet manager
 class _Connection(PeerConnection):
     """One authenticated peer of the SM and the HCAs it registered."""
@@ -230,6 +234,15 @@ class SubnetManager(Server[_Connection]):
                 }
                 for h in sorted(hcas, key=lambda h: (h.host, h.pid, h.name))
             ],
+            "nodes": [
+                {
+                    "node": node,
+                    "name": name,
+                    "present": any(lid in self._routes for lid in lids),
+                    "ports": [{"port": p, "lid": lid, "up": lid not in self._cut} for p, lid in enumerate(lids, 1)],
+                }
+                for (node, name), lids in sorted(self._nodes.items())
+            ],
             "statistics": asdict(self._statistics()),
         }
 
@@ -239,26 +252,21 @@ class SubnetManager(Server[_Connection]):
         return FabricStatistics(c["registered"], present, c["lost"], c["resolves"], c["failed"], c["restored"])
 
     def _set_link(self, lid: int, up: bool) -> None:
+        """A port's link (a node's cable too, while no process is on the node: it stays cut until restored)."""
         route = self._routes.get(lid)
-        if route is None and lid in self._node_lids:  # a node's port with no process on it: its cable
-            if (lid not in self._cut) != up:
-                (self._cut.discard if up else self._cut.add)(lid)
-                self._counts["restored" if up else "failed"] += 1
-                log.info("fabric %s: link of LID %d (a node's, no HCA present) %s", self.fabric_id, lid,
-                         "restored" if up else "failed")  # fmt: skip
-            return
-        if route is None:
+        if route is None and lid not in self._node_lids:
             own = " (that is the subnet manager's own LID)" if lid == self.sm_lid else ""
             raise FabricError(f"no HCA port has LID {lid} on fabric {self.fabric_id}{own}")
-        if route.up == up:
+        if (route.up if route is not None else lid not in self._cut) == up:
             return
-        route.up = up
         if lid in self._node_lids:
             (self._cut.discard if up else self._cut.add)(lid)
         self._counts["restored" if up else "failed"] += 1
-        log.info("fabric %s: link of LID %d (%s port %d) %s", self.fabric_id, lid, route.hca.name, route.port,
-                 "restored" if up else "failed")  # fmt: skip
-        self._broadcast({"op": "link", "lid": lid, "up": up})
+        where = f"{route.hca.name} port {route.port}" if route is not None else "a node's, no HCA on it"
+        log.info("fabric %s: link of LID %d (%s) %s", self.fabric_id, lid, where, "restored" if up else "failed")
+        if route is not None:
+            route.up = up
+            self._broadcast({"op": "link", "lid": lid, "up": up})
 
     def _broadcast(self, message: dict[str, Any], skip: _Connection | None = None) -> None:
         for conn in self._connections:
@@ -344,6 +352,9 @@ class SubnetManager(Server[_Connection]):
         kept = self._nodes.get(key) if key is not None else None
         if kept is not None and not any(lid in self._routes for lid in kept):
             return list(kept)
+        if kept is not None:  # its previous process has not left the fabric yet (or a twin shares the name)
+            log.warning("fabric %s: node %s's %s still holds LIDs %s: %s of pid %d gets new ones, with every link up",
+                        self.fabric_id, hca.node, hca.name, kept, hca.name, hca.pid)  # fmt: skip
         lids = [self._lids.allocate() for _ in range(PORTS_PER_HCA)]
         if key is not None and kept is None:
             self._nodes[key] = lids

@@ -16,6 +16,7 @@ from typing import Any, final
 from ckpt import _wire as wire
 from ckpt._errors import ProtocolError
 from ckpt.verbs._subnet import (
+    ENV_NODE,
     MAX_UNICAST_LID,
     PORTS_PER_HCA,
     FabricError,
@@ -26,6 +27,7 @@ from ckpt.verbs._subnet import (
 
 __all__ = [
     "ENV_ADDRESS",
+    "ENV_NODE",
     "ENV_TOKEN",
     "MAX_UNICAST_LID",
     "PORTS_PER_HCA",
@@ -158,8 +160,7 @@ class FabricClient:
         """Register an HCA: {lids: [port 1, port 2], sm_lid, latency, bandwidth, links: {lid: up}, fabric}.
 
         An HCA of `node` gets that node's LIDs and link states again once no other HCA holds them."""
-        extra = {"node": node} if node else {}
-        answer = self._call("register", guid=guid, name=name, endpoint=endpoint, pid=pid, host=host, **extra)
+        answer = self._call("register", guid=guid, name=name, endpoint=endpoint, pid=pid, host=host, node=node)
         return {key: answer[key] for key in ("lids", "sm_lid", "latency", "bandwidth", "links", "fabric")}
 
     def resolve(self, lid: int) -> tuple[str | None, int | None, bool]:

@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 POLL = 0.2  # seconds an event thread waits for an event before it looks whether it must stop
 EVENTS = 1024  # async events kept for the program per device (the oldest go first)
 RETRY = 1.0  # seconds between tries of the QPs that had no healthy alternate path
+FIRST_COMPLETION_WAIT = 60.0  # seconds a migrated QP's first completion is waited for (fault_to_completion)
 _PATH_MASK = v.IBV_QP_STATE | v.IBV_QP_PORT | v.IBV_QP_AV | v.IBV_QP_TIMEOUT | v.IBV_QP_PKEY_INDEX
 _PROGRAM_APM = v.IBV_QP_ALT_PATH | v.IBV_QP_PATH_MIG_STATE
 
@@ -56,6 +57,7 @@ class Statistics:
     policy: str = "off"
     supported: bool = True  # False: the transport has no subnet manager (tcp): nothing to migrate to
     qps: int = 0  # RC QPs this plugin manages
+    degraded: int = 0  # of them, those with no alternate path disjoint from their primary (or none at all)
     rearms: int = 0  # alternate paths loaded and REARMed
     failed_rearms: int = 0  # REARMs the QP refused
     no_alternate: int = 0  # times a QP had no healthy alternate path (re-tried when a port comes back)
@@ -185,6 +187,7 @@ class Apm:
             self.managed.pop(id(qp), None)
             self.device_of.pop(id(qp), None)
             self.own.discard(id(qp))
+            self.first_due.pop(qp.qp_num, None)
         self.inner.destroy_qp(qp)
 
     def modify_qp(self, qp: Any, attr: Any, mask: int) -> None:
@@ -349,8 +352,9 @@ class Apm:
                 self.stats.migrations_automatic += 1
                 faults = [t for (dev, _), t in self.fault_at.items() if dev == id(device)]
                 if faults:  # timed from the latest fault on the device: a second fault's migration from it
-                    self.stats.fault_to_migration.append(time.monotonic() - max(faults))
-                    self.first_due[managed.qp.qp_num] = max(faults)
+                    latest = max(faults)
+                    self.stats.fault_to_migration.append(time.monotonic() - latest)
+                    self.first_due[managed.qp.qp_num] = latest
                 log.info("QP %#x migrated to its alternate path", managed.qp.qp_num)
             self.arm(managed)  # the next alternate path: a second fault is survived too
         elif kind == int(v.IBV_EVENT_PATH_MIG_ERR) and managed is not None:
@@ -368,6 +372,9 @@ class Apm:
             self.changed = False
             self._publish()
         now = time.monotonic()
+        for qp_num, fault in list(self.first_due.items()):  # a QP that never completes again is not timed
+            if now - fault > FIRST_COMPLETION_WAIT:
+                self.first_due.pop(qp_num, None)
         if now - self.retried_at.get(id(device), 0.0) >= RETRY and not self.paused:
             self.retried_at[id(device)] = now
             armed = False
@@ -388,6 +395,8 @@ class Apm:
                     self.migrate(managed)
 
     def _publish(self) -> None:
+        managed = list(self.managed.values())
+        self.stats.degraded = sum(1 for m in managed if m.degraded or m.waiting)
         if self.publish is not None:
             try:
                 self.publish(self.stats.as_dict())

@@ -54,12 +54,21 @@ def ckpt_add_options() -> list[PluginOption]:
 
 @hookimpl
 def ckpt_init(rt: Runtime) -> None:
-    """The rank's HCAs stand for node "rank<R>" of the fabric (unless $CKPT_SIMIB_NODE says otherwise): on a
-    fabric that outlives the job (`ckpt fabric start`, `--fabric`), a restarted or respawned rank gets its ports'
-    LIDs back, and a link that failed before is still down, as on a cluster whose cable nobody replaced."""
+    """The rank's HCAs stand for node "rank<R>" of the fabric ($CKPT_SIMIB_NODE, if the job has it, is a pattern
+    with ``{rank}``): a restarted or respawned rank gets its ports' LIDs back, and a link that failed before is
+    still down, as on a cluster whose cable nobody replaced (docs/verbs.md, "Nodes")."""
     import os
 
-    os.environ.setdefault("CKPT_SIMIB_NODE", f"rank{rt.rank}")
+    from ckpt.verbs.fabric import ENV_NODE
+
+    os.environ[ENV_NODE] = node_of(rt.rank, os.environ.get(ENV_NODE))
+
+
+def node_of(rank: int, pattern: str | None) -> str:
+    """The node of `rank`: `pattern` with ``{rank}`` filled in (one node for every rank without it), else rank<R>."""
+    if not pattern:
+        return f"rank{rank}"
+    return pattern.replace("{rank}", str(rank))
 
 
 @hookimpl

@@ -150,8 +150,13 @@ def fabric_status(address: str | None, directory: Path, as_json: bool) -> None:
     if not state["hcas"]:
         click.echo("no HCAs registered")
     for hca in state["hcas"]:
-        click.echo(f"  {hca['name']}  pid {hca['pid']}  host {hca['host']}  endpoint {hca['endpoint']}")
+        node = f"  node {hca['node']}" if hca.get("node") else ""
+        click.echo(f"  {hca['name']}  pid {hca['pid']}  host {hca['host']}{node}  endpoint {hca['endpoint']}")
         for port in hca["ports"]:
+            click.echo(f"    port {port['port']}  LID {port['lid']:<6} {'up' if port['up'] else 'DOWN'}")
+    for node in (n for n in state.get("nodes", []) if not n["present"]):  # cables kept for the node's next HCA
+        click.echo(f"  node {node['node']} {node['name']}: no HCA on it now")
+        for port in node["ports"]:
             click.echo(f"    port {port['port']}  LID {port['lid']:<6} {'up' if port['up'] else 'DOWN'}")
 
 
