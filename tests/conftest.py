@@ -65,3 +65,11 @@ def make_coordinator(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator
     yield make
     for coord in made:
         coord.stop()
+
+
+@pytest.fixture
+def ctxs(provider: str) -> Iterator[Any]:
+    """Two contexts of `provider`'s devices <provider>0 and <provider>1 (two HCAs of this process), closed after."""
+    from verbs_util import contexts
+
+    yield from contexts(f"{provider}0", f"{provider}1")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import errno
 import itertools
 import threading
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -15,7 +14,6 @@ from verbs_util import (
     Endpoint,
     bring_up,
     connect_rc,
-    contexts,
     drain_events,
     events_of,
     make_endpoint,
@@ -35,11 +33,6 @@ from ckpt import verbs as v
 pytestmark = pytest.mark.timeout(60)
 
 ETIMEDOUT = 110
-
-
-@pytest.fixture
-def ctxs(provider: str) -> Iterator[tuple[v.Context, ...]]:
-    yield from contexts(f"{provider}0", f"{provider}1")
 
 
 # ====================================================================== CQ overflow

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import mmap
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -12,7 +12,6 @@ from verbs_util import (
     ACCESS_ALL,
     Endpoint,
     connect_rc,
-    contexts,
     init_attr,
     make_endpoint,
     poll_one,
@@ -25,11 +24,6 @@ from ckpt import verbs as v
 from ckpt.verbs import _enums
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-def ctxs(provider: str) -> Iterator[tuple[v.Context, ...]]:
-    yield from contexts(f"{provider}0", f"{provider}1")
 
 
 # ====================================================================== closing

@@ -48,11 +48,6 @@ pytestmark = pytest.mark.timeout(60)
 RECV_OFF = 32768  # receives land in the upper half of a buffer, sends read the lower half
 
 
-@pytest.fixture
-def ctxs(provider: str) -> Iterator[tuple[v.Context, ...]]:
-    yield from contexts(f"{provider}0", f"{provider}1")
-
-
 @pytest.fixture(params=["two_hcas", "same_hca", "self"])
 def pair(request: pytest.FixtureRequest, ctxs: tuple[v.Context, ...]) -> tuple[Endpoint, Endpoint]:
     """A connected RC pair: A and B on two HCAs, on one HCA, or A = B (a QP connected to itself)."""

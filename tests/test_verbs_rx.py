@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
 from verbs_util import (
     WAIT,
     connect_rc,
-    contexts,
     poll_one,
     post_recv,
     rdma_wr,
@@ -25,11 +23,6 @@ from ckpt.verbs import _hca, _rx
 pytestmark = pytest.mark.timeout(60)
 
 ROUNDS = 50
-
-
-@pytest.fixture
-def ctxs(provider: str) -> Iterator[tuple[v.Context, ...]]:
-    yield from contexts(f"{provider}0", f"{provider}1")
 
 
 def _unsignaled_pair(ctxs: tuple[v.Context, ...]) -> tuple[object, object]:
