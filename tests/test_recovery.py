@@ -400,3 +400,44 @@ def test_a_queued_independent_checkpoint_of_a_lost_rank_is_answered_not_carried_
     finally:
         asked.close()
         waiting.close()
+
+
+def test_survivors_reaching_a_committed_checkpoints_resume_after_the_lost_rank_recovered_are_released(
+    coordinator: Coordinator,
+    join: Callable[..., Rank],
+    pool: ThreadPoolExecutor,
+    respawned: queue.SimpleQueue[tuple[int, int, int]],
+) -> None:
+    """Rank 1 dies in checkpoint 2 after its manifest is written; its next incarnation recovers (its own phases)
+    before the survivors reach checkpoint 2's RESUME barrier -- slow survivors: their RESUME hooks waited for
+    it (the DSM reconnecting).  That barrier must not wait for rank 1 (CI hung there: once the recovery was over,
+    the barrier counted every rank again)."""
+    r0, r1, r2 = started(pool, join, coordinator)
+    asked = control(coordinator.address, TOKEN)
+    try:
+        asked.call("checkpoint", reply_timeout=WAIT)
+    finally:
+        asked.close()
+    for rank in (r0, r1, r2):
+        assert rank.push("suspend")["number"] == 2
+    for phase in Phase.checkpoint_sequence()[:-1]:  # every phase but RESUME: the checkpoint is committed
+        values: dict[Phase, Any] = {Phase.REACH: {"reach": 0, "finished": False, "step": 0}, Phase.PRESUSPEND: {}}
+        futures = []
+        for rank in (r0, r1, r2):
+            value = values.get(phase)
+            if phase is Phase.CHECKPOINT:
+                value = {"file": f"ckpt_p_{rank.rank}_2.ckpt", "bytes": 1, "step": 0, "coll_seq": 0}
+            futures.append(pool.submit(rank.barrier, phase.barrier("ckpt2"), value))
+        assert all("abort" not in future.result(WAIT) for future in futures)
+    assert status(coordinator)["last_checkpoint"]["number"] == 2
+    lose(coordinator, r1)
+    _, incarnation, number = respawned.get(timeout=WAIT)
+    assert number == 2
+    back = rejoin(coordinator, join, 1, incarnation, number=2)
+    scope = Phase.rank_scope(1, f"inc{incarnation}")
+    for phase in Phase.restart_sequence():
+        back.barrier(phase.barrier(scope))
+    assert status(coordinator)["ranks"][1]["state"] == "running"  # recovered: no longer absent
+    resumed = [pool.submit(rank.barrier, Phase.RESUME.barrier("ckpt2")) for rank in (r0, r2)]
+    assert all("abort" not in future.result(WAIT) for future in resumed)
+    assert [r["state"] for r in status(coordinator)["ranks"]] == ["running"] * 3

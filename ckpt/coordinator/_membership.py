@@ -148,6 +148,9 @@ class JobMembership(abc.ABC):
         self._complete_announced = False
         self._restart_timer: Timer | None = None
         self._aborted: set[int] = set()
+        #: coordinated checkpoint number -> {rank: incarnation} when it started: its phase barriers wait only for
+        #: the incarnations that took part (one lost and respawned meanwhile never comes back into them)
+        self._members: dict[int, dict[int, int]] = {}
         self._ending = False  # fail() or kill() is ending the job
         #: rank -> (bytes loaded, bytes total) while a restart loads images
         self.progress: dict[int, tuple[int, int]] = {}
@@ -390,9 +393,14 @@ class JobMembership(abc.ABC):
         if rank is not None:
             return {rank}
         scope = name.partition(":")[0]
-        if scope.startswith("ckpt") and scope[4:].isdigit() and self.recovery.busy():
-            # a failed rank never comes back into a checkpoint's phases (only a committed one's RESUME is left)
-            return set(range(self.size)) - self.recovery.absent()
+        if scope.startswith("ckpt") and scope[4:].isdigit():
+            # a failed rank never comes back into a checkpoint's phases (only a committed one's RESUME is left),
+            # nor does its next incarnation once recovered: the survivors may reach RESUME after that
+            members = self._members.get(int(scope[4:]), {})
+            ranks = {r for r, was in members.items() if r in self.ranks and self.ranks[r].incarnation == was}
+            if not members:  # a checkpoint this coordinator did not start (none: they all are)
+                ranks = set(range(self.size))
+            return ranks - self.recovery.absent()
         return set(range(self.size))
 
     def barrier(self, rank: int, name: str, value: Any, reply: Reply) -> None:

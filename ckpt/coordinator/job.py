@@ -169,6 +169,8 @@ class Job(IndependentCheckpoints):
         ckpt.number = self._next_number
         self._next_number += 1
         self._ckpt = ckpt
+        self._members = {n: m for n, m in self._members.items() if n > ckpt.number - 4}  # the last few suffice
+        self._members[ckpt.number] = {r: info.incarnation for r, info in self.ranks.items()}
         ckpt.started = time.time()
         self.message = f"checkpoint {ckpt.number} in progress"
         log.info("checkpoint %d started%s", ckpt.number, " (then the job ends)" if ckpt.kill else "")
