@@ -73,6 +73,7 @@ def test_every_rc_qp_brought_to_rts_gets_the_other_port_pair_armed(env: ApmEnv) 
     stats = env.apm.stats
     assert (stats.qps, stats.rearms, stats.failed_rearms, stats.supported) == (2, 2, 0, True)
     exchange(a, b, 1)
+    assert env.apm.ops.poll_cq is env.apm.inner.poll_cq  # no migration pending: polls do not pass through APM
 
 
 def test_a_qp_whose_program_drives_apm_itself_is_left_alone(env: ApmEnv) -> None:

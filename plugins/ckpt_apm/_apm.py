@@ -102,6 +102,8 @@ class Apm:
         # qp_num (as the program sees it) of a QP migrated on a fault -> that fault's time, until its first
         # completion is polled (written by an event thread, read and emptied by the polling one: single dict ops)
         self.first_due: dict[int, float] = {}
+        self.ops: Any = None  # the table: its poll_cq is `poll_cq` only while a first completion is due
+        self.timing = threading.Lock()  # installs and removes that wrapper (never taken by a plain poll)
         # held while a thread touches QPs; the checkpoint holds it from DRAIN to RESUME (maybe released by
         # another thread than the one that took it: a Lock, not an RLock)
         self.lock = threading.Lock()
@@ -138,20 +140,34 @@ class Apm:
         for name in ("open_device", "close_device", "alloc_pd", "dealloc_pd", "create_qp", "destroy_qp", "modify_qp"):
             setattr(ops, name, getattr(self, name))
         ops.get_async_event = self.get_async_event
-        ops.poll_cq = self.poll_cq
+        self.ops = ops
 
     def poll_cq(self, cq: Any, num_entries: int) -> list[Any]:
-        """The program's completions, unchanged; the first one on a QP after its migration is timed (the hot
-        path pays one test of an empty dict)."""
+        """The table's poll_cq while a migrated QP's first completion is due (`_time_first`): the program's
+        completions, unchanged, the first one on such a QP timed.  Otherwise polls do not pass through here."""
         wcs: list[Any] = self.inner.poll_cq(cq, num_entries)
-        if self.first_due and wcs:
+        if wcs:
             now = time.monotonic()
             for wc in wcs:
                 fault = self.first_due.pop(wc.qp_num, None)
                 if fault is not None:
                     self.stats.fault_to_completion.append(now - fault)
                     self.changed = True  # published by an event thread
+            if not self.first_due:
+                self._untime()
         return wcs
+
+    def _time_first(self, qp_num: int, fault: float) -> None:
+        """Time `qp_num`'s next completion from `fault`: poll_cq passes through `poll_cq` until it comes."""
+        with self.timing:
+            self.first_due[qp_num] = fault
+            if self.ops is not None:
+                self.ops.poll_cq = self.poll_cq
+
+    def _untime(self) -> None:
+        with self.timing:
+            if not self.first_due and self.ops is not None:
+                self.ops.poll_cq = self.inner.poll_cq
 
     def open_device(self, name: str) -> Any:
         device = self.inner.open_device(name)
@@ -188,6 +204,7 @@ class Apm:
             self.device_of.pop(id(qp), None)
             self.own.discard(id(qp))
             self.first_due.pop(qp.qp_num, None)
+        self._untime()
         self.inner.destroy_qp(qp)
 
     def modify_qp(self, qp: Any, attr: Any, mask: int) -> None:
@@ -354,7 +371,7 @@ class Apm:
                 if faults:  # timed from the latest fault on the device: a second fault's migration from it
                     latest = max(faults)
                     self.stats.fault_to_migration.append(time.monotonic() - latest)
-                    self.first_due[managed.qp.qp_num] = latest
+                    self._time_first(managed.qp.qp_num, latest)
                 log.info("QP %#x migrated to its alternate path", managed.qp.qp_num)
             self.arm(managed)  # the next alternate path: a second fault is survived too
         elif kind == int(v.IBV_EVENT_PATH_MIG_ERR) and managed is not None:
@@ -375,6 +392,7 @@ class Apm:
         for qp_num, fault in list(self.first_due.items()):  # a QP that never completes again is not timed
             if now - fault > FIRST_COMPLETION_WAIT:
                 self.first_due.pop(qp_num, None)
+                self._untime()
         if now - self.retried_at.get(id(device), 0.0) >= RETRY and not self.paused:
             self.retried_at[id(device)] = now
             armed = False
