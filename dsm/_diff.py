@@ -46,7 +46,8 @@ def make_diff(page: np.ndarray, twin: np.ndarray, unit: int = 1) -> Diff:
     breaks = np.flatnonzero(np.diff(changed) > 1)
     starts = np.concatenate((changed[:1], changed[breaks + 1])) * unit
     ends = (np.concatenate((changed[breaks], changed[-1:])) + 1) * unit
-    return [(int(s), page[s:e].tobytes()) for s, e in zip(starts, ends, strict=True)]
+    data = page.tobytes()  # one copy, then bytes slices: a fragmented page (SOR's red-black) has hundreds of runs
+    return [(s, data[s:e]) for s, e in zip(starts.tolist(), ends.tolist(), strict=True)]
 
 
 def apply_diff(page: np.ndarray, diff: Diff) -> None:

@@ -106,7 +106,11 @@ def commit_word(position: int) -> bytes:
 
 
 def diff_payload(diff: list[tuple[int, bytes]]) -> bytes:
-    return b"".join(RUN.pack(offset, len(data)) + data for offset, data in diff)
+    parts: list[bytes] = []
+    pack = RUN.pack
+    for offset, data in diff:  # no concatenation per run: a fragmented diff has hundreds
+        parts += (pack(offset, len(data)), data)
+    return b"".join(parts)
 
 
 def diff_runs(payload: bytes) -> list[tuple[int, bytes]]:
