@@ -274,7 +274,7 @@ class Memory(RequestClient):
         if lock not in self.held:
             raise DsmError(f"lock {lock} is not held by this rank")
         at_grant = self.held[lock]
-        self._close_interval()
+        self._close_interval(release=lock)
         self._caught_up()
         if _replay.replaying(self):
             if _replay.release(self, lock):
@@ -344,10 +344,11 @@ class Memory(RequestClient):
         _fetch.fetch(self, region, page)
 
     # ------------------------------------------------------------------ intervals
-    def _close_interval(self) -> None:
+    def _close_interval(self, release: int = -1) -> None:
         """End the current interval: diffs to their homes, then this interval's write notices.
 
-        While replaying, the diffs are made (they say which pages the interval wrote) and never sent.
+        `release`: the lock whose release follows (-1: none; `dsm_interval_closing`).  While replaying, the
+        diffs are made (they say which pages the interval wrote) and never sent.
         """
         if not self.dirty:
             return
@@ -386,7 +387,7 @@ class Memory(RequestClient):
             return
         links = {home: self.client.link[home] for home in outgoing}
         if not replaying:
-            self.hook("dsm_interval_closing", interval=interval)
+            self.hook("dsm_interval_closing", interval=interval, release=release)
             started = time.perf_counter()
             self._send_diffs(outgoing, interval)
             self.counters.flush_seconds += time.perf_counter() - started

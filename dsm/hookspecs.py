@@ -64,12 +64,15 @@ def dsm_attached(memory: Any) -> None:
 
 
 @hookspec
-def dsm_interval_closing(memory: Any, interval: int) -> None:
+def dsm_interval_closing(memory: Any, interval: int, release: int) -> None:
     """Interval `interval` is closing: its diffs are made (`dsm_diff_created`), none has left yet.
 
     The last moment before the interval's writes can reach any other rank: a plugin that must
     record them first (remote logging) does it here, on the program thread; it may use the
-    memory's client endpoint (``memory.client.run``) for one-sided operations.
+    memory's client endpoint (``memory.client.run``) for one-sided operations.  `release` is the
+    lock whose release follows once the interval is closed (`dsm_lock_releasing` comes next), -1
+    when the interval closes at an acquire or a barrier: a plugin may do the release's work here,
+    together with the interval's.
     """
 
 

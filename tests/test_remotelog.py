@@ -479,3 +479,99 @@ def test_a_ring_wraps_and_a_record_is_committed_only_by_its_own_commit_word() ->
         assert len(walk(stale, ring.head + 8)) == 0  # the same bytes at another position are not records
     finally:
         ctx.close()
+
+
+def _apply(wrs: list[Any]) -> None:
+    """Carry out RDMA WRITEs between buffers of this process, in order (what the log home's HCA does)."""
+    import ctypes
+
+    from ckpt import verbs
+
+    for wr in wrs:
+        assert wr.opcode == verbs.IBV_WR_RDMA_WRITE
+        ctypes.memmove(wr.remote_addr, wr.sg[0].addr, wr.sg[0].length)
+
+
+@pytest.mark.parametrize("tail", [0, 320], ids=["in-one-piece", "across-the-end"])
+def test_a_batch_is_one_body_write_then_one_commit_word_per_record(tail: int) -> None:
+    """k records to one ring are k + 1 WRITEs (one more across the ring's end), not 2k; every record is
+    invisible until its own commit word lands, and whole once it has."""
+    from types import SimpleNamespace
+
+    from ckpt import verbs
+    from ckpt_remotelog._writer import LOG, RingWriter
+
+    ctx = verbs.Context(name=f"simib{FIRST_HCA}")
+    try:
+        pd = verbs.PD(ctx)
+        ring = LogRing(pd, 512)
+        ring.control[0] = ring.control[1] = tail  # the ring's state: `tail` bytes appended and discarded
+        peers = [{LOG: ring.address()}]
+        writer = RingWriter(SimpleNamespace(pd=pd), peers, 512, lambda *a: 0, lambda *a: None)
+        batch = [encode(RecordKind.NOTICES, 0, bytes([i]) * (8 * i), serial=i) for i in range(3)]
+        wrs: list[Any] = []
+        writer._place(0, LOG, tail, tail, [bytearray(r) for r in batch], 0, wrs)
+        ring.control[0] = tail + sum(len(r) for r in batch)  # the FETCH_AND_ADD's share
+        bodies = 2 if tail == 320 else 1
+        assert len(wrs) == bodies + len(batch)
+        _apply(wrs[:bodies])
+        assert ring.scan(1) == []  # the bodies alone commit nothing
+        _apply(wrs[bodies:-1])
+        assert [r.serial for r in ring.scan(1)] == [0, 1]  # the last one still lacks its word
+        _apply(wrs[-1:])
+        found = ring.records()
+        assert [r.serial for r in found] == [0, 1, 2]
+        assert [r.payload for r in found] == [bytes([i]) * (8 * i) for i in range(3)]
+        assert found[0].position == tail and ring.committed_end() == ring.tail
+    finally:
+        ctx.close()
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_a_release_after_writes_costs_no_reservation_round_of_its_own(protocol: str) -> None:
+    """A RELEASE record is reserved in the round of its interval's records and written once those are
+    complete (`RingWriter.add(last=True)`): one FETCH_AND_ADD round for the whole critical section,
+    where an interval that wrote nothing leaves its release one round of its own.  The acquire's
+    NOTICES record rides in the same round.  Either way the log holds, in serial order, NOTICES then
+    RELEASE, and the RELEASE lies after the interval's DIFF of rank 1's own home page."""
+
+    def body(rt: ThreadRuntime) -> Any:
+        memory = dsm.attach(rt, protocol)
+        rt.at_end(memory.close)
+        log: RemoteLog = memory.extensions["remotelog"]
+        a = memory.array((2 * 512,), np.float64)
+        lock = memory.lock()  # homed at rank 0
+        if rt.rank == 1:
+            with a.write(slice(512, 1024)) as v:
+                v[:] = 0  # rank 1 becomes the second page's home
+        memory.barrier()
+        out: Any = None
+        if rt.rank == 1:
+            log.flush()
+            rounds = memory.counters.messages
+            before = rounds["log_fetch_add"]
+            with lock:
+                with a.write(slice(0, 1024)) as v:  # rank 0's page and its own
+                    v[:] = 1.0
+            wrote = rounds["log_fetch_add"] - before
+            with lock:
+                a.read(slice(0, 8))
+            idle = rounds["log_fetch_add"] - before - wrote
+            ring = log.remote_records()[0]
+            own = sorted((r for r in ring if r.writer == 1 and r.kind in OWN_KINDS), key=lambda r: r.serial)
+            diff = max(r.position for r in ring if r.kind == RecordKind.DIFF and r.writer == 1)
+            releases = [r.position for r in own if r.kind == RecordKind.RELEASE]
+            out = wrote, idle, [r.kind for r in own][-4:], diff < releases[-2]
+        memory.barrier()
+        return out
+
+    out = run_threads(
+        2,
+        body,
+        first_device=FIRST_HCA,
+        plugins=_plain_hosts,
+        options={"dsm_protocol": protocol, "logging": "remote"},
+    )
+    wrote, idle, kinds, ordered = out[1]
+    assert (wrote, idle) == (1, 1)
+    assert kinds == [RecordKind.NOTICES, RecordKind.RELEASE] * 2 and ordered

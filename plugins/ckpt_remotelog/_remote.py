@@ -21,32 +21,38 @@ home it is, and its own *home diff log*.  What goes where, and when:
   on the loopback QP under ``onesided`` (one appender kind per ring: CPU stores and NIC
   atomics on one word do not mix).
 * at a lock acquire, the grant's notices and the new vector timestamp -> a NOTICES record
-  at L(acquirer), written in ``dsm_lock_acquired``, before the program thread returns to
-  the program, hence before it uses them (§4.3, Figure 2: a failure before this point
-  re-acquires; after it, the log holds the acquire).  Its position in the ring orders it
-  after every DIFF record reserved before it; ``pointer`` is the acquirer's home diff
-  log tail at that moment ("a pointer to the last diff log entry that precedes the
-  acquire").
+  at L(acquirer), queued in ``dsm_lock_acquired`` and written with the next batch (the
+  next interval's close, or the release), so complete before any interval that used the
+  notices completes and before the release leaves (§4.3, Figure 2, where the paper
+  writes it before the acquire returns: nothing in between is observable through a
+  synchronisation, and sharing the next batch's round trips keeps them out of the
+  critical section; a failure before it is complete re-acquires; after it, the log
+  holds the acquire).  ``pointer`` is the acquirer's home diff log tail at the acquire
+  ("a pointer to the last diff log entry that precedes the acquire").
 * at a release, a RELEASE record (tag lock, interval the acquisition's token) at
-  L(releaser), completed in ``dsm_lock_releasing``: after the interval's diffs are home,
-  before the release leaves.  A replay then knows which releases reached the home.
+  L(releaser), complete before the release leaves.  When the release closes an interval
+  that wrote, ``dsm_interval_closing`` says so (``release``) and the record is reserved
+  in that interval's round and written once the interval's records are complete (never
+  before: they go to other log homes, over other QPs); otherwise in
+  ``dsm_lock_releasing``, on its own.  A replay then knows which releases reached the home.
 * barriers, two-phase: each rank writes its arrival (BARRIER_ARRIVAL, its notices) into
   its *own* ring at L(rank), completed before its arrival leaves (``dsm_barrier_arriving``);
   the merged reply is logged by each *receiving rank itself* (BARRIER at L(rank)) before
-  ``Memory.barrier`` returns (``dsm_barrier_passed``).  Chosen over the manager writing
-  N records: the manager's handler thread would have to drive RDMA on a client endpoint
+  the next interval completes (queued in ``dsm_barrier_passed``, like NOTICES).  Chosen
+  over the manager writing N records: the manager's handler thread would have to drive
+  RDMA on a client endpoint
   that belongs to the program thread, and the barrier's critical path would grow by N
   writes at one rank; written by the receiver, the invariant -- nothing a rank uses is
   unlogged at its log home when the interval that depends on it completes -- holds
-  because the record is complete before the rank leaves the barrier.
+  because the record joins the batch that interval completes.
 * so a rank's own records (NOTICES, RELEASE, BARRIER_ARRIVAL, BARRIER) carry its serial
   in program order, and everything of it another rank can observe (a release, an
   arrival) is logged before it leaves: once a recovery has replayed the last one, no
   home holds a write that happened after the rank's current point (`_replay`).
 
 How (`_writer`): records are queued and appended in batches -- one round of
-FETCH_AND_ADDs on the rings' tails, one of RDMA WRITEs (each record's body before its
-commit word, `_records`) -- on the DSM's own client endpoint QPs, whose completion is
+FETCH_AND_ADDs on the rings' tails, one of RDMA WRITEs (the records' bodies before their
+commit words, `_records`) -- on the DSM's own client endpoint QPs, whose completion is
 the proof of logging: no ack, and the log home's threads do nothing.  A batch goes at
 the interval's close (its writes waited for once the diffs are home, before the
 interval completes), before a release and before a barrier arrival leaves (waited for
@@ -130,6 +136,9 @@ class RemoteLog:
         self.writer = RingWriter(memory, self.peers, ring_bytes, self.owner, self._ask_checkpoint)
         self.versions = HomeVersions(memory, self.home_log, self.overflow)
         self.replay: LogReplay | None = None  # after a recovery: the log it replayed (until the next checkpoint)
+        # a release logged with its interval's records (`dsm_interval_closing`): (lock, token), reserved / complete
+        self.pending_release: tuple[int, int] | None = None
+        self.released: tuple[int, int] | None = None
         memory.versions = self.versions
         memory.twin_homes = True
         self.register()
@@ -147,6 +156,8 @@ class RemoteLog:
         return dict(self.__dict__)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        state.setdefault("pending_release", None)  # an image older than the fields
+        state.setdefault("released", None)
         self.__dict__.update(state)
         self.register()  # before the memory decides which DSM hooks fire (it is unpickled after this)
 
@@ -172,7 +183,7 @@ class RemoteLog:
             self.diffs.append((gid, home, interval, diff))
 
     @ckpt.hookimpl
-    def dsm_interval_closing(self, interval: int) -> None:
+    def dsm_interval_closing(self, interval: int, release: int) -> None:
         records: list[tuple[int, str, bytearray]] = []
         for gid, home, i, diff in self.diffs:
             payload = diff_payload(diff)
@@ -189,11 +200,19 @@ class RemoteLog:
         self.diffs.clear()
         for peer, which, record in records:
             self.writer.add(peer, which, record)
+        if release >= 0:
+            token = int(self.memory.tokens.get(release, 0))
+            if not self.replayed(RecordKind.RELEASE, release, token):
+                # reserved in this round, written once the interval's records are complete: the release
+                # then costs no round trip of its own (`dsm_lock_releasing`)
+                self._own(RecordKind.RELEASE, b"", release, token, last=True)
+                self.pending_release = (release, token)
         self.writer.start()  # reserved while the diffs go home; written and waited for when the interval is closed
 
     @ckpt.hookimpl(tryfirst=True)
     def dsm_interval_closed(self) -> None:
         self.writer.complete()  # the interval completes: what it depends on is logged from here on
+        self.released, self.pending_release = self.pending_release, None
 
     @ckpt.hookimpl
     def dsm_diff_received(self, writer: int, gid: int, interval: int, diff: list[tuple[int, bytes]]) -> None:
@@ -213,16 +232,17 @@ class RemoteLog:
             return
         payload = notices_payload(list(self.memory.vt), self.notices)
         self.notices = []
+        # queued, not reserved: it joins the next batch (this interval's close, or the release), which completes
+        # before anything that depends on the grant can be observed -- and no round trip inside the critical section
         self._own(RecordKind.NOTICES, payload, lock, token)
-        self.writer.start()
-        self.writer.write()  # complete before the next interval completes (no hole left in the ring meanwhile)
 
     @ckpt.hookimpl
     def dsm_lock_releasing(self, lock: int) -> None:
         token = int(self.memory.tokens.get(lock, 0))
-        if self.replayed(RecordKind.RELEASE, lock, token):
+        logged, self.released = self.released == (lock, token), None
+        if logged or self.replayed(RecordKind.RELEASE, lock, token):
             return
-        self._own(RecordKind.RELEASE, b"", lock, token)
+        self._own(RecordKind.RELEASE, b"", lock, token)  # the interval had nothing to close: on its own
         self.writer.flush()  # this rank's state becomes visible through the lock: logged (diffs first) before
 
     @ckpt.hookimpl
@@ -239,15 +259,13 @@ class RemoteLog:
             return
         payload = notices_payload(list(self.memory.vt), self.notices)
         self.notices = []
-        self._own(RecordKind.BARRIER, payload, epoch)
-        self.writer.start()  # reserves it (the arrival's record is complete already)
-        self.writer.write()  # complete before the next interval completes (no hole left in the ring meanwhile)
+        self._own(RecordKind.BARRIER, payload, epoch)  # queued: joins the next batch, as an acquire's NOTICES
 
-    def _own(self, kind: RecordKind, payload: bytes, tag: int, token: int = 0) -> None:
-        """Queue one of this rank's own records, at its log home, with its next serial."""
+    def _own(self, kind: RecordKind, payload: bytes, tag: int, token: int = 0, last: bool = False) -> None:
+        """Queue one of this rank's own records, at its log home, with its next serial (`last`: `RingWriter.add`)."""
         serial = self._serial()
         record = encode(kind, self.rank, payload, interval=token, tag=tag, pointer=self.home_log.tail, serial=serial)
-        self.writer.add(self.log_home(self.rank), LOG, record, serial)
+        self.writer.add(self.log_home(self.rank), LOG, record, serial, last)
 
     def flush(self) -> None:
         """Append and complete every queued record now (tests; the hooks do it as the invariant needs)."""

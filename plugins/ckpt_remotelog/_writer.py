@@ -11,13 +11,14 @@ unlogged at its log home when an interval that depends on it completes:
    next (the wait at a barrier, the diffs' round trips at an interval's close).  A
    reserved record not yet written is a hole the ring's readers (the owner's discard
    at a checkpoint) cannot pass, so every hole is filled before the DSM operation that
-   made it returns to the program: an acquire's and a barrier's own records are
-   reserved and written at once;
+   made it returns to the program; an acquire's and a barrier's own records are not
+   reserved there at all, only queued for the next batch;
 2. `write`: once those have completed, the records' positions are theirs: one round
-   of RDMA WRITEs (per record: body, then commit word; RC keeps that order on a QP),
-   again not waited for;
+   of RDMA WRITEs (per ring: the bodies of its consecutive records in one WRITE, then
+   each commit word; RC keeps that order on a QP), again not waited for;
 3. `complete`: wait for the WRITEs -- when an interval completes and before a release
-   leaves, which is when the invariant asks for it.
+   leaves, which is when the invariant asks for it -- and then write and wait for the
+   batch's `last` records (a release's: `add`).
 
 The endpoint belongs to the program thread, and so does this class (and, while the
 program is parked, the checkpoint thread).  Posting goes straight to the endpoint's
@@ -67,23 +68,35 @@ class RingWriter:
         self.staging_mr = verbs.MR(memory.pd, self.staging, REMOTE)
         self.landing = np.zeros(4 * len(peers) + 2, dtype=np.int64)  # per (peer, ring): old tail, head; +2 words
         self.landing_mr = verbs.MR(memory.pd, self.landing, REMOTE)
-        self.queue: list[tuple[int, str, bytearray]] = []
+        self.queue: list[tuple[int, str, bytearray, bool]] = []  # (peer, ring, record, written last)
         self.serials: list[int] = []  # per queued record: its writer's own serial (NOTICES, BARRIER), else -1
-        # records, FAA ids, peers not posted to (failed)
-        self.reserved: tuple[dict[tuple[int, str], list[bytearray]], list[int], set[int]] | None = None
+        # records (with their `last` flags), FAA ids, peers not posted to (failed)
+        self.reserved: tuple[dict[tuple[int, str], list[tuple[bytearray, bool]]], list[int], set[int]] | None = None
         self.writing: list[int] = []  # ids of the signaled WRITEs not yet seen complete
+        self.last: dict[int, list[verbs.SendWR]] = {}  # placed WRITEs of `last` records, posted once `writing` is done
         self.sent: dict[int, tuple[int, int]] = {}  # signaled WR id -> (peer, its link number when posted)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         # an image is a point every record before it is covered by (ckpt_restart starts over from it): what is
         # queued, reserved or being written belongs to this process only
-        state.update(queue=[], serials=[], reserved=None, writing=[], sent={})
+        state.update(queue=[], serials=[], reserved=None, writing=[], sent={}, last={})
         return state
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state.setdefault("last", {})  # an image older than the field
+        self.__dict__.update(state)
+
     # ------------------------------------------------------------------ batches
-    def add(self, peer: int, which: str, record: bytearray, serial: int = -1) -> None:
-        self.queue.append((peer, which, record))
+    def add(self, peer: int, which: str, record: bytearray, serial: int = -1, last: bool = False) -> None:
+        """Queue `record` for ring `which` at `peer`.
+
+        `last`: reserved with its batch, after the batch's other records in its ring, but written only
+        once every other record of the batch is complete -- a release's record, which must not be in
+        a log while a record of the interval it ends is missing from another (RC orders the WRITEs
+        of one QP only, and the batch's records go to several).
+        """
+        self.queue.append((peer, which, record, last))
         self.serials.append(serial)
 
     def drop_own(self, before: int) -> int:
@@ -100,13 +113,14 @@ class RingWriter:
             self.write()  # one reservation at a time: each ring has one pair of landing words
         if not self.queue:
             return
-        rings: dict[tuple[int, str], list[bytearray]] = {}
-        for peer, which, record in self.queue:
-            rings.setdefault((peer, which), []).append(record)
+        rings: dict[tuple[int, str], list[tuple[bytearray, bool]]] = {}
+        for peer, which, record, last in self.queue:
+            rings.setdefault((peer, which), []).append((record, last))
         self.queue, self.serials = [], []
         reserve: dict[int, list[verbs.SendWR]] = {}
         for (peer, which), batch in rings.items():
-            need, ring = sum(len(r) for r in batch), self.peers[peer][which]
+            batch.sort(key=lambda item: item[1])  # stable: `last` records at the end of their ring's share
+            need, ring = sum(len(r) for r, _ in batch), self.peers[peer][which]
             if need > ring["capacity"]:
                 too_big = f"{need} bytes of log records exceed a ring of {ring['capacity']}"
                 raise DsmError(f"{too_big}: raise --log-ring-bytes")
@@ -126,27 +140,41 @@ class RingWriter:
         rings, ids, dropped = self.reserved
         self.reserved = None
         lost = dropped | self._wait(ids, "room in the log rings")
-        self._wait(self.writing, "earlier log writes")  # they read from the staging buffer this batch fills
-        self.writing = []
-        total = sum(len(r) for batch in rings.values() for r in batch)
+        self._settle("earlier log writes")  # they read from the staging buffer this batch fills
+        total = sum(len(r) for batch in rings.values() for r, _ in batch)
+        count = sum(len(batch) for batch in rings.values())
         writes: dict[int, list[verbs.SendWR]] = {}
-        at, big = 0, total > len(self.staging)
+        finals: list[tuple[int, str, int, int, list[bytearray]]] = []  # `last` records: (peer, ring, at, head, ...)
+        at, big = 0, total + 8 * count > len(self.staging)  # `_place` stages the commit words too
         for (peer, which), batch in rings.items():
             if peer in lost:  # its rings died with it: its recovery marks them lost, their owners checkpoint
                 log.info("rank %d: %d log record(s) for lost rank %d dropped", self.memory.rank, len(batch), peer)
                 continue
             slot = self._slot(peer, which)
             tail, head = int(self.landing[slot]), int(self.landing[slot + 1])
+            first = [r for r, last in batch if not last]
+            final = [r for r, last in batch if last]
+            if final:
+                finals.append((peer, which, tail + sum(len(r) for r in first), head, final))
+            if not first:
+                continue
             if big:  # too much for the staging buffer at once: ring by ring, each written and waited for
                 alone: list[verbs.SendWR] = []
-                self._place(peer, which, tail, head, batch, 0, alone)
+                self._place(peer, which, tail, head, first, 0, alone)
                 self.memory.client.run(peer, alone, self.memory.seq)
                 continue
-            at = self._place(peer, which, tail, head, batch, at, writes.setdefault(peer, []))
+            at = self._place(peer, which, tail, head, first, at, writes.setdefault(peer, []))
         for peer, wrs in writes.items():
             self._post(peer, wrs, self.writing)  # a failed peer is skipped: see above
+        for peer, which, position, head, final in finals:  # staged now, posted by `_settle`
+            if big:
+                alone = []
+                self._place(peer, which, position, head, final, 0, alone)
+                self.memory.client.run(peer, alone, self.memory.seq)  # every other ring's were waited for
+            else:
+                at = self._place(peer, which, position, head, final, at, self.last.setdefault(peer, []))
         self.memory.counters.count("log_write", total)
-        self.memory.account("log_records", sum(len(batch) for batch in rings.values()))
+        self.memory.account("log_records", count)
         self.memory.account("log_bytes", total)
         self.memory.account("log_seconds", time.perf_counter() - started)
 
@@ -154,9 +182,19 @@ class RingWriter:
         """Write what is reserved and wait until every WRITE has completed: from here on, it *is* logged."""
         self.write()
         started = time.perf_counter()
-        self._wait(self.writing, "log writes to the log homes")
-        self.writing = []
+        self._settle("log writes to the log homes")
         self.memory.account("log_seconds", time.perf_counter() - started)
+
+    def _settle(self, what: str) -> None:
+        """Wait for the WRITEs posted; then post the `last` records' and wait for those too."""
+        self._wait(self.writing, what)
+        self.writing = []
+        if self.last:
+            for peer, wrs in self.last.items():
+                self._post(peer, wrs, self.writing)  # a failed peer is skipped, as in `write`
+            self.last = {}
+            self._wait(self.writing, what)
+            self.writing = []
 
     def flush(self) -> None:
         """Append every queued record now and wait for it."""
@@ -166,7 +204,14 @@ class RingWriter:
     def _place(
         self, peer: int, which: str, tail: int, head: int, batch: list[bytearray], at: int, wrs: list[verbs.SendWR]
     ) -> int:
-        """Stage `batch` from staging offset `at` and add its WRITEs to `wrs`; the next free offset."""
+        """Stage `batch` from staging offset `at` and add its WRITEs to `wrs`; the next free offset.
+
+        The records are consecutive in the ring, so their bodies go in one WRITE (two across the ring's
+        end) with every commit word zero, and then each commit word in a WRITE of its own, staged after
+        the bodies: k + 1 WRs for k records, and a record is still whole before its word says so (RC
+        places a QP's WRITEs in order; no order *within* one WRITE is assumed).  When the words do not
+        fit the staging buffer too (a batch as large as the ring), record by record: body, then word.
+        """
         ring = self.peers[peer][which]
         capacity, addr, rkey, lkey = ring["capacity"], ring["addr"], ring["rkey"], self.staging_mr.lkey
         need = sum(len(r) for r in batch)
@@ -174,17 +219,34 @@ class RingWriter:
             self.ask(peer, which, head)
         if tail + need - head > capacity:
             self.wait_for_room(peer, which, tail + need - capacity)
-        position = tail
+        grouped = at + need + 8 * len(batch) <= len(self.staging)
+        words, position, start = at + need, tail, at
         for record in batch:
-            record[:8] = commit_word(position)
+            if grouped:
+                self.staging[words : words + 8] = np.frombuffer(commit_word(position), dtype=np.uint8)
+                record[:8] = bytes(8)
+            else:
+                record[:8] = commit_word(position)
             self.staging[at : at + len(record)] = np.frombuffer(bytes(record), dtype=np.uint8)
             base = self.staging_mr.buf + at
-            for ring_off, data_off, length in spans(capacity, position + 8, len(record) - 8):
-                wrs.append(_write((base + 8 + data_off, length, lkey), rkey, addr + CONTROL + ring_off))
-            wrs.append(_write((base, 8, lkey), rkey, addr + CONTROL + position % capacity))
+            if not grouped:
+                for ring_off, data_off, length in spans(capacity, position + 8, len(record) - 8):
+                    wrs.append(_write((base + 8 + data_off, length, lkey), rkey, addr + CONTROL + ring_off))
+                wrs.append(_write((base, 8, lkey), rkey, addr + CONTROL + position % capacity))
             at += len(record)
             position += len(record)
-        return at
+            words += 8
+        if not grouped:
+            return at
+        base = self.staging_mr.buf + start
+        for ring_off, data_off, length in spans(capacity, tail + 8, need - 8):
+            wrs.append(_write((base + 8 + data_off, length, lkey), rkey, addr + CONTROL + ring_off))
+        position, word = tail, self.staging_mr.buf + at
+        for record in batch:
+            wrs.append(_write((word, 8, lkey), rkey, addr + CONTROL + position % capacity))
+            position += len(record)
+            word += 8
+        return at + 8 * len(batch)
 
     def _post(self, peer: int, wrs: list[verbs.SendWR], ids: list[int]) -> bool:
         """Post `wrs` to `peer`, the last one signaled (its id goes to `ids`); no wait unless too many.
