@@ -65,8 +65,10 @@ def test_a_rank_killed_at_a_random_moment_recovers_by_replay(start_job: Callable
         ("tsp", "onesided", Kill(2, hook="dsm_lock_acquired", n=5)),  # holding the lock, its notices not logged
         ("water", "onesided", Kill(1, hook="dsm_barrier_arriving", n=7)),  # its arrival neither logged nor sent
         ("isort", "async", Kill(3, hook="dsm_diff_sent", n=12)),  # some diffs of an interval home, others not
+        # a critical section's `+=` at its home, its acquire's record not: applied twice if that were possible
+        ("water", "async", Kill(2, hook="dsm_diff_sent_in_lock", n=9)),
     ],
-    ids=["mid-lock", "mid-barrier", "mid-diff"],
+    ids=["mid-lock", "mid-barrier", "mid-diff", "mid-critical-section"],
 )
 def test_a_rank_killed_mid_operation_recovers_by_replay(
     name: str, protocol: str, kill: Kill, start_job: Callable[..., Job], tmp_path: Path

@@ -13,6 +13,7 @@ import itertools
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -530,10 +531,10 @@ def test_a_batch_is_one_body_write_then_one_commit_word_per_record(tail: int) ->
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_a_release_after_writes_costs_no_reservation_round_of_its_own(protocol: str) -> None:
     """A RELEASE record is reserved in the round of its interval's records and written once those are
-    complete (`RingWriter.add(last=True)`): one FETCH_AND_ADD round for the whole critical section,
-    where an interval that wrote nothing leaves its release one round of its own.  The acquire's
-    NOTICES record rides in the same round.  Either way the log holds, in serial order, NOTICES then
-    RELEASE, and the RELEASE lies after the interval's DIFF of rank 1's own home page."""
+    complete (`RingWriter.add(last=True)`): a critical section that wrote costs two FETCH_AND_ADD rounds
+    (its acquire's NOTICES, its interval with the RELEASE), as many as one that wrote nothing (the
+    NOTICES, the RELEASE on its own) -- three before.  Either way the log holds, in serial order,
+    NOTICES then RELEASE, and the RELEASE lies after the interval's DIFF of rank 1's own home page."""
 
     def body(rt: ThreadRuntime) -> Any:
         memory = dsm.attach(rt, protocol)
@@ -573,5 +574,85 @@ def test_a_release_after_writes_costs_no_reservation_round_of_its_own(protocol: 
         options={"dsm_protocol": protocol, "logging": "remote"},
     )
     wrote, idle, kinds, ordered = out[1]
-    assert (wrote, idle) == (1, 1)
+    assert (wrote, idle) == (2, 2)
     assert kinds == [RecordKind.NOTICES, RecordKind.RELEASE] * 2 and ordered
+
+
+class _LoopNic:
+    """The client endpoint of a `RingWriter` in one process: every WR is carried out as it is posted (WRITE,
+    READ, FETCH_AND_ADD between this process's buffers), its completion shows at the next `wait`."""
+
+    def __init__(self, peers: int) -> None:
+        from dsm._net import UP
+
+        self.state, self.link = [UP] * peers, [0] * peers
+        self.lock = threading.Lock()
+        self.rdma_done: set[int] = set()
+        self.pending: set[int] = set()
+        self.events: list[tuple[Any, ...]] = []  # ("post", peer, [(opcode, remote addr)]) and ("wait",)
+        self.qps = [SimpleNamespace(post_send=lambda wr, peer=peer: self._post(peer, wr)) for peer in range(peers)]
+
+    def _post(self, peer: int, wr: Any) -> None:
+        import ctypes
+
+        from ckpt import verbs
+
+        done = []
+        while wr is not None:
+            sge = wr.sg[0]
+            if wr.opcode == verbs.IBV_WR_RDMA_WRITE:
+                ctypes.memmove(wr.remote_addr, sge.addr, sge.length)
+            elif wr.opcode == verbs.IBV_WR_RDMA_READ:
+                ctypes.memmove(sge.addr, wr.remote_addr, sge.length)
+            else:  # FETCH_AND_ADD
+                word = ctypes.c_int64.from_address(wr.remote_addr)
+                ctypes.c_int64.from_address(sge.addr).value = word.value
+                word.value += wr.compare_add
+            done.append((wr.opcode, wr.remote_addr))
+            if wr.send_flags & verbs.IBV_SEND_SIGNALED:
+                self.pending.add(wr.wr_id)
+            wr = wr.next_wr
+        self.events.append(("post", peer, done))
+
+    def wait(self, ready: Any, what: str) -> None:
+        self.rdma_done |= self.pending
+        self.pending = set()
+        self.events.append(("wait",))
+        assert ready(), what
+
+
+def test_a_release_record_is_written_only_once_its_intervals_records_are_complete() -> None:
+    """`RingWriter.add(last=True)`: a RELEASE reserved in its interval's round goes out only after every other
+    WRITE of the batch has completed (they go to other log homes, over other QPs: RC orders one QP's only)."""
+    from collections import Counter as Count
+    from types import SimpleNamespace
+
+    from ckpt import verbs
+    from ckpt_remotelog._writer import LOG, RingWriter
+
+    ctx = verbs.Context(name=f"simib{FIRST_HCA}")
+    try:
+        pd = verbs.PD(ctx)
+        rings = [LogRing(pd, 1024), LogRing(pd, 1024)]
+        nic = _LoopNic(2)
+        memory = SimpleNamespace(
+            pd=pd, client=nic, seq=[0], rank=0, counters=SimpleNamespace(count=lambda *a: None), account=Count().update
+        )
+        memory.account = lambda name, amount=1: None
+        writer = RingWriter(memory, [{LOG: ring.address()} for ring in rings], 1024, lambda *a: 0, lambda *a: None)
+        writer.add(1, LOG, encode(RecordKind.DIFF, 0, b"d" * 16, interval=1, gid=7))  # the page's home's log home
+        writer.add(0, LOG, encode(RecordKind.RELEASE, 0, b"", tag=3, serial=5), 5, last=True)  # the releaser's
+        writer.add(0, LOG, encode(RecordKind.DIFF, 0, b"o" * 8, interval=1, gid=9))  # its own home page's
+        writer.start()
+        writer.complete()
+        release_at = rings[0].buf.ctypes.data  # the RELEASE lies after the own DIFF in ring 0
+        own_diff = rings[0].records()[0]
+        release_word = release_at + CONTROL + own_diff.size
+        posts = [(k, e) for k, e in enumerate(nic.events) if e[0] == "post"]
+        release_post = next(k for k, e in posts if any(addr == release_word for _, addr in e[2]))
+        diff_post = next(k for k, e in posts if e[1] == 1 and any(op == verbs.IBV_WR_RDMA_WRITE for op, _ in e[2]))
+        assert ("wait",) in nic.events[diff_post:release_post]  # the other log home's DIFF completed first
+        assert [r.kind for r in rings[0].records()] == [RecordKind.DIFF, RecordKind.RELEASE]
+        assert [r.kind for r in rings[1].records()] == [RecordKind.DIFF]
+    finally:
+        ctx.close()

@@ -21,14 +21,14 @@ home it is, and its own *home diff log*.  What goes where, and when:
   on the loopback QP under ``onesided`` (one appender kind per ring: CPU stores and NIC
   atomics on one word do not mix).
 * at a lock acquire, the grant's notices and the new vector timestamp -> a NOTICES record
-  at L(acquirer), queued in ``dsm_lock_acquired`` and written with the next batch (the
-  next interval's close, or the release), so complete before any interval that used the
-  notices completes and before the release leaves (§4.3, Figure 2, where the paper
-  writes it before the acquire returns: nothing in between is observable through a
-  synchronisation, and sharing the next batch's round trips keeps them out of the
-  critical section; a failure before it is complete re-acquires; after it, the log
-  holds the acquire).  ``pointer`` is the acquirer's home diff log tail at the acquire
-  ("a pointer to the last diff log entry that precedes the acquire").
+  at L(acquirer), reserved and posted in ``dsm_lock_acquired``, before the program thread
+  returns to the program, and complete before any diff of the next interval leaves
+  (``dsm_interval_closing`` waits for it): a diff at a home whose acquire is not in the
+  log would be applied twice by a recovery, which would re-execute that critical
+  section live rather than on minimal versions (§4.3, Figure 2: a failure before this
+  point re-acquires; after it, the log holds the acquire).  ``pointer`` is the
+  acquirer's home diff log tail at that moment ("a pointer to the last diff log entry
+  that precedes the acquire").
 * at a release, a RELEASE record (tag lock, interval the acquisition's token) at
   L(releaser), complete before the release leaves.  When the release closes an interval
   that wrote, ``dsm_interval_closing`` says so (``release``) and the record is reserved
@@ -56,7 +56,8 @@ commit words, `_records`) -- on the DSM's own client endpoint QPs, whose complet
 the proof of logging: no ack, and the log home's threads do nothing.  A batch goes at
 the interval's close (its writes waited for once the diffs are home, before the
 interval completes), before a release and before a barrier arrival leaves (waited for
-there); an acquire's or a barrier's record joins the next batch, which completes before
+there); an acquire's record is reserved and posted at once, and completes before the
+next interval's diffs leave; a barrier's joins the next batch, which completes before
 any interval that depends on it does -- the invariant above.
 
 Bounded memory: a reservation that finds its ring half full asks for the ring owner's
@@ -208,6 +209,10 @@ class RemoteLog:
                 self._own(RecordKind.RELEASE, b"", release, token, last=True)
                 self.pending_release = (release, token)
         self.writer.start()  # reserved while the diffs go home; written and waited for when the interval is closed
+        # the acquire's NOTICES (posted when it returned) is complete before a diff of this interval can reach a
+        # home: a recovery that replays to the acquire re-executes this interval on minimal versions (a diff
+        # applied at a home whose acquire is not in the log would be applied twice by a live re-execution)
+        self.writer.settle()
 
     @ckpt.hookimpl(tryfirst=True)
     def dsm_interval_closed(self) -> None:
@@ -232,18 +237,21 @@ class RemoteLog:
             return
         payload = notices_payload(list(self.memory.vt), self.notices)
         self.notices = []
-        # queued, not reserved: it joins the next batch (this interval's close, or the release), which completes
-        # before anything that depends on the grant can be observed -- and no round trip inside the critical section
         self._own(RecordKind.NOTICES, payload, lock, token)
+        self.writer.start()
+        self.writer.write()  # posted now (no hole left in the ring), complete before the next diffs leave
 
     @ckpt.hookimpl
     def dsm_lock_releasing(self, lock: int) -> None:
         token = int(self.memory.tokens.get(lock, 0))
-        logged, self.released = self.released == (lock, token), None
-        if logged or self.replayed(RecordKind.RELEASE, lock, token):
+        if self.replayed(RecordKind.RELEASE, lock, token):
             return
-        self._own(RecordKind.RELEASE, b"", lock, token)  # the interval had nothing to close: on its own
+        if (lock, token) not in (self.released, self.pending_release):
+            self._own(RecordKind.RELEASE, b"", lock, token)  # the interval had nothing to close: on its own
+        # complete (a no-op when `dsm_interval_closed` completed it already; its interval may also have failed
+        # after the reservation, and a retried release must not log it twice)
         self.writer.flush()  # this rank's state becomes visible through the lock: logged (diffs first) before
+        self.released = self.pending_release = None
 
     @ckpt.hookimpl
     def dsm_barrier_arriving(self, epoch: int, notices: list[Any]) -> None:

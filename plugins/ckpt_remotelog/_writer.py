@@ -11,8 +11,8 @@ unlogged at its log home when an interval that depends on it completes:
    next (the wait at a barrier, the diffs' round trips at an interval's close).  A
    reserved record not yet written is a hole the ring's readers (the owner's discard
    at a checkpoint) cannot pass, so every hole is filled before the DSM operation that
-   made it returns to the program; an acquire's and a barrier's own records are not
-   reserved there at all, only queued for the next batch;
+   made it returns to the program (an acquire's record is reserved and written at
+   once; a barrier's is not reserved there at all, only queued for the next batch);
 2. `write`: once those have completed, the records' positions are theirs: one round
    of RDMA WRITEs (per ring: the bodies of its consecutive records in one WRITE, then
    each commit word; RC keeps that order on a QP), again not waited for;
@@ -183,6 +183,12 @@ class RingWriter:
         self.write()
         started = time.perf_counter()
         self._settle("log writes to the log homes")
+        self.memory.account("log_seconds", time.perf_counter() - started)
+
+    def settle(self) -> None:
+        """Wait until what was written earlier (an acquire's NOTICES) is complete; nothing is reserved or written."""
+        started = time.perf_counter()
+        self._settle("earlier log writes")
         self.memory.account("log_seconds", time.perf_counter() - started)
 
     def _settle(self, what: str) -> None:

@@ -12,7 +12,8 @@ before remote logging's own implementation of the same hook (plugins run in
 registration order and ckpt_remotelog registers its logger when the memory
 attaches), so e.g. ``dsm_lock_acquired`` dies holding a lock whose notices are
 not logged, and ``dsm_diff_sent`` with some of an interval's diffs at their
-homes and the others not.
+homes and the others not (``dsm_diff_sent_in_lock``: the same, counting only the diffs of
+intervals closed at a lock's release, whose records are not complete yet).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ KILL_ENV, MARK_ENV = "CKPT_TEST_DSM_KILL", "CKPT_TEST_DSM_KILL_MARK"
 HOOKS = (
     "dsm_interval_closing",
     "dsm_diff_sent",
+    "dsm_diff_sent_in_lock",  # a dsm_diff_sent while the rank holds a lock: mid-critical-section
     "dsm_lock_acquired",
     "dsm_lock_releasing",
     "dsm_lock_released",
@@ -92,6 +94,8 @@ def dsm_interval_closing(memory: Any, interval: int) -> None:
 @ckpt.hookimpl
 def dsm_diff_sent(memory: Any, gid: int, home: int, interval: int, nbytes: int) -> None:
     _tick(memory, "dsm_diff_sent")
+    if memory.held:
+        _tick(memory, "dsm_diff_sent_in_lock")
 
 
 @ckpt.hookimpl
