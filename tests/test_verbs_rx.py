@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -173,3 +174,19 @@ def test_an_ack_carried_by_a_post_while_due_acks_are_sent_is_neither_sent_nor_an
     chan.send_due(1.0)  # raised KeyError on the reader thread, killing the connection
     assert chan.owed == {} and engine.owing == set()
     assert [qp.acks_sent for qp in qps] == [0, 0, 0]  # each went with its request
+
+
+class _OwedEmptiedMeanwhile(dict):  # type: ignore[type-arg]
+    """`owed` whose last entry a post on another thread carries between a check of it and the read of it."""
+
+    def values(self) -> Any:
+        self.clear()
+        return super().values()
+
+
+def test_the_next_due_ack_of_a_channel_emptied_meanwhile_is_none() -> None:
+    """The reader thread's `next_due` (CI hit it: `min()` of an empty sequence killed the connection, and the
+    job saw RETRY_EXC_ERR)."""
+    chan = _rx.RxChannel.__new__(_rx.RxChannel)
+    chan.owed = _OwedEmptiedMeanwhile({object(): 1.0})
+    assert chan.next_due() is None

@@ -96,7 +96,9 @@ class RxChannel:
         self.owed.pop(qp, None)
 
     def next_due(self) -> float | None:
-        return min(self.owed.values()) if self.owed else None
+        # a post on another thread may `forgive` the last entry between a check and a read: one snapshot
+        due = list(self.owed.values())
+        return min(due) if due else None
 
     def send_due(self, now: float) -> None:
         """Send the coalesced ACKs that are due (channel lock held); forget those a request carried."""
