@@ -137,9 +137,8 @@ class RemoteLog:
         self.writer = RingWriter(memory, self.peers, ring_bytes, self.owner, self._ask_checkpoint)
         self.versions = HomeVersions(memory, self.home_log, self.overflow)
         self.replay: LogReplay | None = None  # after a recovery: the log it replayed (until the next checkpoint)
-        # a release logged with its interval's records (`dsm_interval_closing`): (lock, token), reserved / complete
-        self.pending_release: tuple[int, int] | None = None
-        self.released: tuple[int, int] | None = None
+        # (lock, token) of a release whose record went into its interval's batch (`dsm_interval_closing`)
+        self.release_logged: tuple[int, int] | None = None
         memory.versions = self.versions
         memory.twin_homes = True
         self.register()
@@ -157,8 +156,7 @@ class RemoteLog:
         return dict(self.__dict__)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        state.setdefault("pending_release", None)  # an image older than the fields
-        state.setdefault("released", None)
+        state.setdefault("release_logged", None)  # an image older than the field
         self.__dict__.update(state)
         self.register()  # before the memory decides which DSM hooks fire (it is unpickled after this)
 
@@ -207,7 +205,7 @@ class RemoteLog:
                 # reserved in this round, written once the interval's records are complete: the release
                 # then costs no round trip of its own (`dsm_lock_releasing`)
                 self._own(RecordKind.RELEASE, b"", release, token, last=True)
-                self.pending_release = (release, token)
+                self.release_logged = (release, token)
         self.writer.start()  # reserved while the diffs go home; written and waited for when the interval is closed
         # the acquire's NOTICES (posted when it returned) is complete before a diff of this interval can reach a
         # home: a recovery that replays to the acquire re-executes this interval on minimal versions (a diff
@@ -217,7 +215,6 @@ class RemoteLog:
     @ckpt.hookimpl(tryfirst=True)
     def dsm_interval_closed(self) -> None:
         self.writer.complete()  # the interval completes: what it depends on is logged from here on
-        self.released, self.pending_release = self.pending_release, None
 
     @ckpt.hookimpl
     def dsm_diff_received(self, writer: int, gid: int, interval: int, diff: list[tuple[int, bytes]]) -> None:
@@ -246,12 +243,12 @@ class RemoteLog:
         token = int(self.memory.tokens.get(lock, 0))
         if self.replayed(RecordKind.RELEASE, lock, token):
             return
-        if (lock, token) not in (self.released, self.pending_release):
+        if self.release_logged != (lock, token):
             self._own(RecordKind.RELEASE, b"", lock, token)  # the interval had nothing to close: on its own
         # complete (a no-op when `dsm_interval_closed` completed it already; its interval may also have failed
         # after the reservation, and a retried release must not log it twice)
         self.writer.flush()  # this rank's state becomes visible through the lock: logged (diffs first) before
-        self.released = self.pending_release = None
+        self.release_logged = None
 
     @ckpt.hookimpl
     def dsm_barrier_arriving(self, epoch: int, notices: list[Any]) -> None:

@@ -64,7 +64,8 @@ class RingWriter:
         ask: Callable[[int, str, int], None],
     ) -> None:
         self.memory, self.peers, self.owner, self.ask = memory, peers, owner, ask
-        self.staging = np.zeros(staging_bytes + HEADER_SIZE, dtype=np.uint8)  # records as they leave
+        # records as they leave, and their commit words (`_place`: at most one per HEADER_SIZE bytes)
+        self.staging = np.zeros(staging_bytes + HEADER_SIZE + 8 * (staging_bytes // HEADER_SIZE + 1), dtype=np.uint8)
         self.staging_mr = verbs.MR(memory.pd, self.staging, REMOTE)
         self.landing = np.zeros(4 * len(peers) + 2, dtype=np.int64)  # per (peer, ring): old tail, head; +2 words
         self.landing_mr = verbs.MR(memory.pd, self.landing, REMOTE)
@@ -144,8 +145,9 @@ class RingWriter:
         total = sum(len(r) for batch in rings.values() for r, _ in batch)
         count = sum(len(batch) for batch in rings.values())
         writes: dict[int, list[verbs.SendWR]] = {}
-        finals: list[tuple[int, str, int, int, list[bytearray]]] = []  # `last` records: (peer, ring, at, head, ...)
-        at, big = 0, total + 8 * count > len(self.staging)  # `_place` stages the commit words too
+        # (peer, ring, position, head, records, where their WRITEs go); the `last` records after all the others
+        firsts: list[tuple[int, str, int, int, list[bytearray], dict[int, list[verbs.SendWR]]]] = []
+        finals: list[tuple[int, str, int, int, list[bytearray], dict[int, list[verbs.SendWR]]]] = []
         for (peer, which), batch in rings.items():
             if peer in lost:  # its rings died with it: its recovery marks them lost, their owners checkpoint
                 log.info("rank %d: %d log record(s) for lost rank %d dropped", self.memory.rank, len(batch), peer)
@@ -154,25 +156,20 @@ class RingWriter:
             tail, head = int(self.landing[slot]), int(self.landing[slot + 1])
             first = [r for r, last in batch if not last]
             final = [r for r, last in batch if last]
-            if final:
-                finals.append((peer, which, tail + sum(len(r) for r in first), head, final))
-            if not first:
-                continue
+            if first:
+                firsts.append((peer, which, tail, head, first, writes))
+            if final:  # staged now, posted by `_settle` once the others are complete
+                finals.append((peer, which, tail + sum(len(r) for r in first), head, final, self.last))
+        at, big = 0, total + 8 * count > len(self.staging)  # `_place` stages the commit words too
+        for peer, which, position, head, records, into in firsts + finals:
             if big:  # too much for the staging buffer at once: ring by ring, each written and waited for
                 alone: list[verbs.SendWR] = []
-                self._place(peer, which, tail, head, first, 0, alone)
+                self._place(peer, which, position, head, records, 0, alone)
                 self.memory.client.run(peer, alone, self.memory.seq)
-                continue
-            at = self._place(peer, which, tail, head, first, at, writes.setdefault(peer, []))
+            else:
+                at = self._place(peer, which, position, head, records, at, into.setdefault(peer, []))
         for peer, wrs in writes.items():
             self._post(peer, wrs, self.writing)  # a failed peer is skipped: see above
-        for peer, which, position, head, final in finals:  # staged now, posted by `_settle`
-            if big:
-                alone = []
-                self._place(peer, which, position, head, final, 0, alone)
-                self.memory.client.run(peer, alone, self.memory.seq)  # every other ring's were waited for
-            else:
-                at = self._place(peer, which, position, head, final, at, self.last.setdefault(peer, []))
         self.memory.counters.count("log_write", total)
         self.memory.account("log_records", count)
         self.memory.account("log_bytes", total)
@@ -215,8 +212,7 @@ class RingWriter:
         The records are consecutive in the ring, so their bodies go in one WRITE (two across the ring's
         end) with every commit word zero, and then each commit word in a WRITE of its own, staged after
         the bodies: k + 1 WRs for k records, and a record is still whole before its word says so (RC
-        places a QP's WRITEs in order; no order *within* one WRITE is assumed).  When the words do not
-        fit the staging buffer too (a batch as large as the ring), record by record: body, then word.
+        places a QP's WRITEs in order; no order *within* one WRITE is assumed).
         """
         ring = self.peers[peer][which]
         capacity, addr, rkey, lkey = ring["capacity"], ring["addr"], ring["rkey"], self.staging_mr.lkey
@@ -225,25 +221,17 @@ class RingWriter:
             self.ask(peer, which, head)
         if tail + need - head > capacity:
             self.wait_for_room(peer, which, tail + need - capacity)
-        grouped = at + need + 8 * len(batch) <= len(self.staging)
-        words, position, start = at + need, tail, at
+        words = at + need
+        if words + 8 * len(batch) > len(self.staging):  # only an image's writer from before the words were staged
+            raise DsmError(f"{need} bytes of log records in one batch exceed this writer's staging buffer")
+        position, start = tail, at
         for record in batch:
-            if grouped:
-                self.staging[words : words + 8] = np.frombuffer(commit_word(position), dtype=np.uint8)
-                record[:8] = bytes(8)
-            else:
-                record[:8] = commit_word(position)
+            self.staging[words : words + 8] = np.frombuffer(commit_word(position), dtype=np.uint8)
+            record[:8] = bytes(8)
             self.staging[at : at + len(record)] = np.frombuffer(bytes(record), dtype=np.uint8)
-            base = self.staging_mr.buf + at
-            if not grouped:
-                for ring_off, data_off, length in spans(capacity, position + 8, len(record) - 8):
-                    wrs.append(_write((base + 8 + data_off, length, lkey), rkey, addr + CONTROL + ring_off))
-                wrs.append(_write((base, 8, lkey), rkey, addr + CONTROL + position % capacity))
             at += len(record)
             position += len(record)
             words += 8
-        if not grouped:
-            return at
         base = self.staging_mr.buf + start
         for ring_off, data_off, length in spans(capacity, tail + 8, need - 8):
             wrs.append(_write((base + 8 + data_off, length, lkey), rkey, addr + CONTROL + ring_off))
