@@ -97,13 +97,19 @@ class Seen:
             self.late.append(f"interval {interval}: {len(mine)} records for {used} acquires and barriers")
 
 
-def own_records(logs: list[RemoteLog | None], rank: int) -> list[Record]:
-    """The NOTICES and BARRIER records `rank` wrote, from its log ring at its log home."""
+def own_ring(logs: list[RemoteLog | None], rank: int) -> list[Record]:
+    """The committed records of `rank`'s own ring at its log home, between the head and tail its writer keeps."""
     log = logs[rank]
     assert log is not None
-    ring = logs[log.log_home(rank)]
-    assert ring is not None
-    return [r for r in scan(ring.ring) if r.writer == rank and r.kind in (RecordKind.NOTICES, RecordKind.BARRIER)]
+    holder = logs[log.log_home(rank)]
+    assert holder is not None
+    head, tail = log.writer.own_head, log.writer.own_tail
+    return walk(holder.own_ring.contents(head, tail), head)
+
+
+def own_records(logs: list[RemoteLog | None], rank: int) -> list[Record]:
+    """The NOTICES and BARRIER records `rank` wrote, from its own ring at its log home."""
+    return [r for r in own_ring(logs, rank) if r.kind in (RecordKind.NOTICES, RecordKind.BARRIER)]
 
 
 def scan(ring: LogRing) -> list[Record]:
@@ -204,11 +210,12 @@ def test_every_ring_holds_exactly_the_records_the_paper_requires(name: str, argv
         assert [notices_of(r.payload)[1] for r in barriers] == s.barrier_notices
         assert [r.tag for r in barriers] == list(range(1, stats.barriers + 1))
         # every own record -- acquires, releases, arrivals, barrier exits -- in program order by serial
-        every = sorted(
-            (r for r in ring_of[s.rank] if r.writer == s.rank and r.kind in OWN_KINDS), key=lambda r: r.serial
-        )
+        every = own_ring(logs, s.rank)
+        assert all(r.writer == s.rank and r.kind in OWN_KINDS for r in every)
+        assert not any(r.kind in OWN_KINDS for r in ring_of[s.rank])  # the log ring holds diffs only
         assert [r.serial for r in every] == list(range(len(every)))
-        assert [r.position for r in every] == sorted(r.position for r in every)
+        # the gid field: the rank's own interval count after the operation (`_recover` compares DIFFs with it)
+        assert [r.gid for r in every] == sorted(r.gid for r in every) and every[-1].gid == stats.intervals
         releases = [r for r in every if r.kind == RecordKind.RELEASE]
         assert len(releases) == len(acquires)
         assert [(r.tag, r.interval) for r in releases] == [(r.tag, r.interval) for r in acquires]  # lock, token
@@ -312,7 +319,9 @@ def test_a_tiny_ring_asks_for_the_owners_checkpoint_waits_and_loses_nothing(prot
             wanted, asked[rank] = bool(asked[rank]), set()
         if wanted:
             log.ckpt_precheckpoint(independent=False)  # as coordinated: it releases the home diff log too
+            own = log.writer.read_own(log.writer.own_head)
             discarded.extend(log.discard())
+            discarded.extend(r for r in own if r.position < log.writer.own_head)  # its own ring's head moved too
 
     def body(rt: ThreadRuntime) -> Any:
         rt.checkpoint_rank = ask  # type: ignore[attr-defined]  (the runtime's, when single-rank checkpoints exist)
@@ -341,7 +350,7 @@ def test_a_tiny_ring_asks_for_the_owners_checkpoint_waits_and_loses_nothing(prot
         ask(rt.rank)
         take_if_asked(rt.rank, log)  # a last checkpoint each, so the barrier's records find room
         memory.barrier()
-        return memory.statistics(), log.remote_records()[0]
+        return memory.statistics(), log.remote_records()[0] + log.writer.read_own(log.writer.own_head)
 
     out = run_threads(
         2,
@@ -379,15 +388,16 @@ def test_a_checkpoint_discards_what_it_covers_and_nothing_after_it(protocol: str
         rt.barrier()  # every rank at a "step boundary": a coordinated checkpoint
         log.ckpt_precheckpoint(independent=False)
         rt.barrier()
-        dropped = log.discard()
+        own_before = log.writer.read_own(log.writer.own_head)
+        dropped = log.discard() + [r for r in own_before if r.position < log.writer.own_head]
         rt.barrier()
-        left = log.remote_records()[0]
+        left = log.remote_records()[0] + log.writer.read_own(log.writer.own_head)
         home_left = log.home_log.records()
         rt.barrier()
         work(2.0)
         log.flush()
         rt.barrier()
-        after = log.remote_records()[0]
+        after = log.remote_records()[0] + log.writer.read_own(log.writer.own_head)
         return len(dropped), left, home_left, after
 
     out = run_threads(
@@ -500,15 +510,15 @@ def test_a_batch_is_one_body_write_then_one_commit_word_per_record(tail: int) ->
     from types import SimpleNamespace
 
     from ckpt import verbs
-    from ckpt_remotelog._writer import LOG, RingWriter
+    from ckpt_remotelog._writer import LOG, OWN, RingWriter
 
     ctx = verbs.Context(name=f"simib{FIRST_HCA}")
     try:
         pd = verbs.PD(ctx)
         ring = LogRing(pd, 512)
         ring.control[0] = ring.control[1] = tail  # the ring's state: `tail` bytes appended and discarded
-        peers = [{LOG: ring.address()}]
-        writer = RingWriter(SimpleNamespace(pd=pd), peers, 512, lambda *a: 0, lambda *a: None)
+        peers = [{LOG: ring.address(), OWN: LogRing(pd, 512).address()}]
+        writer = RingWriter(SimpleNamespace(pd=pd), peers, 512, lambda *a: 0, lambda *a: None, 0)
         batch = [encode(RecordKind.NOTICES, 0, bytes([i]) * (8 * i), serial=i) for i in range(3)]
         wrs: list[Any] = []
         writer._place(0, LOG, tail, tail, [bytearray(r) for r in batch], 0, wrs)
@@ -529,12 +539,12 @@ def test_a_batch_is_one_body_write_then_one_commit_word_per_record(tail: int) ->
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
-def test_a_release_after_writes_costs_no_reservation_round_of_its_own(protocol: str) -> None:
-    """A RELEASE record is reserved in the round of its interval's records and written once those are
-    complete (`RingWriter.add(last=True)`): a critical section that wrote costs two FETCH_AND_ADD rounds
-    (its acquire's NOTICES, its interval with the RELEASE), as many as one that wrote nothing (the
-    NOTICES, the RELEASE on its own) -- three before.  Either way the log holds, in serial order,
-    NOTICES then RELEASE, and the RELEASE lies after the interval's DIFF of rank 1's own home page."""
+def test_own_records_cost_no_reservation_round(protocol: str) -> None:
+    """A rank's own records go to its own ring at its log home, which only it writes: no FETCH_AND_ADD.  A
+    critical section that wrote costs one reservation round (its interval's diff records), one that wrote
+    nothing none -- two each with the own records in the shared log ring.  Either way the own ring holds,
+    in serial order, NOTICES then RELEASE, the log ring none of them, and the RELEASE of the section that
+    wrote carries (gid) the interval of its diffs: what a recovery compares own DIFFs with."""
 
     def body(rt: ThreadRuntime) -> Any:
         memory = dsm.attach(rt, protocol)
@@ -559,10 +569,11 @@ def test_a_release_after_writes_costs_no_reservation_round_of_its_own(protocol: 
                 a.read(slice(0, 8))
             idle = rounds["log_fetch_add"] - before - wrote
             ring = log.remote_records()[0]
-            own = sorted((r for r in ring if r.writer == 1 and r.kind in OWN_KINDS), key=lambda r: r.serial)
-            diff = max(r.position for r in ring if r.kind == RecordKind.DIFF and r.writer == 1)
-            releases = [r.position for r in own if r.kind == RecordKind.RELEASE]
-            out = wrote, idle, [r.kind for r in own][-4:], diff < releases[-2]
+            own = log.writer.read_own(log.writer.own_head)
+            diff = max(r.interval for r in ring if r.kind == RecordKind.DIFF and r.writer == 1)
+            releases = [r for r in own if r.kind == RecordKind.RELEASE]
+            shared = [r.kind for r in ring if r.kind in OWN_KINDS]
+            out = wrote, idle, [r.kind for r in own][-4:], releases[-2].gid == diff, shared
         memory.barrier()
         return out
 
@@ -573,8 +584,8 @@ def test_a_release_after_writes_costs_no_reservation_round_of_its_own(protocol: 
         plugins=_plain_hosts,
         options={"dsm_protocol": protocol, "logging": "remote"},
     )
-    wrote, idle, kinds, ordered = out[1]
-    assert (wrote, idle) == (2, 2)
+    wrote, idle, kinds, ordered, shared = out[1]
+    assert (wrote, idle, shared) == (1, 0, [])
     assert kinds == [RecordKind.NOTICES, RecordKind.RELEASE] * 2 and ordered
 
 
@@ -621,38 +632,40 @@ class _LoopNic:
         assert ready(), what
 
 
-def test_a_release_record_is_written_only_once_its_intervals_records_are_complete() -> None:
-    """`RingWriter.add(last=True)`: a RELEASE reserved in its interval's round goes out only after every other
-    WRITE of the batch has completed (they go to other log homes, over other QPs: RC orders one QP's only)."""
-    from collections import Counter as Count
-    from types import SimpleNamespace
-
+@pytest.mark.parametrize("elsewhere", [True, False], ids=["diffs-at-two-log-homes", "diffs-at-its-own-log-home"])
+def test_a_release_record_is_written_only_once_its_intervals_records_are_complete(elsewhere: bool) -> None:
+    """`RingWriter.own(last=True)`: a RELEASE goes out only after every other WRITE of its batch has completed
+    when some of them go to another log home, over another QP (RC orders one QP's WRITEs only); when they
+    all go to its own log home, on the QP it uses too, right behind them, with no wait in between."""
     from ckpt import verbs
-    from ckpt_remotelog._writer import LOG, RingWriter
+    from ckpt_remotelog._writer import LOG, OWN, RingWriter
 
     ctx = verbs.Context(name=f"simib{FIRST_HCA}")
     try:
         pd = verbs.PD(ctx)
         rings = [LogRing(pd, 1024), LogRing(pd, 1024)]
+        own = LogRing(pd, 1024)  # the releaser's own ring, at peer 0
         nic = _LoopNic(2)
-        memory = SimpleNamespace(
-            pd=pd, client=nic, seq=[0], rank=0, counters=SimpleNamespace(count=lambda *a: None), account=Count().update
-        )
+        memory = SimpleNamespace(pd=pd, client=nic, seq=[0], rank=0, counters=SimpleNamespace(count=lambda *a: None))
         memory.account = lambda name, amount=1: None
-        writer = RingWriter(memory, [{LOG: ring.address()} for ring in rings], 1024, lambda *a: 0, lambda *a: None)
-        writer.add(1, LOG, encode(RecordKind.DIFF, 0, b"d" * 16, interval=1, gid=7))  # the page's home's log home
-        writer.add(0, LOG, encode(RecordKind.RELEASE, 0, b"", tag=3, serial=5), 5, last=True)  # the releaser's
+        peers = [{LOG: rings[0].address(), OWN: own.address()}, {LOG: rings[1].address(), OWN: own.address()}]
+        writer = RingWriter(memory, peers, 1024, lambda *a: 0, lambda *a: None, 0)
+        if elsewhere:
+            writer.add(1, LOG, encode(RecordKind.DIFF, 0, b"d" * 16, interval=1, gid=7))  # the page's home's log home
+        writer.own(encode(RecordKind.RELEASE, 0, b"", tag=3, gid=1, serial=5), last=True)
         writer.add(0, LOG, encode(RecordKind.DIFF, 0, b"o" * 8, interval=1, gid=9))  # its own home page's
         writer.start()
+        assert own.scan(1) == []  # placed, not posted
         writer.complete()
-        release_at = rings[0].buf.ctypes.data  # the RELEASE lies after the own DIFF in ring 0
-        own_diff = rings[0].records()[0]
-        release_word = release_at + CONTROL + own_diff.size
+        release_word = own.buf.ctypes.data + CONTROL
         posts = [(k, e) for k, e in enumerate(nic.events) if e[0] == "post"]
         release_post = next(k for k, e in posts if any(addr == release_word for _, addr in e[2]))
-        diff_post = next(k for k, e in posts if e[1] == 1 and any(op == verbs.IBV_WR_RDMA_WRITE for op, _ in e[2]))
-        assert ("wait",) in nic.events[diff_post:release_post]  # the other log home's DIFF completed first
-        assert [r.kind for r in rings[0].records()] == [RecordKind.DIFF, RecordKind.RELEASE]
-        assert [r.kind for r in rings[1].records()] == [RecordKind.DIFF]
+        diff_posts = [k for k, e in posts if any(op == verbs.IBV_WR_RDMA_WRITE for op, _ in e[2]) and k != release_post]
+        assert len(diff_posts) == (2 if elsewhere else 1) and max(diff_posts) < release_post
+        waits = nic.events[max(diff_posts) : release_post].count(("wait",))
+        assert waits == (1 if elsewhere else 0)  # the DIFFs completed first, or share its QP
+        assert [(r.kind, r.serial) for r in walk(own.contents(0, writer.own_tail), 0)] == [(RecordKind.RELEASE, 5)]
+        assert [r.kind for r in rings[0].records()] == [RecordKind.DIFF]
+        assert [r.kind for r in rings[1].records()] == ([RecordKind.DIFF] if elsewhere else [])
     finally:
         ctx.close()

@@ -27,7 +27,7 @@ __version__ = "0.1.0"
 CKPT_PLUGIN_API = 2
 CKPT_HOOKSPECS = hookspecs
 MODES = ("remote", "stable", "off")
-RING_BYTES = 4 << 20  # per logged rank, and per home diff log
+RING_BYTES = 4 << 20  # per logged rank: its log ring and its own ring (a home diff log: twice)
 EXTENSION = "remotelog"
 
 
@@ -51,7 +51,7 @@ def ckpt_add_options() -> list[dict[str, Any]]:
         },
         {
             "name": "log-ring-bytes",
-            "help": f"bytes of each log ring: per logged rank, and per home diff log (default {RING_BYTES})",
+            "help": f"bytes of each log ring, per logged rank (default {RING_BYTES}; a home diff log: twice that)",
             "default": RING_BYTES,
             "type": "int",
             "launch_only": True,

@@ -3,12 +3,15 @@
 # Rationale (design of issue 13 part 5, §2.2).  Rank R was respawned from its image (taken at
 # T_R) while the others ran on; its links are up, and no survivor uses its memory until this
 # returns.  R's log ring at L(R) holds, in ring order, every change to R's home pages since its
-# image (DIFF records, its own writes too) and, by serial, R's own synchronisation since then.
+# image (DIFF records, its own writes too); R's own ring there holds, by serial, R's own
+# synchronisation since then.
 #
 # a. Without that ring there is nothing to replay from: L(R) is not reachable (it failed with
-#    R), or the ring is marked lost (L(R) was itself recovered since, and R has not
+#    R), or the rings are marked lost (L(R) was itself recovered since, and R has not
 #    checkpointed after that).  Then only a whole-job restart is consistent: `rt.fall_back`.
-# b. The ring is read by RDMA, past holes (a writer may have died mid-record).
+# b. The log ring is read by RDMA, past holes (a writer may have died mid-record), and so
+#    is R's own ring there, from R's image's own tail up to the first record not committed
+#    (R alone writes it, in order: nothing committed follows a hole).
 # c. The replay (`_replay.LogReplay`) is built against the image -- which diffs the image's
 #    home copies hold -- and handed to the DSM, which copies every page into the program's
 #    view: the program re-executes against the image's state.
@@ -18,8 +21,8 @@
 #    from the master: it must hold everything they may already have seen.
 # e. Pages whose DIFF records are here are homed at R: R's home table says so for those whose
 #    default home is R (a first touch after the image claimed them).
-# f. The ring R holds (of O = R - offset) came back from the image too: what O logged since is
-#    gone.  It is marked lost and O is asked to checkpoint; O's discard clears the mark.
+# f. The rings R holds (of O = R - offset) came back from the image too: what O logged since is
+#    gone.  They are marked lost and O is asked to checkpoint; O's discard clears the marks.
 # g. While the replay runs, no checkpoint may be taken of R: its state is not one an image may
 #    hold (the DSM releases the hold when the replay ends).
 
@@ -35,7 +38,7 @@ from dsm import DsmError
 
 from ._records import Record, RecordKind, diff_runs, encode
 from ._replay import LogReplay
-from ._writer import LOG
+from ._writer import LOG, OWN
 
 if TYPE_CHECKING:
     from ._remote import RemoteLog
@@ -50,17 +53,21 @@ def recover(rlog: RemoteLog, incarnation: int) -> LogReplay:
     home = rlog.log_home(rank)
     if memory.client.state[home] != UP:
         _fall_back(rlog, f"its log home, rank {home}, is lost too")
-    if rlog.writer.read_word(home, LOG, 16):
-        _fall_back(rlog, f"its log ring at rank {home} was lost when rank {home} was recovered")
+    if rlog.writer.read_word(home, LOG, 16) or rlog.writer.read_word(home, OWN, 16):
+        _fall_back(rlog, f"its log rings at rank {home} were lost when rank {home} was recovered")
     records, _ = rlog.writer.read_ring(home, LOG, holes=True)
-    replay = LogReplay(rank, rlog.serial, records, lambda gid: _applied(memory, gid))
+    own = rlog.writer.read_own(rlog.writer.own_tail)
+    replay = LogReplay(rank, rlog.serial, records + own, lambda gid: _applied(memory, gid))
     if not replay.done:
         memory.start_replay(replay)  # the view: the image's pages, before the master moves on
-    # own diffs logged after its last logged operation belong to the interval it may have closed unlogged:
-    # it re-executes that one live, on the master (dsm._replay._log_ended)
-    last = replay.ops[-1].position if replay.ops else -1
-    rebuilt = rebuild_master(rlog, [r for r in records if r.writer != rank or r.position < last])
+    # own diffs of intervals after its last logged operation belong to the interval it may have closed unlogged:
+    # it re-executes that one live, on the master (dsm._replay._log_ended); an own record's gid field holds
+    # this rank's interval count after its operation
+    last = replay.ops[-1].gid if replay.ops else -1
+    rebuilt = rebuild_master(rlog, [r for r in records if r.writer != rank or r.interval <= last])
     rlog.serial = replay.next_serial  # the next own record follows the last replayed one
+    if replay.ops:  # ... and lies after it in the own ring (the lost incarnation's later ones were not committed)
+        rlog.writer.own_tail = replay.ops[-1].position + replay.ops[-1].size
     rlog.replay = replay
     _lose_held_ring(rlog)
     done, total = replay.progress()
@@ -136,6 +143,7 @@ def _lose_held_ring(rlog: RemoteLog) -> None:
     if owner == rlog.rank:
         return
     rlog.ring.mark_lost()
+    rlog.own_ring.mark_lost()
     log.info("rank %d: the log ring of rank %d it holds is lost: asking for its checkpoint", rlog.rank, owner)
     try:
         rlog.rt.checkpoint_rank(owner)

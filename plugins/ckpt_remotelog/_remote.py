@@ -1,8 +1,8 @@
 """Remote logging (FT-KDSM §4): one rank's diffs and write notices, written by RDMA into its peers' log rings.
 
-Rationale.  Rank R's *log home* is L(R) = (R + offset) mod N.  Every rank holds two
-rings in registered memory (`_ring.LogRing`): the *log ring* of the one rank whose log
-home it is, and its own *home diff log*.  What goes where, and when:
+Rationale.  Rank R's *log home* is L(R) = (R + offset) mod N.  Every rank holds three
+rings in registered memory (`_ring.LogRing`): the *log ring* and the *own ring* of the
+one rank whose log home it is, and its own *home diff log*.  What goes where, and when:
 
 * a diff of a page homed at H -> a DIFF record in H's log ring at L(H) (H's own writes to
   its pages too: so H's ring holds every change to its home pages since its image, in
@@ -21,44 +21,41 @@ home it is, and its own *home diff log*.  What goes where, and when:
   on the loopback QP under ``onesided`` (one appender kind per ring: CPU stores and NIC
   atomics on one word do not mix).
 * at a lock acquire, the grant's notices and the new vector timestamp -> a NOTICES record
-  at L(acquirer), reserved and posted in ``dsm_lock_acquired``, before the program thread
-  returns to the program, and complete before any diff of the next interval leaves
-  (``dsm_interval_closing`` waits for it): a diff at a home whose acquire is not in the
-  log would be applied twice by a recovery, which would re-execute that critical
-  section live rather than on minimal versions (§4.3, Figure 2: a failure before this
-  point re-acquires; after it, the log holds the acquire).  ``pointer`` is the
-  acquirer's home diff log tail at that moment ("a pointer to the last diff log entry
-  that precedes the acquire").
-* at a release, a RELEASE record (tag lock, interval the acquisition's token) at
-  L(releaser), complete before the release leaves.  When the release closes an interval
-  that wrote, ``dsm_interval_closing`` says so (``release``) and the record is reserved
-  in that interval's round and written once the interval's records are complete (never
-  before: they go to other log homes, over other QPs); otherwise in
-  ``dsm_lock_releasing``, on its own.  A replay then knows which releases reached the home.
+  in the acquirer's own ring at L(acquirer), posted in ``dsm_lock_acquired``, before the
+  program thread returns to the program, and complete before any diff of the next
+  interval leaves (``dsm_interval_closing`` waits for it): a diff at a home whose acquire
+  is not in the log would be applied twice by a recovery, which would re-execute that
+  critical section live rather than on minimal versions (§4.3, Figure 2: a failure
+  before this point re-acquires; after it, the log holds the acquire).  ``pointer`` is
+  the acquirer's home diff log tail at that moment ("a pointer to the last diff log
+  entry that precedes the acquire").
+* at a release, a RELEASE record (tag lock, interval the acquisition's token) in the
+  releaser's own ring, complete before the release leaves.  When the release closes an
+  interval that wrote, ``dsm_interval_closing`` says so (``release``) and the record is
+  placed then and posted once the interval's records are complete (never before: they
+  go to other log homes, over other QPs); otherwise in ``dsm_lock_releasing``, on its
+  own.  A replay then knows which releases reached the home.
 * barriers, two-phase: each rank writes its arrival (BARRIER_ARRIVAL, its notices) into
-  its *own* ring at L(rank), completed before its arrival leaves (``dsm_barrier_arriving``);
-  the merged reply is logged by each *receiving rank itself* (BARRIER at L(rank)) before
-  the next interval completes (queued in ``dsm_barrier_passed``, like NOTICES).  Chosen
-  over the manager writing N records: the manager's handler thread would have to drive
-  RDMA on a client endpoint
-  that belongs to the program thread, and the barrier's critical path would grow by N
-  writes at one rank; written by the receiver, the invariant -- nothing a rank uses is
-  unlogged at its log home when the interval that depends on it completes -- holds
-  because the record joins the batch that interval completes.
+  its own ring, completed before its arrival leaves (``dsm_barrier_arriving``); the
+  merged reply is logged by each *receiving rank itself* (BARRIER), posted in
+  ``dsm_barrier_passed`` and complete before the next interval's diffs leave, like
+  NOTICES.  Chosen over the manager writing N records: the manager's handler thread
+  would have to drive RDMA on a client endpoint that belongs to the program thread,
+  and the barrier's critical path would grow by N writes at one rank.
 * so a rank's own records (NOTICES, RELEASE, BARRIER_ARRIVAL, BARRIER) carry its serial
-  in program order, and everything of it another rank can observe (a release, an
-  arrival) is logged before it leaves: once a recovery has replayed the last one, no
-  home holds a write that happened after the rank's current point (`_replay`).
+  in program order and its own interval count after the operation (the gid field:
+  `_recover` tells own DIFFs before the last replayed operation from later ones by it),
+  and everything of it another rank can observe (a release, an arrival) is logged
+  before it leaves: once a recovery has replayed the last one, no home holds a write
+  that happened after the rank's current point (`_replay`).
 
-How (`_writer`): records are queued and appended in batches -- one round of
-FETCH_AND_ADDs on the rings' tails, one of RDMA WRITEs (the records' bodies before their
-commit words, `_records`) -- on the DSM's own client endpoint QPs, whose completion is
-the proof of logging: no ack, and the log home's threads do nothing.  A batch goes at
-the interval's close (its writes waited for once the diffs are home, before the
-interval completes), before a release and before a barrier arrival leaves (waited for
-there); an acquire's record is reserved and posted at once, and completes before the
-next interval's diffs leave; a barrier's joins the next batch, which completes before
-any interval that depends on it does -- the invariant above.
+How (`_writer`): the own ring has one writer, its owner, which keeps its tail and head
+and posts each record at once, with no reservation.  DIFF and HOME_DIFF records are
+queued and appended in batches -- one round of FETCH_AND_ADDs on the rings' tails, one
+of RDMA WRITEs (the records' bodies before their commit words, `_records`) -- at the
+interval's close (reserved while the diffs go home, written and waited for before the
+interval completes).  All of it on the DSM's own client endpoint QPs, whose completion
+is the proof of logging: no ack, and the log home's threads do nothing.
 
 Bounded memory: a reservation that finds its ring half full asks for the ring owner's
 checkpoint (``rt.checkpoint_rank(owner)`` where the runtime has it, else
@@ -69,15 +66,17 @@ unbounded: the owner may be blocked on this very writer (a lock it holds, a barr
 has not reached), so after `FULL_TIMEOUT` seconds it fails with a DsmError naming the
 ring and the option to raise, rather than hang.  Without single-rank checkpoints
 (``rt.checkpoint_rank``) it fails at once: a coordinated checkpoint needs this writer
-at a step boundary, which it cannot reach while it waits.  A record is never dropped:
-the reservation stays, and the job stops with the error.
+at a step boundary, which it cannot reach while it waits.  An own record that does not
+fit its own ring fails at once too: its owner is the writer, mid-step.  A record is
+never dropped: the reservation stays, and the job stops with the error.
 
 Discard: at its checkpoint the owner R snapshots what its image holds (the home's
 ``applied`` columns, its record serial, its barrier epoch); once the checkpoint exists
 (``ckpt_checkpointed``) it reads its log ring at L(R) by RDMA and advances ``head`` past
 the longest prefix of committed records the image covers -- exact under independent
-checkpoints too, where writers keep appending meanwhile -- and clears the ring's ``lost``
-word (`_ring`).  The home diff log is in the image (the ring is pickled with the memory),
+checkpoints too, where writers keep appending meanwhile --, moves its own ring's head
+(which it keeps itself) to its image's own tail, and clears both rings' ``lost`` words
+(`_ring`).  The home diff log is in the image (the ring is pickled with the memory),
 and is kept since the last *coordinated* checkpoint, whose base copies it completes
 (`_versions`): it is released only at the next coordinated checkpoint, once the new base
 is taken.  Recovery from the logs: `_recover`.
@@ -96,7 +95,6 @@ from dsm import DsmError
 from . import _recover
 from ._records import (
     HEADER_SIZE,
-    OWN_KINDS,
     Record,
     RecordKind,
     diff_payload,
@@ -106,7 +104,7 @@ from ._records import (
 from ._replay import LogReplay
 from ._ring import LogRing
 from ._versions import HomeVersions
-from ._writer import HIGH_WATER, HOME, LOG, RingWriter
+from ._writer import HIGH_WATER, HOME, LOG, OWN, RingWriter
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +121,11 @@ class RemoteLog:
         self.onesided = memory.protocol == "onesided"
         ring_bytes = max(4 * HEADER_SIZE, -(-ring_bytes // 8) * 8)
         self.ring = LogRing(memory.pd, ring_bytes)  # the log ring of rank (rank - offset) mod size
-        self.home_log = LogRing(memory.pd, ring_bytes)  # this rank's home diff log
+        self.own_ring = LogRing(memory.pd, ring_bytes)  # the own ring of the same rank (its control words unused)
+        # this rank's home diff log: twice a log ring, as it gets the same diffs as this rank's log ring but is
+        # released only by coordinated checkpoints -- so a log ring fills (an independent checkpoint empties it)
+        # well before the home diff log that mirrors it does
+        self.home_log = LogRing(memory.pd, 2 * ring_bytes)
         self.serial = 0  # records of this rank's own (NOTICES, RELEASE, BARRIER_ARRIVAL, BARRIER) so far
         self.diffs: list[tuple[int, int, int, list[tuple[int, bytes]]]] = []  # this interval's (gid, home, i, diff)
         self.notices: list[Any] = []  # received at the current acquire / barrier
@@ -132,9 +134,10 @@ class RemoteLog:
         self.snapshot: dict[str, Any] | None = None
         self.home_flush = 0
         self.peers: list[dict[str, dict[str, int]]] = memory.rt.allgather(
-            {LOG: self.ring.address(), HOME: self.home_log.address()}
+            {LOG: self.ring.address(), HOME: self.home_log.address(), OWN: self.own_ring.address()}
         )
-        self.writer = RingWriter(memory, self.peers, ring_bytes, self.owner, self._ask_checkpoint)
+        own_home = self.log_home(self.rank)
+        self.writer = RingWriter(memory, self.peers, ring_bytes, self.owner, self._ask_checkpoint, own_home)
         self.versions = HomeVersions(memory, self.home_log, self.overflow)
         self.replay: LogReplay | None = None  # after a recovery: the log it replayed (until the next checkpoint)
         # (lock, token) of a release whose record went into its interval's batch (`dsm_interval_closing`)
@@ -156,7 +159,8 @@ class RemoteLog:
         return dict(self.__dict__)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        state.setdefault("release_logged", None)  # an image older than the field
+        if "own_ring" not in state:
+            raise DsmError("this image was written by an older ckpt_remotelog (no own log rings): it cannot resume")
         self.__dict__.update(state)
         self.register()  # before the memory decides which DSM hooks fire (it is unpickled after this)
 
@@ -164,7 +168,7 @@ class RemoteLog:
         return (rank + self.offset) % self.size
 
     def owner(self, peer: int, which: str) -> int:
-        return (peer - self.offset) % self.size if which == LOG else peer
+        return (peer - self.offset) % self.size if which in (LOG, OWN) else peer
 
     # ------------------------------------------------------------------ DSM hooks (program thread unless noted)
     def replaying(self) -> bool:
@@ -202,14 +206,15 @@ class RemoteLog:
         if release >= 0:
             token = int(self.memory.tokens.get(release, 0))
             if not self.replayed(RecordKind.RELEASE, release, token):
-                # reserved in this round, written once the interval's records are complete: the release
-                # then costs no round trip of its own (`dsm_lock_releasing`)
-                self._own(RecordKind.RELEASE, b"", release, token, last=True)
+                # placed now, posted once the interval's records are complete (`dsm_interval_closed`): the
+                # release then costs no round trip of its own (`dsm_lock_releasing`)
+                self._own(RecordKind.RELEASE, b"", release, token, interval=interval, last=True)
                 self.release_logged = (release, token)
         self.writer.start()  # reserved while the diffs go home; written and waited for when the interval is closed
-        # the acquire's NOTICES (posted when it returned) is complete before a diff of this interval can reach a
-        # home: a recovery that replays to the acquire re-executes this interval on minimal versions (a diff
-        # applied at a home whose acquire is not in the log would be applied twice by a live re-execution)
+        # the acquire's NOTICES or the barrier's BARRIER (posted when it returned) is complete before a diff of this
+        # interval can reach a home: a recovery that replays to that operation re-executes this interval on
+        # minimal versions (a diff applied at a home whose acquire is not in the log would be applied twice by a
+        # live re-execution)
         self.writer.settle()
 
     @ckpt.hookimpl(tryfirst=True)
@@ -234,9 +239,8 @@ class RemoteLog:
             return
         payload = notices_payload(list(self.memory.vt), self.notices)
         self.notices = []
+        # posted, not waited for: complete before the next interval's diffs leave (`dsm_interval_closing`)
         self._own(RecordKind.NOTICES, payload, lock, token)
-        self.writer.start()
-        self.writer.write()  # posted now (no hole left in the ring), complete before the next diffs leave
 
     @ckpt.hookimpl
     def dsm_lock_releasing(self, lock: int) -> None:
@@ -246,7 +250,7 @@ class RemoteLog:
         if self.release_logged != (lock, token):
             self._own(RecordKind.RELEASE, b"", lock, token)  # the interval had nothing to close: on its own
         # complete (a no-op when `dsm_interval_closed` completed it already; its interval may also have failed
-        # after the reservation, and a retried release must not log it twice)
+        # before its records were complete, and a retried release must not log it twice)
         self.writer.flush()  # this rank's state becomes visible through the lock: logged (diffs first) before
         self.release_logged = None
 
@@ -264,13 +268,20 @@ class RemoteLog:
             return
         payload = notices_payload(list(self.memory.vt), self.notices)
         self.notices = []
-        self._own(RecordKind.BARRIER, payload, epoch)  # queued: joins the next batch, as an acquire's NOTICES
+        self._own(RecordKind.BARRIER, payload, epoch)  # posted, not waited for: as an acquire's NOTICES
 
-    def _own(self, kind: RecordKind, payload: bytes, tag: int, token: int = 0, last: bool = False) -> None:
-        """Queue one of this rank's own records, at its log home, with its next serial (`last`: `RingWriter.add`)."""
+    def _own(
+        self, kind: RecordKind, payload: bytes, tag: int, token: int = 0, interval: int = -1, last: bool = False
+    ) -> None:
+        """Log one of this rank's own records in its own ring at its log home, with its next serial and (in the
+        gid field) its own interval count after this operation -- `interval`, or ``vt[rank]`` when -1 (`last`:
+        `RingWriter.own`)."""
         serial = self._serial()
-        record = encode(kind, self.rank, payload, interval=token, tag=tag, pointer=self.home_log.tail, serial=serial)
-        self.writer.add(self.log_home(self.rank), LOG, record, serial, last)
+        own = int(self.memory.vt[self.rank]) if interval < 0 else interval
+        record = encode(
+            kind, self.rank, payload, interval=token, gid=own, tag=tag, pointer=self.home_log.tail, serial=serial
+        )
+        self.writer.own(record, last)
 
     def flush(self) -> None:
         """Append and complete every queued record now (tests; the hooks do it as the invariant needs)."""
@@ -303,7 +314,7 @@ class RemoteLog:
         self.memory.account("log_full_checkpoints")
         log.info("rank %d: the %s ring of rank %d is filling: asking for its checkpoint", self.rank, which, owner)
         by_rank = getattr(self.rt, "checkpoint_rank", None)
-        if by_rank is not None and which == LOG:
+        if by_rank is not None and which in (LOG, OWN):
             by_rank(owner)
         else:  # a home diff log is released at coordinated checkpoints only (`_versions`)
             self.rt.checkpoint()
@@ -315,11 +326,11 @@ class RemoteLog:
 
     def covered(self, record: Record, snapshot: dict[str, Any]) -> bool:
         """Does this rank's checkpoint (its `snapshot`) hold what `record` logs?"""
-        if record.kind == RecordKind.DIFF:
-            aid, page = record.gid >> 32, record.gid & 0xFFFFFFFF
-            applied = snapshot["applied"]
-            return aid < len(applied) and bool(applied[aid][page, record.writer] >= record.interval)
-        return record.kind in OWN_KINDS and record.writer == self.rank and record.serial < int(snapshot["serial"])
+        if record.kind != RecordKind.DIFF:
+            return False  # a log ring holds DIFF records only (own records: the own ring, `discard`)
+        aid, page = record.gid >> 32, record.gid & 0xFFFFFFFF
+        applied = snapshot["applied"]
+        return aid < len(applied) and bool(applied[aid][page, record.writer] >= record.interval)
 
     def discard(self) -> list[Record]:
         """Advance this rank's log ring's head past what the checkpoint covers, and clear its ``lost`` word
@@ -328,9 +339,7 @@ class RemoteLog:
         if self.snapshot is None:
             return []
         snapshot, self.snapshot = self.snapshot, None
-        # still queued (an acquire or barrier after this rank's last interval): the image holds them, so they need
-        # no logging -- writing them first could wait for room in this very ring, which only this discard makes
-        self.writer.drop_own(int(snapshot["serial"]))
+        self.writer.own_head = int(snapshot["own_tail"])  # the own records before the image: no recovery needs them
         records, head = self.remote_records()
         dropped: list[Record] = []
         for record in records:
@@ -343,6 +352,7 @@ class RemoteLog:
             # the holder was not recovered since the image was taken: whatever it lost, this image covers (after
             # head: the ring holds what it should); else a checkpoint after its recovery clears the mark
             self.writer.write_word(self.log_home(self.rank), LOG, 16, 0)
+            self.writer.write_word(self.log_home(self.rank), OWN, 16, 0)
         self.replay = None  # the image is past every replayed operation
         if not snapshot["independent"]:
             # the new base holds what the home diff log held: kept since the last coordinated checkpoint
@@ -358,6 +368,7 @@ class RemoteLog:
         self.snapshot = {
             "applied": [region.applied() for region in memory.regions],  # a remote diff may be in progress
             "serial": self.serial,
+            "own_tail": self.writer.own_tail,
             "epoch": memory.epoch,
             "overflow": len(self.overflow),
             "independent": bool(independent),
@@ -389,8 +400,9 @@ class RemoteLog:
             # it is needed any more (the rings came back from the images as they were when it was taken)
             self.ring.set_head(self.ring.tail)
             self.ring.control[2] = 0  # its owner is back at the same checkpoint: nothing it logged is missing
+            self.own_ring.control[2] = 0
+            self.writer.own_head = self.writer.own_tail
             self.home_log.set_head(self.home_log.committed_end())
             self.overflow.clear()
             self.snapshot = None
             self.replay = None
-            self.writer.drop_own(self.serial)

@@ -11,6 +11,10 @@ made everything before it useless; writers only read it, and a stale value is
 conservative (head only grows).  Invariant: ``head <= tail`` and the bytes between
 hold records in reservation order, each committed or still being written.
 
+An *own* ring (a rank's own records, `_writer.RingWriter.own`) has a single writer, the
+rank whose records it holds, which keeps tail and head itself: there, only ``lost`` is
+used.
+
 ``lost`` is 1 while the ring cannot be trusted: the rank holding it was itself recovered
 from an image, so records written after that image are gone (FT-KDSM: "the process whose
 log home is the failed process takes a checkpoint").  The holder sets it (with head =

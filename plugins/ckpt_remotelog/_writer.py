@@ -1,24 +1,30 @@
 """Appending records to peers' log rings by RDMA, on the DSM's own client endpoint: reserve, write, complete.
 
 Rationale.  Logging must not add round trips the protocol does not already pay, or
-its overhead is the network's latency times the number of records.  So records are
-queued and appended in batches, in three steps that are each posted to every peer at
-once and waited for only when the FT-KDSM invariant needs it -- nothing a rank uses is
-unlogged at its log home when an interval that depends on it completes:
+its overhead is the network's latency times the number of records.  Two kinds of ring,
+two ways in:
 
-1. `start`: one round of FETCH_AND_ADDs on the tails of every ring the batch touches
-   (with an RDMA READ of each head), not waited for: it overlaps what the rank does
-   next (the wait at a barrier, the diffs' round trips at an interval's close).  A
-   reserved record not yet written is a hole the ring's readers (the owner's discard
-   at a checkpoint) cannot pass, so every hole is filled before the DSM operation that
-   made it returns to the program (an acquire's record is reserved and written at
-   once; a barrier's is not reserved there at all, only queued for the next batch);
-2. `write`: once those have completed, the records' positions are theirs: one round
-   of RDMA WRITEs (per ring: the bodies of its consecutive records in one WRITE, then
-   each commit word; RC keeps that order on a QP), again not waited for;
-3. `complete`: wait for the WRITEs -- when an interval completes and before a release
-   leaves, which is when the invariant asks for it -- and then write and wait for the
-   batch's `last` records (a release's: `add`).
+* a rank's *own* records (NOTICES, RELEASE, BARRIER_ARRIVAL, BARRIER) go to its own ring
+  at its log home, which nobody else writes: the rank knows the ring's tail and head, so
+  a record is placed with no reservation and posted at once (`own`).  An acquire and a
+  barrier exit return without waiting for theirs (the next interval's close waits before
+  any diff leaves); an idle release or a barrier arrival waits one round trip;
+* DIFF and HOME_DIFF records go to rings that several ranks write.  They are queued and
+  appended in batches, in three steps that are each posted to every peer at once and
+  waited for only when the FT-KDSM invariant needs it -- nothing a rank uses is unlogged
+  at its log home when an interval that depends on it completes:
+
+  1. `start`: one round of FETCH_AND_ADDs on the tails of every ring the batch touches
+     (with an RDMA READ of each head), not waited for: it overlaps the diffs' round
+     trips at the interval's close.  A reserved record not yet written is a hole the
+     ring's readers (the owner's discard at a checkpoint) cannot pass, so every hole is
+     filled before the interval's close returns;
+  2. `write`: once those have completed, the records' positions are theirs: one round
+     of RDMA WRITEs (per ring: the bodies of its consecutive records in one WRITE, then
+     each commit word; RC keeps that order on a QP), again not waited for;
+  3. `complete`: wait for the WRITEs -- when an interval completes, which is when the
+     invariant asks for it -- and then post and wait for a `last` own record (the
+     RELEASE of a release that closes the interval).
 
 The endpoint belongs to the program thread, and so does this class (and, while the
 program is parked, the checkpoint thread).  Posting goes straight to the endpoint's
@@ -42,10 +48,10 @@ from dsm import DsmError
 from dsm._net import UP, chain
 
 from ._records import HEADER_SIZE, Record, commit_word, scan, walk
-from ._ring import CONTROL, REMOTE, spans
+from ._ring import CONTROL, REMOTE, circular_read, circular_write, spans
 
 log = logging.getLogger(__name__)
-LOG, HOME = "log", "home"  # the two rings every rank holds
+LOG, HOME, OWN = "log", "home", "own"  # the three rings every rank holds
 ONE_SIDED = 3 << 40  # the kind bits `Endpoint.poll` files under one-sided completions
 POST_LIMIT = 128  # WRs posted to one QP without waiting (the send queue holds 512)
 FULL_TIMEOUT = 60.0  # seconds a writer waits for room in a full ring
@@ -62,51 +68,84 @@ class RingWriter:
         staging_bytes: int,
         owner: Callable[[int, str], int],
         ask: Callable[[int, str, int], None],
+        own_home: int,
     ) -> None:
         self.memory, self.peers, self.owner, self.ask = memory, peers, owner, ask
+        # this rank's own ring at its log home: only this rank writes it, so it keeps the ring's tail and head
+        # here, and `mine` mirrors it (a record is staged where it lies in the ring, and stays there until a
+        # discard passes it: nothing in flight is ever overwritten)
+        self.own_home, self.own_tail, self.own_head = own_home, 0, 0
+        self.mine = np.zeros(peers[own_home][OWN]["capacity"], dtype=np.uint8)
+        self.mine_mr = verbs.MR(memory.pd, self.mine, REMOTE)
         # records as they leave, and their commit words (`_place`: at most one per HEADER_SIZE bytes)
         self.staging = np.zeros(staging_bytes + HEADER_SIZE + 8 * (staging_bytes // HEADER_SIZE + 1), dtype=np.uint8)
         self.staging_mr = verbs.MR(memory.pd, self.staging, REMOTE)
         self.landing = np.zeros(4 * len(peers) + 2, dtype=np.int64)  # per (peer, ring): old tail, head; +2 words
         self.landing_mr = verbs.MR(memory.pd, self.landing, REMOTE)
-        self.queue: list[tuple[int, str, bytearray, bool]] = []  # (peer, ring, record, written last)
-        self.serials: list[int] = []  # per queued record: its writer's own serial (NOTICES, BARRIER), else -1
-        # records (with their `last` flags), FAA ids, peers not posted to (failed)
-        self.reserved: tuple[dict[tuple[int, str], list[tuple[bytearray, bool]]], list[int], set[int]] | None = None
+        self.queue: list[tuple[int, str, bytearray]] = []  # (peer, ring, record)
+        # records per ring, FAA ids, peers not posted to (failed)
+        self.reserved: tuple[dict[tuple[int, str], list[bytearray]], list[int], set[int]] | None = None
         self.writing: list[int] = []  # ids of the signaled WRITEs not yet seen complete
-        self.last: dict[int, list[verbs.SendWR]] = {}  # placed WRITEs of `last` records, posted once `writing` is done
+        self.last: dict[int, list[verbs.SendWR]] = {}  # WRITEs of a `last` own record, posted once `writing` is done
         self.sent: dict[int, tuple[int, int]] = {}  # signaled WR id -> (peer, its link number when posted)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         # an image is a point every record before it is covered by (ckpt_restart starts over from it): what is
         # queued, reserved or being written belongs to this process only
-        state.update(queue=[], serials=[], reserved=None, writing=[], sent={}, last={})
+        state.update(queue=[], reserved=None, writing=[], sent={}, last={})
         return state
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        state.setdefault("last", {})  # an image older than the field
-        self.__dict__.update(state)
-
     # ------------------------------------------------------------------ batches
-    def add(self, peer: int, which: str, record: bytearray, serial: int = -1, last: bool = False) -> None:
-        """Queue `record` for ring `which` at `peer`.
+    def add(self, peer: int, which: str, record: bytearray) -> None:
+        """Queue `record` for ring `which` (LOG or HOME) at `peer`: it goes with the next batch (`start`)."""
+        self.queue.append((peer, which, record))
 
-        `last`: reserved with its batch, after the batch's other records in its ring, but written only
-        once every other record of the batch is complete -- a release's record, which must not be in
-        a log while a record of the interval it ends is missing from another (RC orders the WRITEs
-        of one QP only, and the batch's records go to several).
+    def own(self, record: bytearray, last: bool = False) -> None:
+        """Append one of this rank's own records to its own ring at its log home, posted now, not waited for.
+
+        No reservation: only this rank writes that ring.  `last`: posted only once every WRITE posted
+        before it is complete (`complete`) -- a release's record, which must not be in a log while a
+        record of the interval it ends is missing from another log (RC orders one QP's WRITEs only,
+        and the interval's records go to several).
         """
-        self.queue.append((peer, which, record, last))
-        self.serials.append(serial)
+        peer, ring = self.own_home, self.peers[self.own_home][OWN]
+        capacity, need, position = ring["capacity"], len(record), self.own_tail
+        if position + need - self.own_head > HIGH_WATER * capacity:
+            self.ask(peer, OWN, self.own_head)
+        if position + need - self.own_head > capacity:
+            # only this rank's checkpoint empties it, and this rank is not at a step boundary
+            raise DsmError(
+                f"rank {self.memory.rank}'s own log ring at rank {peer} is full and no checkpoint can empty it "
+                "mid-step: raise --log-ring-bytes or checkpoint more often"
+            )
+        record[:8] = commit_word(position)
+        circular_write(self.mine, position, bytes(record))
+        self.own_tail = position + need
+        base, lkey = self.mine_mr.buf, self.mine_mr.lkey
+        wrs = [  # the body, then its commit word (RC: in that order)
+            _write((base + ring_off, length, lkey), ring["rkey"], ring["addr"] + CONTROL + ring_off)
+            for ring_off, _, length in spans(capacity, position + 8, need - 8)
+        ]
+        word = position % capacity
+        wrs.append(_write((base + word, 8, lkey), ring["rkey"], ring["addr"] + CONTROL + word))
+        self.memory.counters.count("log_write", need)
+        self.memory.account("log_records")
+        self.memory.account("log_bytes", need)
+        if last:
+            self.last.setdefault(peer, []).extend(wrs)
+        else:
+            self._post(peer, wrs, self.writing)  # a failed log home: see `_post`
 
-    def drop_own(self, before: int) -> int:
-        """Forget queued records of this rank's own with a serial below `before` (its checkpoint holds them)."""
-        keep = [k for k, serial in enumerate(self.serials) if not 0 <= serial < before]
-        dropped = len(self.queue) - len(keep)
-        self.queue = [self.queue[k] for k in keep]
-        self.serials = [self.serials[k] for k in keep]
-        return dropped
+    def read_own(self, start: int) -> list[Record]:
+        """This rank's own records at its log home from position `start` on, up to the first that is not
+        committed (a recovery: from its image's `own_tail`); the whole ring is read back into `mine`."""
+        peer, ring = self.own_home, self.peers[self.own_home][OWN]
+        capacity = ring["capacity"]
+        local = (self.mine_mr.buf, capacity, self.mine_mr.lkey)
+        self.memory.client.run(peer, [_read(local, ring["rkey"], ring["addr"] + CONTROL)], self.memory.seq)
+        self.memory.counters.count("log_read", capacity)
+        return walk(circular_read(self.mine, start, start + capacity), start)
 
     def start(self) -> None:
         """Reserve room for every queued record: FETCH_AND_ADDs posted to every peer at once, not waited for."""
@@ -114,14 +153,13 @@ class RingWriter:
             self.write()  # one reservation at a time: each ring has one pair of landing words
         if not self.queue:
             return
-        rings: dict[tuple[int, str], list[tuple[bytearray, bool]]] = {}
-        for peer, which, record, last in self.queue:
-            rings.setdefault((peer, which), []).append((record, last))
-        self.queue, self.serials = [], []
+        rings: dict[tuple[int, str], list[bytearray]] = {}
+        for peer, which, record in self.queue:
+            rings.setdefault((peer, which), []).append(record)
+        self.queue = []
         reserve: dict[int, list[verbs.SendWR]] = {}
         for (peer, which), batch in rings.items():
-            batch.sort(key=lambda item: item[1])  # stable: `last` records at the end of their ring's share
-            need, ring = sum(len(r) for r, _ in batch), self.peers[peer][which]
+            need, ring = sum(len(r) for r in batch), self.peers[peer][which]
             if need > ring["capacity"]:
                 too_big = f"{need} bytes of log records exceed a ring of {ring['capacity']}"
                 raise DsmError(f"{too_big}: raise --log-ring-bytes")
@@ -141,33 +179,23 @@ class RingWriter:
         rings, ids, dropped = self.reserved
         self.reserved = None
         lost = dropped | self._wait(ids, "room in the log rings")
-        self._settle("earlier log writes")  # they read from the staging buffer this batch fills
-        total = sum(len(r) for batch in rings.values() for r, _ in batch)
+        self._drain("earlier log writes")  # they read from the staging buffer this batch fills
+        total = sum(len(r) for batch in rings.values() for r in batch)
         count = sum(len(batch) for batch in rings.values())
         writes: dict[int, list[verbs.SendWR]] = {}
-        # (peer, ring, position, head, records, where their WRITEs go); the `last` records after all the others
-        firsts: list[tuple[int, str, int, int, list[bytearray], dict[int, list[verbs.SendWR]]]] = []
-        finals: list[tuple[int, str, int, int, list[bytearray], dict[int, list[verbs.SendWR]]]] = []
+        at, big = 0, total + 8 * count > len(self.staging)  # `_place` stages the commit words too
         for (peer, which), batch in rings.items():
             if peer in lost:  # its rings died with it: its recovery marks them lost, their owners checkpoint
                 log.info("rank %d: %d log record(s) for lost rank %d dropped", self.memory.rank, len(batch), peer)
                 continue
             slot = self._slot(peer, which)
             tail, head = int(self.landing[slot]), int(self.landing[slot + 1])
-            first = [r for r, last in batch if not last]
-            final = [r for r, last in batch if last]
-            if first:
-                firsts.append((peer, which, tail, head, first, writes))
-            if final:  # staged now, posted by `_settle` once the others are complete
-                finals.append((peer, which, tail + sum(len(r) for r in first), head, final, self.last))
-        at, big = 0, total + 8 * count > len(self.staging)  # `_place` stages the commit words too
-        for peer, which, position, head, records, into in firsts + finals:
             if big:  # too much for the staging buffer at once: ring by ring, each written and waited for
                 alone: list[verbs.SendWR] = []
-                self._place(peer, which, position, head, records, 0, alone)
+                self._place(peer, which, tail, head, batch, 0, alone)
                 self.memory.client.run(peer, alone, self.memory.seq)
             else:
-                at = self._place(peer, which, position, head, records, at, into.setdefault(peer, []))
+                at = self._place(peer, which, tail, head, batch, at, writes.setdefault(peer, []))
         for peer, wrs in writes.items():
             self._post(peer, wrs, self.writing)  # a failed peer is skipped: see above
         self.memory.counters.count("log_write", total)
@@ -183,21 +211,36 @@ class RingWriter:
         self.memory.account("log_seconds", time.perf_counter() - started)
 
     def settle(self) -> None:
-        """Wait until what was written earlier (an acquire's NOTICES) is complete; nothing is reserved or written."""
+        """Wait until the own records posted earlier (an acquire's NOTICES, a barrier's BARRIER) are complete;
+        nothing is reserved, written or posted (a `last` record stays back)."""
         started = time.perf_counter()
-        self._settle("earlier log writes")
+        self._drain("earlier log writes")
         self.memory.account("log_seconds", time.perf_counter() - started)
 
-    def _settle(self, what: str) -> None:
-        """Wait for the WRITEs posted; then post the `last` records' and wait for those too."""
+    def _drain(self, what: str) -> None:
         self._wait(self.writing, what)
         self.writing = []
+
+    def _settle(self, what: str) -> None:
+        """Wait for the WRITEs posted; then post the `last` record's and wait for those too.
+
+        One wait instead of two when everything in flight goes to the `last` record's own peer: RC
+        places one QP's WRITEs in order, so the record then lands after the others anyway.
+        """
+        client = self.memory.client
+        if len(self.last) == 1 and all(
+            self.sent[w][0] in self.last and self.sent[w][1] == client.link[self.sent[w][0]] for w in self.writing
+        ):
+            self._post_last()
+        self._drain(what)
         if self.last:
-            for peer, wrs in self.last.items():
-                self._post(peer, wrs, self.writing)  # a failed peer is skipped, as in `write`
-            self.last = {}
-            self._wait(self.writing, what)
-            self.writing = []
+            self._post_last()
+            self._drain(what)
+
+    def _post_last(self) -> None:
+        for peer, wrs in self.last.items():
+            self._post(peer, wrs, self.writing)  # a failed peer is skipped, as in `write`
+        self.last = {}
 
     def flush(self) -> None:
         """Append every queued record now and wait for it."""
