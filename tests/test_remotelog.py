@@ -573,7 +573,9 @@ def test_own_records_cost_no_reservation_round(protocol: str) -> None:
             diff = max(r.interval for r in ring if r.kind == RecordKind.DIFF and r.writer == 1)
             releases = [r for r in own if r.kind == RecordKind.RELEASE]
             shared = [r.kind for r in ring if r.kind in OWN_KINDS]
-            out = wrote, idle, [r.kind for r in own][-4:], releases[-2].gid == diff, shared
+            state = log.writer.__getstate__()
+            pickled = state["own_head"] == log.writer.own_tail > log.writer.own_head
+            out = wrote, idle, [r.kind for r in own][-4:], releases[-2].gid == diff, shared, pickled
         memory.barrier()
         return out
 
@@ -584,8 +586,9 @@ def test_own_records_cost_no_reservation_round(protocol: str) -> None:
         plugins=_plain_hosts,
         options={"dsm_protocol": protocol, "logging": "remote"},
     )
-    wrote, idle, kinds, ordered, shared = out[1]
+    wrote, idle, kinds, ordered, shared, pickled = out[1]
     assert (wrote, idle, shared) == (1, 0, [])
+    assert pickled  # an image's own head is its own tail: a rank recovered from it has an empty own ring
     assert kinds == [RecordKind.NOTICES, RecordKind.RELEASE] * 2 and ordered
 
 

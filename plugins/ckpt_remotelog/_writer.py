@@ -94,6 +94,9 @@ class RingWriter:
         # an image is a point every record before it is covered by (ckpt_restart starts over from it): what is
         # queued, reserved or being written belongs to this process only
         state.update(queue=[], reserved=None, writing=[], sent={}, last={})
+        # ... and every own record before it too: the discard after the checkpoint moves the head there, but only
+        # in this process, after the image -- a rank recovered from the image must not count them as live
+        state["own_head"] = self.own_tail
         return state
 
     # ------------------------------------------------------------------ batches
