@@ -634,6 +634,12 @@ class _LoopNic:
         self.events.append(("wait",))
         assert ready(), what
 
+    def run(self, peer: int, wrs: list[Any], seq: list[int]) -> None:
+        from dsm._net import chain
+
+        self._post(peer, chain(wrs))
+        self.events.append(("wait",))
+
 
 @pytest.mark.parametrize("elsewhere", [True, False], ids=["diffs-at-two-log-homes", "diffs-at-its-own-log-home"])
 def test_a_release_record_is_written_only_once_its_intervals_records_are_complete(elsewhere: bool) -> None:
@@ -670,5 +676,42 @@ def test_a_release_record_is_written_only_once_its_intervals_records_are_complet
         assert [(r.kind, r.serial) for r in walk(own.contents(0, writer.own_tail), 0)] == [(RecordKind.RELEASE, 5)]
         assert [r.kind for r in rings[0].records()] == [RecordKind.DIFF]
         assert [r.kind for r in rings[1].records()] == ([RecordKind.DIFF] if elsewhere else [])
+    finally:
+        ctx.close()
+
+
+def test_a_recovery_reads_its_own_ring_in_growing_pieces_up_to_the_first_record_not_committed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`RingWriter.read_own` reads `OWN_READ` bytes, then twice as many while the walk reaches the end of what
+    was read (a record across the piece's end included, and across the ring's end), and stops at the first
+    word that is not a commit word: a record placed and never posted is not returned, nor anything after."""
+    from ckpt import verbs
+    from ckpt_remotelog import _writer
+    from ckpt_remotelog._writer import LOG, OWN, RingWriter
+
+    monkeypatch.setattr(_writer, "OWN_READ", 128)
+    ctx = verbs.Context(name=f"simib{FIRST_HCA}")
+    try:
+        pd = verbs.PD(ctx)
+        own = LogRing(pd, 1024)
+        nic = _LoopNic(1)
+        memory = SimpleNamespace(pd=pd, client=nic, seq=[0], rank=0, counters=SimpleNamespace(count=lambda *a: None))
+        memory.account = lambda name, amount=1: None
+        peers = [{LOG: LogRing(pd, 512).address(), OWN: own.address()}]
+        writer = RingWriter(memory, peers, 512, lambda *a: 0, lambda *a: None, 0)
+        writer.own_head = writer.own_tail = 800  # the image's own tail: the records wrap the ring's end
+        for i in range(5):
+            writer.own(encode(RecordKind.NOTICES, 0, bytes([i]) * (8 * i + 4), gid=i, serial=i))
+        writer.own(encode(RecordKind.RELEASE, 0, b"", serial=5), last=True)  # placed, never posted (it died)
+        writer.own_tail = writer.own_head = 800
+        writer.mine[:] = 0  # what the image's mirror holds does not matter
+        nic.events.clear()
+        found = writer.read_own(800)
+        assert [(r.kind, r.serial, r.payload) for r in found] == [
+            (RecordKind.NOTICES, i, bytes([i]) * (8 * i + 4)) for i in range(5)
+        ]
+        reads = [e for e in nic.events if e[0] == "post"]
+        assert len(reads) == 3  # 128, 256, then 512 bytes: the walk ended inside the last piece
     finally:
         ctx.close()

@@ -56,6 +56,7 @@ ONE_SIDED = 3 << 40  # the kind bits `Endpoint.poll` files under one-sided compl
 POST_LIMIT = 128  # WRs posted to one QP without waiting (the send queue holds 512)
 FULL_TIMEOUT = 60.0  # seconds a writer waits for room in a full ring
 HIGH_WATER = 0.5  # a reservation past this fill asks for the owner's checkpoint
+OWN_READ = 64 << 10  # bytes of the own ring a recovery reads first (`RingWriter.read_own`)
 
 
 class RingWriter:
@@ -142,13 +143,28 @@ class RingWriter:
 
     def read_own(self, start: int) -> list[Record]:
         """This rank's own records at its log home from position `start` on, up to the first that is not
-        committed (a recovery: from its image's `own_tail`); the whole ring is read back into `mine`."""
+        committed (a recovery: from its image's `own_tail`), read back into `mine` by RDMA READ.
+
+        From `OWN_READ` bytes on, doubled until the walk ends before what was read: a recovery waits for
+        this, and the records since an image are usually a small part of the ring.
+        """
         peer, ring = self.own_home, self.peers[self.own_home][OWN]
-        capacity = ring["capacity"]
-        local = (self.mine_mr.buf, capacity, self.mine_mr.lkey)
-        self.memory.client.run(peer, [_read(local, ring["rkey"], ring["addr"] + CONTROL)], self.memory.seq)
-        self.memory.counters.count("log_read", capacity)
-        return walk(circular_read(self.mine, start, start + capacity), start)
+        capacity, base, lkey = ring["capacity"], self.mine_mr.buf, self.mine_mr.lkey
+        size = min(capacity, OWN_READ)
+        while True:
+            wrs = [
+                _read((base + ring_off, length, lkey), ring["rkey"], ring["addr"] + CONTROL + ring_off)
+                for ring_off, _, length in spans(capacity, start, size)
+            ]
+            self.memory.client.run(peer, wrs, self.memory.seq)
+            self.memory.counters.count("log_read", size)
+            data = circular_read(self.mine, start, start + size)
+            records = walk(data, start)
+            end = records[-1].position + records[-1].size - start if records else 0
+            # the walk stopped at a word that is not the next record's commit word: nothing committed follows
+            if size == capacity or (end + 8 <= size and data[end : end + 8] != commit_word(start + end)):
+                return records
+            size = min(capacity, 2 * size)
 
     def start(self) -> None:
         """Reserve room for every queued record: FETCH_AND_ADDs posted to every peer at once, not waited for."""
