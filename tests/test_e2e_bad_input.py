@@ -17,13 +17,16 @@ from harness import EXAMPLES, PROGRAMS
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
 HEAT = [str(EXAMPLES / "heat.py"), "300", "500", "2"]
+# the jobs checkpointed with --kill: 10 ms a step, so the ~3 s left after the step the test waits for outlast a
+# `ckpt checkpoint` started on a loaded machine (at 2 ms, CI saw the job end first: "has ended (finished)")
+HEAT_KILLED = [str(EXAMPLES / "heat.py"), "300", "500", "10"]
 
 
 @pytest.fixture(scope="module")
 def killed_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A checkpoint directory holding one checkpoint of a killed 2-rank heat job (copied per test)."""
     ckpt_dir = tmp_path_factory.mktemp("killed") / "ckpt"
-    job = Job(["launch", "-n", "2", "--ckpt-dir", str(ckpt_dir), *HEAT], ckpt_dir).start()
+    job = Job(["launch", "-n", "2", "--ckpt-dir", str(ckpt_dir), *HEAT_KILLED], ckpt_dir).start()
     try:
         job.wait_step(10)
         taken = run("checkpoint", "--kill", "--ckpt-dir", str(ckpt_dir))
@@ -84,7 +87,7 @@ def test_an_image_of_another_program(ckpt_copy: Path, tmp_path: Path) -> None:
 
 
 def test_an_image_of_another_job_of_the_same_program(ckpt_copy: Path, tmp_path: Path) -> None:
-    other = _killed_job(tmp_path / "other", HEAT)
+    other = _killed_job(tmp_path / "other", HEAT_KILLED)
     shutil.copy(other / "ckpt_heat_1_1.ckpt", ckpt_copy / "ckpt_heat_1_1.ckpt")
     job = json.loads((ckpt_copy / "ckpt_heat_1.json").read_text())["job"]
     one_error_line(run("restart", "--ckpt-dir", str(ckpt_copy)), "belongs to program 'heat' (job", f"(job {job})")
