@@ -715,3 +715,27 @@ def test_a_recovery_reads_its_own_ring_in_growing_pieces_up_to_the_first_record_
         assert len(reads) == 3  # 128, 256, then 512 bytes: the walk ended inside the last piece
     finally:
         ctx.close()
+
+
+def test_one_rings_share_of_a_batch_is_bounded_by_the_staging_buffer_not_only_by_the_ring() -> None:
+    """A home diff log is twice a log ring, the staging buffer as large as a log ring: a batch too large for the
+    staging buffer is refused in one line before anything is reserved, never staged past the buffer's end."""
+    from ckpt import verbs
+    from ckpt_remotelog._writer import HOME, LOG, OWN, RingWriter
+
+    ctx = verbs.Context(name=f"simib{FIRST_HCA}")
+    try:
+        pd = verbs.PD(ctx)
+        home = LogRing(pd, 1024)
+        nic = _LoopNic(1)
+        memory = SimpleNamespace(pd=pd, client=nic, seq=[0], rank=0, counters=SimpleNamespace(count=lambda *a: None))
+        memory.account = lambda name, amount=1: None
+        peers = [{LOG: LogRing(pd, 512).address(), OWN: LogRing(pd, 512).address(), HOME: home.address()}]
+        writer = RingWriter(memory, peers, 512, lambda *a: 0, lambda *a: None, 0)
+        for i in range(5):  # 5 x 128 bytes: fits the ring, not the staging buffer
+            writer.add(0, HOME, encode(RecordKind.HOME_DIFF, 0, bytes(64), interval=i + 1, gid=1))
+        with pytest.raises(dsm.DsmError, match=r"640 bytes of log records for one ring exceed 512: raise"):
+            writer.start()
+        assert nic.events == [] and home.tail == 0
+    finally:
+        ctx.close()

@@ -79,6 +79,7 @@ class RingWriter:
         self.mine = np.zeros(peers[own_home][OWN]["capacity"], dtype=np.uint8)
         self.mine_mr = verbs.MR(memory.pd, self.mine, REMOTE)
         # records as they leave, and their commit words (`_place`: at most one per HEADER_SIZE bytes)
+        self.batch_limit = staging_bytes  # bytes of records one ring gets in one batch (`start`)
         self.staging = np.zeros(staging_bytes + HEADER_SIZE + 8 * (staging_bytes // HEADER_SIZE + 1), dtype=np.uint8)
         self.staging_mr = verbs.MR(memory.pd, self.staging, REMOTE)
         self.landing = np.zeros(4 * len(peers) + 2, dtype=np.int64)  # per (peer, ring): old tail, head; +2 words
@@ -87,14 +88,14 @@ class RingWriter:
         # records per ring, FAA ids, peers not posted to (failed)
         self.reserved: tuple[dict[tuple[int, str], list[bytearray]], list[int], set[int]] | None = None
         self.writing: list[int] = []  # ids of the signaled WRITEs not yet seen complete
-        self.last: dict[int, list[verbs.SendWR]] = {}  # WRITEs of a `last` own record, posted once `writing` is done
+        self.last: list[verbs.SendWR] = []  # WRITEs of a `last` own record, posted once `writing` is done
         self.sent: dict[int, tuple[int, int]] = {}  # signaled WR id -> (peer, its link number when posted)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         # an image is a point every record before it is covered by (ckpt_restart starts over from it): what is
         # queued, reserved or being written belongs to this process only
-        state.update(queue=[], reserved=None, writing=[], sent={}, last={})
+        state.update(queue=[], reserved=None, writing=[], sent={}, last=[])
         # ... and every own record before it too: the discard after the checkpoint moves the head there, but only
         # in this process, after the image -- a rank recovered from the image must not count them as live
         state["own_head"] = self.own_tail
@@ -127,17 +128,15 @@ class RingWriter:
         circular_write(self.mine, position, bytes(record))
         self.own_tail = position + need
         base, lkey = self.mine_mr.buf, self.mine_mr.lkey
-        wrs = [  # the body, then its commit word (RC: in that order)
-            _write((base + ring_off, length, lkey), ring["rkey"], ring["addr"] + CONTROL + ring_off)
-            for ring_off, _, length in spans(capacity, position + 8, need - 8)
-        ]
+        # the body, then its commit word (RC: in that order)
+        wrs = _spanned(_write, ring, position + 8, need - 8, lambda ring_off, _: base + ring_off, lkey)
         word = position % capacity
         wrs.append(_write((base + word, 8, lkey), ring["rkey"], ring["addr"] + CONTROL + word))
         self.memory.counters.count("log_write", need)
         self.memory.account("log_records")
         self.memory.account("log_bytes", need)
         if last:
-            self.last.setdefault(peer, []).extend(wrs)
+            self.last += wrs
         else:
             self._post(peer, wrs, self.writing)  # a failed log home: see `_post`
 
@@ -152,10 +151,7 @@ class RingWriter:
         capacity, base, lkey = ring["capacity"], self.mine_mr.buf, self.mine_mr.lkey
         size = min(capacity, OWN_READ)
         while True:
-            wrs = [
-                _read((base + ring_off, length, lkey), ring["rkey"], ring["addr"] + CONTROL + ring_off)
-                for ring_off, _, length in spans(capacity, start, size)
-            ]
+            wrs = _spanned(_read, ring, start, size, lambda ring_off, _: base + ring_off, lkey)
             self.memory.client.run(peer, wrs, self.memory.seq)
             self.memory.counters.count("log_read", size)
             data = circular_read(self.mine, start, start + size)
@@ -179,8 +175,8 @@ class RingWriter:
         reserve: dict[int, list[verbs.SendWR]] = {}
         for (peer, which), batch in rings.items():
             need, ring = sum(len(r) for r in batch), self.peers[peer][which]
-            if need > ring["capacity"]:
-                too_big = f"{need} bytes of log records exceed a ring of {ring['capacity']}"
+            if need > min(ring["capacity"], self.batch_limit):  # `_place` stages a ring's batch at once
+                too_big = f"{need} bytes of log records for one ring exceed {min(ring['capacity'], self.batch_limit)}"
                 raise DsmError(f"{too_big}: raise --log-ring-bytes")
             slot = self._slot(peer, which)
             reserve.setdefault(peer, []).append(_atomic(self._land(slot), ring["rkey"], ring["addr"], need))
@@ -246,10 +242,8 @@ class RingWriter:
         One wait instead of two when everything in flight goes to the `last` record's own peer: RC
         places one QP's WRITEs in order, so the record then lands after the others anyway.
         """
-        client = self.memory.client
-        if len(self.last) == 1 and all(
-            self.sent[w][0] in self.last and self.sent[w][1] == client.link[self.sent[w][0]] for w in self.writing
-        ):
+        client, peer = self.memory.client, self.own_home
+        if self.last and all(self.sent[w] == (peer, client.link[peer]) for w in self.writing):
             self._post_last()
         self._drain(what)
         if self.last:
@@ -257,9 +251,8 @@ class RingWriter:
             self._drain(what)
 
     def _post_last(self) -> None:
-        for peer, wrs in self.last.items():
-            self._post(peer, wrs, self.writing)  # a failed peer is skipped, as in `write`
-        self.last = {}
+        self._post(self.own_home, self.last, self.writing)  # a failed log home is skipped, as in `write`
+        self.last = []
 
     def flush(self) -> None:
         """Append every queued record now and wait for it."""
@@ -284,8 +277,6 @@ class RingWriter:
         if tail + need - head > capacity:
             self.wait_for_room(peer, which, tail + need - capacity)
         words = at + need
-        if words + 8 * len(batch) > len(self.staging):  # only an image's writer from before the words were staged
-            raise DsmError(f"{need} bytes of log records in one batch exceed this writer's staging buffer")
         position, start = tail, at
         for record in batch:
             self.staging[words : words + 8] = np.frombuffer(commit_word(position), dtype=np.uint8)
@@ -294,9 +285,8 @@ class RingWriter:
             at += len(record)
             position += len(record)
             words += 8
-        base = self.staging_mr.buf + start
-        for ring_off, data_off, length in spans(capacity, tail + 8, need - 8):
-            wrs.append(_write((base + 8 + data_off, length, lkey), rkey, addr + CONTROL + ring_off))
+        base = self.staging_mr.buf + start + 8
+        wrs += _spanned(_write, ring, tail + 8, need - 8, lambda _, data_off: base + data_off, lkey)
         position, word = tail, self.staging_mr.buf + at
         for record in batch:
             wrs.append(_write((word, 8, lkey), rkey, addr + CONTROL + position % capacity))
@@ -388,14 +378,10 @@ class RingWriter:
 
         Up to the first hole, or (`holes`, a recovery) every committed record past holes too.
         """
-        ring = self.peers[peer][which]
-        capacity, addr, rkey = ring["capacity"], ring["addr"], ring["rkey"]
+        ring, base = self.peers[peer][which], self.staging_mr.buf
         tail, head = self.read_word(peer, which, 0), self.read_word(peer, which, 8)
         nbytes = tail - head
-        wrs = [
-            _read((self.staging_mr.buf + data_off, length, self.staging_mr.lkey), rkey, addr + CONTROL + ring_off)
-            for ring_off, data_off, length in spans(capacity, head, nbytes)
-        ]
+        wrs = _spanned(_read, ring, head, nbytes, lambda _, data_off: base + data_off, self.staging_mr.lkey)
         if nbytes:
             self.memory.client.run(peer, wrs, self.memory.seq)
             self.memory.counters.count("log_read", nbytes)
@@ -408,6 +394,22 @@ class RingWriter:
     def _land(self, slot: int) -> tuple[int, int, int]:
         """Landing word `slot`, as a local (address, length, lkey)."""
         return self.landing_mr.buf + slot * 8, 8, self.landing_mr.lkey
+
+
+def _spanned(
+    make: Callable[[tuple[int, int, int], int, int], verbs.SendWR],
+    ring: dict[str, int],
+    position: int,
+    length: int,
+    local: Callable[[int, int], int],
+    lkey: int,
+) -> list[verbs.SendWR]:
+    """`make` (`_write` or `_read`) for ring positions [position, position + length): one WR per piece (two across
+    the ring's end), each with the local address `local(offset in the ring area, offset in the data)`."""
+    return [
+        make((local(ring_off, data_off), piece, lkey), ring["rkey"], ring["addr"] + CONTROL + ring_off)
+        for ring_off, data_off, piece in spans(ring["capacity"], position, length)
+    ]
 
 
 def _atomic(local: tuple[int, int, int], rkey: int, addr: int, add: int) -> verbs.SendWR:
