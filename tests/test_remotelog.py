@@ -641,24 +641,31 @@ class _LoopNic:
         self.events.append(("wait",))
 
 
+def _loop_writer(pd: Any, peers: list[dict[str, dict[str, int]]], staging: int) -> tuple[_LoopNic, Any]:
+    """A `RingWriter` of rank 0 (its own ring at peer 0) over a `_LoopNic`, with no DSM memory behind it."""
+    from ckpt_remotelog._writer import RingWriter
+
+    nic = _LoopNic(len(peers))
+    memory = SimpleNamespace(pd=pd, client=nic, seq=[0], rank=0, counters=SimpleNamespace(count=lambda *a: None))
+    memory.account = lambda name, amount=1: None
+    return nic, RingWriter(memory, peers, staging, lambda *a: 0, lambda *a: None, 0)
+
+
 @pytest.mark.parametrize("elsewhere", [True, False], ids=["diffs-at-two-log-homes", "diffs-at-its-own-log-home"])
 def test_a_release_record_is_written_only_once_its_intervals_records_are_complete(elsewhere: bool) -> None:
     """`RingWriter.own(last=True)`: a RELEASE goes out only after every other WRITE of its batch has completed
     when some of them go to another log home, over another QP (RC orders one QP's WRITEs only); when they
     all go to its own log home, on the QP it uses too, right behind them, with no wait in between."""
     from ckpt import verbs
-    from ckpt_remotelog._writer import LOG, OWN, RingWriter
+    from ckpt_remotelog._writer import LOG, OWN
 
     ctx = verbs.Context(name=f"simib{FIRST_HCA}")
     try:
         pd = verbs.PD(ctx)
         rings = [LogRing(pd, 1024), LogRing(pd, 1024)]
         own = LogRing(pd, 1024)  # the releaser's own ring, at peer 0
-        nic = _LoopNic(2)
-        memory = SimpleNamespace(pd=pd, client=nic, seq=[0], rank=0, counters=SimpleNamespace(count=lambda *a: None))
-        memory.account = lambda name, amount=1: None
         peers = [{LOG: rings[0].address(), OWN: own.address()}, {LOG: rings[1].address(), OWN: own.address()}]
-        writer = RingWriter(memory, peers, 1024, lambda *a: 0, lambda *a: None, 0)
+        nic, writer = _loop_writer(pd, peers, 1024)
         if elsewhere:
             writer.add(1, LOG, encode(RecordKind.DIFF, 0, b"d" * 16, interval=1, gid=7))  # the page's home's log home
         writer.own(encode(RecordKind.RELEASE, 0, b"", tag=3, gid=1, serial=5), last=True)
@@ -688,18 +695,14 @@ def test_a_recovery_reads_its_own_ring_in_growing_pieces_up_to_the_first_record_
     word that is not a commit word: a record placed and never posted is not returned, nor anything after."""
     from ckpt import verbs
     from ckpt_remotelog import _writer
-    from ckpt_remotelog._writer import LOG, OWN, RingWriter
+    from ckpt_remotelog._writer import LOG, OWN
 
     monkeypatch.setattr(_writer, "OWN_READ", 128)
     ctx = verbs.Context(name=f"simib{FIRST_HCA}")
     try:
         pd = verbs.PD(ctx)
         own = LogRing(pd, 1024)
-        nic = _LoopNic(1)
-        memory = SimpleNamespace(pd=pd, client=nic, seq=[0], rank=0, counters=SimpleNamespace(count=lambda *a: None))
-        memory.account = lambda name, amount=1: None
-        peers = [{LOG: LogRing(pd, 512).address(), OWN: own.address()}]
-        writer = RingWriter(memory, peers, 512, lambda *a: 0, lambda *a: None, 0)
+        nic, writer = _loop_writer(pd, [{LOG: LogRing(pd, 512).address(), OWN: own.address()}], 512)
         writer.own_head = writer.own_tail = 800  # the image's own tail: the records wrap the ring's end
         for i in range(5):
             writer.own(encode(RecordKind.NOTICES, 0, bytes([i]) * (8 * i + 4), gid=i, serial=i))
@@ -721,17 +724,14 @@ def test_one_rings_share_of_a_batch_is_bounded_by_the_staging_buffer_not_only_by
     """A home diff log is twice a log ring, the staging buffer as large as a log ring: a batch too large for the
     staging buffer is refused in one line before anything is reserved, never staged past the buffer's end."""
     from ckpt import verbs
-    from ckpt_remotelog._writer import HOME, LOG, OWN, RingWriter
+    from ckpt_remotelog._writer import HOME, LOG, OWN
 
     ctx = verbs.Context(name=f"simib{FIRST_HCA}")
     try:
         pd = verbs.PD(ctx)
         home = LogRing(pd, 1024)
-        nic = _LoopNic(1)
-        memory = SimpleNamespace(pd=pd, client=nic, seq=[0], rank=0, counters=SimpleNamespace(count=lambda *a: None))
-        memory.account = lambda name, amount=1: None
         peers = [{LOG: LogRing(pd, 512).address(), OWN: LogRing(pd, 512).address(), HOME: home.address()}]
-        writer = RingWriter(memory, peers, 512, lambda *a: 0, lambda *a: None, 0)
+        nic, writer = _loop_writer(pd, peers, 512)
         for i in range(5):  # 5 x 128 bytes: fits the ring, not the staging buffer
             writer.add(0, HOME, encode(RecordKind.HOME_DIFF, 0, bytes(64), interval=i + 1, gid=1))
         with pytest.raises(dsm.DsmError, match=r"640 bytes of log records for one ring exceed 512: raise"):
