@@ -38,6 +38,7 @@ from ckpt_remotelog._records import (
     encode,
     notices_of,
     record_size,
+    seal,
     walk,
 )
 from ckpt_remotelog._ring import CONTROL, LogRing
@@ -492,21 +493,34 @@ def test_a_ring_wraps_and_a_record_is_committed_only_by_its_own_commit_word() ->
         ctx.close()
 
 
-def _apply(wrs: list[Any]) -> None:
-    """Carry out RDMA WRITEs between buffers of this process, in order (what the log home's HCA does)."""
+def _apply(wrs: list[Any], placed: Any = None) -> None:
+    """Carry out RDMA WRITEs between buffers of this process, in order (what the log home's HCA does).
+
+    `placed(i)`: only the bytes of the WRITEs' i-th byte on (counted over all of `wrs`) for which it is
+    true -- a WRITE placed in part, in no particular order.
+    """
     import ctypes
 
     from ckpt import verbs
 
+    at = 0
     for wr in wrs:
         assert wr.opcode == verbs.IBV_WR_RDMA_WRITE
-        ctypes.memmove(wr.remote_addr, wr.sg[0].addr, wr.sg[0].length)
+        src, dst, n = wr.sg[0].addr, wr.remote_addr, wr.sg[0].length
+        if placed is None:
+            ctypes.memmove(dst, src, n)
+        else:
+            for k in range(n):
+                if placed(at + k):
+                    ctypes.memmove(dst + k, src + k, 1)
+        at += n
 
 
 @pytest.mark.parametrize("tail", [0, 320], ids=["in-one-piece", "across-the-end"])
-def test_a_batch_is_one_body_write_then_one_commit_word_per_record(tail: int) -> None:
-    """k records to one ring are k + 1 WRITEs (one more across the ring's end), not 2k; every record is
-    invisible until its own commit word lands, and whole once it has."""
+def test_a_batch_is_one_write_and_a_record_is_committed_only_when_whole(tail: int) -> None:
+    """k records to one ring are one WRITE (two across the ring's end), commit words and all; whatever order
+    its bytes land in, a record is invisible until every one of its bytes has landed (its check), and the
+    others are whole meanwhile."""
     from types import SimpleNamespace
 
     from ckpt import verbs
@@ -519,23 +533,38 @@ def test_a_batch_is_one_body_write_then_one_commit_word_per_record(tail: int) ->
         ring.control[0] = ring.control[1] = tail  # the ring's state: `tail` bytes appended and discarded
         peers = [{LOG: ring.address(), OWN: LogRing(pd, 512).address()}]
         writer = RingWriter(SimpleNamespace(pd=pd), peers, 512, lambda *a: 0, lambda *a: None, 0)
-        batch = [encode(RecordKind.NOTICES, 0, bytes([i]) * (8 * i), serial=i) for i in range(3)]
+        batch = [encode(RecordKind.NOTICES, 0, bytes([i + 1]) * (8 * i + 8), serial=i) for i in range(3)]
+        sizes = [len(r) for r in batch]
         wrs: list[Any] = []
         writer._place(0, LOG, tail, tail, [bytearray(r) for r in batch], 0, wrs)
-        ring.control[0] = tail + sum(len(r) for r in batch)  # the FETCH_AND_ADD's share
-        bodies = 2 if tail == 320 else 1
-        assert len(wrs) == bodies + len(batch)
-        _apply(wrs[:bodies])
-        assert ring.scan(1) == []  # the bodies alone commit nothing
-        _apply(wrs[bodies:-1])
-        assert [r.serial for r in ring.scan(1)] == [0, 1]  # the last one still lacks its word
-        _apply(wrs[-1:])
+        ring.control[0] = tail + sum(sizes)  # the FETCH_AND_ADD's share
+        assert len(wrs) == (2 if tail == 320 else 1)
+        middle = sizes[0] + sizes[1] - 3  # a byte of the second record's payload
+        _apply(wrs, lambda k: k % 8 == 0 or k >= sizes[0] + sizes[1])  # each commit word, the third record whole
+        assert [r.serial for r in ring.scan(1)] == [2]  # the commit words alone commit nothing
+        _apply(wrs, lambda k: k != middle)  # all but one byte
+        assert [r.serial for r in ring.scan(1)] == [0, 2]  # the torn one fails its check ...
+        assert [r.serial for r in ring.records()] == [0]  # ... and a walk stops there
+        _apply(wrs, lambda k: k == middle)
         found = ring.records()
         assert [r.serial for r in found] == [0, 1, 2]
-        assert [r.payload for r in found] == [bytes([i]) * (8 * i) for i in range(3)]
+        assert [r.payload for r in found] == [bytes([i + 1]) * (8 * i + 8) for i in range(3)]
         assert found[0].position == tail and ring.committed_end() == ring.tail
     finally:
         ctx.close()
+
+
+def test_a_record_with_any_byte_changed_is_not_committed() -> None:
+    """The check covers the whole record, header and padding too; `seal` at another position gives
+    another record."""
+    record = encode(RecordKind.DIFF, 2, b"abcde", interval=7, gid=9)
+    sealed = bytes(seal(bytearray(record), 64))
+    assert decode_at(sealed, 0, 64) is not None
+    for k in range(len(sealed)):
+        bent = bytearray(sealed)
+        bent[k] ^= 0x10
+        assert decode_at(bent, 0, 64) is None, k
+    assert decode_at(seal(bytearray(record), 72), 0, 64) is None
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)

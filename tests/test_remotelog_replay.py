@@ -27,7 +27,16 @@ from ckpt import verbs
 from ckpt.plugin import RANKS_NS
 from ckpt.runtime.plugins import PluginHost
 from ckpt.testing import ThreadRuntime, run_threads
-from ckpt_remotelog._records import Record, RecordKind, commit_word, diff_payload, encode, notices_payload, walk
+from ckpt_remotelog._records import (
+    HEADER_SIZE,
+    Record,
+    RecordKind,
+    diff_payload,
+    encode,
+    notices_payload,
+    seal,
+    walk,
+)
 from ckpt_remotelog._replay import LogReplay
 from ckpt_remotelog._ring import LogRing
 from ckpt_remotelog._versions import HomeVersions
@@ -236,9 +245,8 @@ def test_a_walk_stops_at_a_hole_and_a_scan_finds_every_record_past_it() -> None:
         assert ring.append_local(first)
         hole = ring.tail
         ring.control[0] += 128  # reserved by a writer that died before writing it
-        bogus = bytearray(encode(RecordKind.DIFF, 1, b""))
-        bogus[:8] = commit_word(hole + 64)  # a word equal to its position + 1 ...
-        bogus[8] = 99  # ... with no known kind: not a record
+        bogus = seal(bytearray(encode(RecordKind.DIFF, 1, b"torn")), hole + 64)  # a record of that position ...
+        bogus[HEADER_SIZE] ^= 1  # ... one byte of which did not land: its check fails, not a record
         area = ring.buf[24:]
         area[hole + 64 : hole + 64 + len(bogus)] = np.frombuffer(bytes(bogus), dtype=np.uint8)
         later = [encode(RecordKind.DIFF, w, diff_payload([(8, b"x" * w)]), interval=w, gid=7) for w in (0, 2, 3)]
@@ -261,8 +269,7 @@ def _log(*records: bytearray, start: int = 4096) -> list[Record]:
     """Records laid out in a ring area from position `start`, as a recovery reads them."""
     data, position = bytearray(), start
     for record in records:
-        record[:8] = commit_word(position)
-        data += record
+        data += seal(record, position)
         position += len(record)
     return walk(bytes(data), start)
 

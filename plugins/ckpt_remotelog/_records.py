@@ -5,38 +5,52 @@
 # must say by itself what it is and whether it is complete:
 #
 # * the first 8 bytes are the *commit word*: the record's absolute position in its ring
-#   (the ring's tail counter, which only grows) plus one.  The writer writes it last;
-#   RC delivers a QP's WRITEs in order, so a record whose commit word matches its
-#   position is whole, and a stale word left by an earlier lap of the ring never
-#   matches (its position was smaller);
+#   (the ring's tail counter, which only grows) plus one.  A stale word left by an
+#   earlier lap of the ring never matches (its position was smaller);
 # * then the header proper -- kind, writer, interval, page gid, tag (lock or barrier
-#   epoch), pointer (the ring's tail when a NOTICES record was reserved: every diff
-#   reserved before it precedes the acquire), the writer's serial number of its own
-#   records, payload length -- and the payload, padded to 8 bytes, so every record and
-#   therefore every commit word is 8-byte aligned and never split by the ring's end.
+#   epoch), pointer (the home diff log's tail when an own record was made), the writer's
+#   serial number of its own records, payload length, and the *check*: a CRC-32 of the
+#   whole record but the check itself -- and the payload, padded to 8 bytes, so every
+#   record and therefore every commit word is 8-byte aligned and never split by the
+#   ring's end.
+#
+# A record is committed when its commit word matches its position *and* its check
+# matches its bytes, so a record needs no write of its own after its body: a batch of
+# records goes to a ring as one RDMA WRITE (two across the ring's end), commit words and
+# all.  No order of placement *within* a WRITE is assumed (the verbs specification
+# gives none): a record that is only partly placed -- its writer died, or its WRITE is
+# still arriving -- fails its check and counts as not written yet.  (Before the check,
+# each commit word was a WRITE of its own behind the bodies, k + 1 work requests for k
+# records; the log homes' NIC executed one packet per record.)
 #
 # Payloads: a diff (DIFF, HOME_DIFF) is its runs, each ``<offset u32, length u32, bytes>``;
 # NOTICES, BARRIER and BARRIER_ARRIVAL carry msgpack ``[vector timestamp, notices]``
 # (notices as the DSM carries them: ``[writer, interval, [gid, home, ...]]``); RELEASE none.
 #
-# Holes: a writer that dies between its reservation and its commit word leaves a hole
+# Holes: a writer that dies between its reservation and its WRITE's arrival leaves a hole
 # that no later write fills.  A plain `walk` stops there (what discard needs: it never
 # passes a record it cannot prove covered); a recovery, which needs every record after
 # it, `scan`s forward 8 bytes at a time for the next word that is its own position + 1
-# followed by a plausible header (known kind, writer < N, payload within the ring).
+# followed by a plausible header (known kind, writer < N, payload within the ring) and a
+# matching check.
 
 from __future__ import annotations
 
 import struct
+import zlib
 from enum import IntEnum
 from typing import Any, NamedTuple
 
 import msgpack
 
-HEADER = struct.Struct("<QB3xiqqqqqI4x")
+HEADER = struct.Struct("<QB3xiqqqqqII")
 HEADER_SIZE = HEADER.size  # 64
+CHECK_AT = HEADER_SIZE - 4  # the check is the header's last field
+_WORD = struct.Struct("<Q")
+_CHECK = struct.Struct("<I")
 RUN = struct.Struct("<II")
 ALIGN = 8
+RECORD_FORMAT = 2  # 1: no check, each commit word a WRITE of its own (images with it are refused)
 
 
 class RecordKind(IntEnum):
@@ -93,16 +107,29 @@ def encode(
     pointer: int = 0,
     serial: int = 0,
 ) -> bytearray:
-    """The record's bytes with a zero commit word (`commit_word` fills it in once the position is known)."""
+    """The record's bytes with a zero commit word and check (`seal` fills them in once the position is known)."""
     out = bytearray(record_size(len(payload)))
-    HEADER.pack_into(out, 0, 0, int(kind), writer, interval, gid, tag, pointer, serial, len(payload))
+    HEADER.pack_into(out, 0, 0, int(kind), writer, interval, gid, tag, pointer, serial, len(payload), 0)
     out[HEADER_SIZE : HEADER_SIZE + len(payload)] = payload
     return out
 
 
 def commit_word(position: int) -> bytes:
     """The commit word of a record at absolute ring position `position`."""
-    return struct.pack("<Q", position + 1)
+    return _WORD.pack(position + 1)
+
+
+def seal(record: bytearray, position: int) -> bytearray:
+    """Fill in `record`'s commit word for ring position `position`, then its check; `record` itself."""
+    _WORD.pack_into(record, 0, position + 1)
+    _CHECK.pack_into(record, CHECK_AT, _check(record, 0, len(record)))
+    return record
+
+
+def _check(data: bytes | bytearray | memoryview, at: int, end: int) -> int:
+    """The CRC-32 of the record at `data[at:end]`, its check field left out."""
+    view = memoryview(data)
+    return zlib.crc32(view[at + HEADER_SIZE : end], zlib.crc32(view[at : at + CHECK_AT]))
 
 
 def diff_payload(diff: list[tuple[int, bytes]]) -> bytes:
@@ -136,12 +163,13 @@ def decode_at(data: bytes | bytearray | memoryview, at: int, position: int) -> R
     """The committed record at offset `at` of `data` (whose first byte is ring position `position - at`).
 
     None when the bytes there are not a committed record of that position (not written yet,
-    or still being written).
+    still being written, or torn: its check does not match).
     """
     if at + HEADER_SIZE > len(data):
         return None
-    commit, kind, writer, interval, gid, tag, pointer, serial, length = HEADER.unpack_from(data, at)
-    if commit != position + 1 or kind not in KINDS or at + record_size(length) > len(data):
+    commit, kind, writer, interval, gid, tag, pointer, serial, length, check = HEADER.unpack_from(data, at)
+    end = at + record_size(length)
+    if commit != position + 1 or kind not in KINDS or end > len(data) or check != _check(data, at, end):
         return None
     payload = bytes(data[at + HEADER_SIZE : at + HEADER_SIZE + length])
     return Record(position, RecordKind(kind), writer, interval, gid, tag, pointer, serial, payload)
@@ -176,6 +204,6 @@ def scan(data: bytes | bytearray | memoryview, start: int, size: int) -> list[Re
 
 def parse(record: bytes | bytearray) -> Record:
     """A record as `encode` made it (its commit word not filled in: position -1), e.g. one kept off the ring."""
-    _, kind, writer, interval, gid, tag, pointer, serial, length = HEADER.unpack_from(record, 0)
+    _, kind, writer, interval, gid, tag, pointer, serial, length, _ = HEADER.unpack_from(record, 0)
     payload = bytes(record[HEADER_SIZE : HEADER_SIZE + length])
     return Record(-1, RecordKind(kind), writer, interval, gid, tag, pointer, serial, payload)

@@ -95,6 +95,7 @@ from dsm import DsmError
 from . import _recover
 from ._records import (
     HEADER_SIZE,
+    RECORD_FORMAT,
     Record,
     RecordKind,
     diff_payload,
@@ -126,6 +127,7 @@ class RemoteLog:
         # released only by coordinated checkpoints -- so a log ring fills (an independent checkpoint empties it)
         # well before the home diff log that mirrors it does
         self.home_log = LogRing(memory.pd, 2 * ring_bytes)
+        self.record_format = RECORD_FORMAT  # what the rings in this image hold (`__setstate__`)
         self.serial = 0  # records of this rank's own (NOTICES, RELEASE, BARRIER_ARRIVAL, BARRIER) so far
         self.diffs: list[tuple[int, int, int, list[tuple[int, bytes]]]] = []  # this interval's (gid, home, i, diff)
         self.notices: list[Any] = []  # received at the current acquire / barrier
@@ -159,8 +161,10 @@ class RemoteLog:
         return dict(self.__dict__)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        if "own_ring" not in state:
-            raise DsmError("this image was written by an older ckpt_remotelog (no own log rings): it cannot resume")
+        if state.get("record_format") != RECORD_FORMAT:
+            # its rings' records have no check (or own rings are missing): they would read as never written
+            older = "this image was written by an older ckpt_remotelog (another log record format)"
+            raise DsmError(f"{older}: it cannot resume")
         self.__dict__.update(state)
         self.register()  # before the memory decides which DSM hooks fire (it is unpickled after this)
 

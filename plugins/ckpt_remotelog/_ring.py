@@ -32,7 +32,7 @@ import numpy as np
 
 from ckpt import verbs
 
-from ._records import HEADER_SIZE, commit_word, scan, walk
+from ._records import HEADER_SIZE, scan, seal, walk
 
 CONTROL = 24  # tail, head, lost (int64)
 REMOTE = (
@@ -109,9 +109,7 @@ class LogRing:
             position = self.tail
             if position + len(record) - self.head > self.capacity:
                 return False
-            area = self.buf[CONTROL:]
-            circular_write(area, position + 8, bytes(record[8:]))  # the body, then the commit word
-            circular_write(area, position, commit_word(position))
+            circular_write(self.buf[CONTROL:], position, bytes(seal(record, position)))
             self.control[0] = position + len(record)
             return True
 

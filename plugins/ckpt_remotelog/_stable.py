@@ -23,7 +23,7 @@ from typing import Any
 
 import ckpt
 
-from ._records import RecordKind, commit_word, diff_payload, encode, notices_payload
+from ._records import RecordKind, diff_payload, encode, notices_payload, seal
 
 
 class StableLog:
@@ -113,8 +113,7 @@ class StableLog:
         started = time.perf_counter()
         data = bytearray()
         for record in records:
-            record[:8] = commit_word(self.position + len(data))
-            data += record
+            data += seal(record, self.position + len(data))
         with open(self.path, "ab") as f:
             f.write(data)
             f.flush()

@@ -20,8 +20,8 @@ two ways in:
      ring's readers (the owner's discard at a checkpoint) cannot pass, so every hole is
      filled before the interval's close returns;
   2. `write`: once those have completed, the records' positions are theirs: one round
-     of RDMA WRITEs (per ring: the bodies of its consecutive records in one WRITE, then
-     each commit word; RC keeps that order on a QP), again not waited for;
+     of RDMA WRITEs (per ring, its consecutive records sealed -- commit word and check,
+     `_records` -- in one WRITE), again not waited for;
   3. `complete`: wait for the WRITEs -- when an interval completes, which is when the
      invariant asks for it -- and then post and wait for a `last` own record (the
      RELEASE of a release that closes the interval).
@@ -47,7 +47,7 @@ from ckpt import verbs
 from dsm import DsmError
 from dsm._net import UP, chain
 
-from ._records import HEADER_SIZE, Record, commit_word, scan, walk
+from ._records import Record, commit_word, scan, seal, walk
 from ._ring import CONTROL, REMOTE, circular_read, circular_write, spans
 
 log = logging.getLogger(__name__)
@@ -78,9 +78,9 @@ class RingWriter:
         self.own_home, self.own_tail, self.own_head = own_home, 0, 0
         self.mine = np.zeros(peers[own_home][OWN]["capacity"], dtype=np.uint8)
         self.mine_mr = verbs.MR(memory.pd, self.mine, REMOTE)
-        # records as they leave, and their commit words (`_place`: at most one per HEADER_SIZE bytes)
+        # records as they leave (`_place`)
         self.batch_limit = staging_bytes  # bytes of records one ring gets in one batch (`start`)
-        self.staging = np.zeros(staging_bytes + HEADER_SIZE + 8 * (staging_bytes // HEADER_SIZE + 1), dtype=np.uint8)
+        self.staging = np.zeros(staging_bytes, dtype=np.uint8)
         self.staging_mr = verbs.MR(memory.pd, self.staging, REMOTE)
         self.landing = np.zeros(4 * len(peers) + 2, dtype=np.int64)  # per (peer, ring): old tail, head; +2 words
         self.landing_mr = verbs.MR(memory.pd, self.landing, REMOTE)
@@ -124,14 +124,10 @@ class RingWriter:
                 f"rank {self.memory.rank}'s own log ring at rank {peer} is full and no checkpoint can empty it "
                 "mid-step: raise --log-ring-bytes or checkpoint more often"
             )
-        record[:8] = commit_word(position)
-        circular_write(self.mine, position, bytes(record))
+        circular_write(self.mine, position, bytes(seal(record, position)))
         self.own_tail = position + need
         base, lkey = self.mine_mr.buf, self.mine_mr.lkey
-        # the body, then its commit word (RC: in that order)
-        wrs = _spanned(_write, ring, position + 8, need - 8, lambda ring_off, _: base + ring_off, lkey)
-        word = position % capacity
-        wrs.append(_write((base + word, 8, lkey), ring["rkey"], ring["addr"] + CONTROL + word))
+        wrs = _spanned(_write, ring, position, need, lambda ring_off, _: base + ring_off, lkey)  # sealed: one WRITE
         self.memory.counters.count("log_write", need)
         self.memory.account("log_records")
         self.memory.account("log_bytes", need)
@@ -198,7 +194,7 @@ class RingWriter:
         total = sum(len(r) for batch in rings.values() for r in batch)
         count = sum(len(batch) for batch in rings.values())
         writes: dict[int, list[verbs.SendWR]] = {}
-        at, big = 0, total + 8 * count > len(self.staging)  # `_place` stages the commit words too
+        at, big = 0, total > len(self.staging)
         for (peer, which), batch in rings.items():
             if peer in lost:  # its rings died with it: its recovery marks them lost, their owners checkpoint
                 log.info("rank %d: %d log record(s) for lost rank %d dropped", self.memory.rank, len(batch), peer)
@@ -264,35 +260,24 @@ class RingWriter:
     ) -> int:
         """Stage `batch` from staging offset `at` and add its WRITEs to `wrs`; the next free offset.
 
-        The records are consecutive in the ring, so their bodies go in one WRITE (two across the ring's
-        end) with every commit word zero, and then each commit word in a WRITE of its own, staged after
-        the bodies: k + 1 WRs for k records, and a record is still whole before its word says so (RC
-        places a QP's WRITEs in order; no order *within* one WRITE is assumed).
+        The records are consecutive in the ring and each is sealed (`_records.seal`: commit word and
+        check), so they go in one WRITE (two across the ring's end): a record is committed once all of
+        its bytes are placed, whatever order a WRITE places them in.
         """
         ring = self.peers[peer][which]
-        capacity, addr, rkey, lkey = ring["capacity"], ring["addr"], ring["rkey"], self.staging_mr.lkey
+        capacity, lkey = ring["capacity"], self.staging_mr.lkey
         need = sum(len(r) for r in batch)
         if tail + need - head > HIGH_WATER * capacity:
             self.ask(peer, which, head)
         if tail + need - head > capacity:
             self.wait_for_room(peer, which, tail + need - capacity)
-        words = at + need
-        position, start = tail, at
+        base, position = self.staging_mr.buf + at, tail
         for record in batch:
-            self.staging[words : words + 8] = np.frombuffer(commit_word(position), dtype=np.uint8)
-            record[:8] = bytes(8)
-            self.staging[at : at + len(record)] = np.frombuffer(bytes(record), dtype=np.uint8)
+            self.staging[at : at + len(record)] = np.frombuffer(seal(record, position), dtype=np.uint8)
             at += len(record)
             position += len(record)
-            words += 8
-        base = self.staging_mr.buf + start + 8
-        wrs += _spanned(_write, ring, tail + 8, need - 8, lambda _, data_off: base + data_off, lkey)
-        position, word = tail, self.staging_mr.buf + at
-        for record in batch:
-            wrs.append(_write((word, 8, lkey), rkey, addr + CONTROL + position % capacity))
-            position += len(record)
-            word += 8
-        return at + 8 * len(batch)
+        wrs += _spanned(_write, ring, tail, need, lambda _, data_off: base + data_off, lkey)
+        return at
 
     def _post(self, peer: int, wrs: list[verbs.SendWR], ids: list[int]) -> bool:
         """Post `wrs` to `peer`, the last one signaled (its id goes to `ids`); no wait unless too many.
@@ -380,7 +365,8 @@ class RingWriter:
         """
         ring, base = self.peers[peer][which], self.staging_mr.buf
         tail, head = self.read_word(peer, which, 0), self.read_word(peer, which, 8)
-        nbytes = tail - head
+        # at most one lap: writers that reserved past head + capacity wait for room before they write
+        nbytes = min(tail - head, ring["capacity"])
         wrs = _spanned(_read, ring, head, nbytes, lambda _, data_off: base + data_off, self.staging_mr.lkey)
         if nbytes:
             self.memory.client.run(peer, wrs, self.memory.seq)
