@@ -768,3 +768,12 @@ def test_one_rings_share_of_a_batch_is_bounded_by_the_staging_buffer_not_only_by
         assert nic.events == [] and home.tail == 0
     finally:
         ctx.close()
+
+
+def test_an_image_with_another_record_format_is_refused() -> None:
+    """Its rings' records would fail their checks and read as never written: refused, not silently emptied."""
+    old = RemoteLog.__new__(RemoteLog)
+    with pytest.raises(dsm.DsmError, match="older ckpt_remotelog"):
+        old.__setstate__({"own_ring": None})  # an image from before the check: no record_format
+    with pytest.raises(dsm.DsmError, match="another log record format"):
+        old.__setstate__({"own_ring": None, "record_format": 1})
