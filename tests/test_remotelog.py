@@ -524,7 +524,7 @@ def test_a_batch_is_one_write_and_a_record_is_committed_only_when_whole(tail: in
     from types import SimpleNamespace
 
     from ckpt import verbs
-    from ckpt_remotelog._writer import LOG, OWN, RingWriter
+    from ckpt_remotelog._writer import IDLE, LOG, OWN, RingWriter
 
     ctx = verbs.Context(name=f"simib{FIRST_HCA}")
     try:
@@ -532,7 +532,9 @@ def test_a_batch_is_one_write_and_a_record_is_committed_only_when_whole(tail: in
         ring = LogRing(pd, 512)
         ring.control[0] = ring.control[1] = tail  # the ring's state: `tail` bytes appended and discarded
         peers = [{LOG: ring.address(), OWN: LogRing(pd, 512).address()}]
-        writer = RingWriter(SimpleNamespace(pd=pd), peers, 512, lambda *a: 0, lambda *a: None, 0)
+        writer = RingWriter(
+            SimpleNamespace(pd=pd), peers, 512, lambda *a: 0, lambda *a: None, 0, np.full(2, IDLE, np.int64)
+        )
         batch = [encode(RecordKind.NOTICES, 0, bytes([i + 1]) * (8 * i + 8), serial=i) for i in range(3)]
         sizes = [len(r) for r in batch]
         wrs: list[Any] = []
@@ -672,12 +674,14 @@ class _LoopNic:
 
 def _loop_writer(pd: Any, peers: list[dict[str, dict[str, int]]], staging: int) -> tuple[_LoopNic, Any]:
     """A `RingWriter` of rank 0 (its own ring at peer 0) over a `_LoopNic`, with no DSM memory behind it."""
-    from ckpt_remotelog._writer import RingWriter
+    from ckpt_remotelog._writer import IDLE, RingWriter
 
     nic = _LoopNic(len(peers))
     memory = SimpleNamespace(pd=pd, client=nic, seq=[0], rank=0, counters=SimpleNamespace(count=lambda *a: None))
     memory.account = lambda name, amount=1: None
-    return nic, RingWriter(memory, peers, staging, lambda *a: 0, lambda *a: None, 0)
+    return nic, RingWriter(
+        memory, peers, staging, lambda *a: 0, lambda *a: None, 0, np.full(2 * len(peers), IDLE, np.int64)
+    )
 
 
 @pytest.mark.parametrize("elsewhere", [True, False], ids=["diffs-at-two-log-homes", "diffs-at-its-own-log-home"])
@@ -777,3 +781,188 @@ def test_an_image_with_another_record_format_is_refused() -> None:
         old.__setstate__({"own_ring": None})  # an image from before the check: no record_format
     with pytest.raises(dsm.DsmError, match="another log record format"):
         old.__setstate__({"own_ring": None, "record_format": 1})
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_a_discard_passes_a_hole_no_live_rank_claims_and_never_one_that_a_live_rank_may_fill(protocol: str) -> None:
+    """A writer that dies between its FETCH_AND_ADD and its WRITE leaves a hole nobody fills.  Rank 0's discard
+    passes such a hole -- else its log ring would never empty again and, once full, fail its writers -- but not
+    one a live rank claims (reserved and not yet written), nor any while some rank's reservation is in flight."""
+    from ckpt_remotelog._writer import IDLE, IN_FLIGHT, LOG, _atomic, _claim
+
+    def body(rt: ThreadRuntime) -> Any:
+        memory = dsm.attach(rt, protocol)
+        rt.at_end(memory.close)
+        log: RemoteLog = memory.extensions["remotelog"]
+        writer, home = log.writer, log.log_home(0)
+        a = memory.array((SIZE * 512,), np.float64)
+        lock = memory.lock()
+
+        def work(value: float) -> None:
+            with lock:
+                with a.write(slice(0, 512 * SIZE)) as v:
+                    v[rt.rank :: SIZE] = value
+            memory.barrier()
+
+        def reserve() -> int:
+            """A reservation in rank 0's log ring that nobody writes; its position."""
+            ring, slot = writer.peers[home][LOG], len(writer.landing) - 2
+            memory.client.run(home, [_atomic(writer._land(slot), ring["rkey"], ring["addr"], 128)], memory.seq)
+            return int(writer.landing[slot])
+
+        def checkpoint() -> tuple[int, int]:
+            """A coordinated checkpoint's discard; rank 0's ring head and tail after it."""
+            rt.barrier()
+            log.ckpt_precheckpoint(independent=False)
+            rt.barrier()
+            log.discard()
+            rt.barrier()
+            head, tail = writer.read_word(home, LOG, 8), writer.read_word(home, LOG, 0)
+            rt.barrier()  # no rank reserves before all have read them
+            return head, tail
+
+        if rt.rank == 0:
+            with a.write() as v:  # first touch: rank 0 is every page's home, so every diff is logged at L(0)
+                v[:] = 0.0
+        memory.barrier()
+        work(1.0)
+        rt.barrier()
+        dead = reserve() if rt.rank == 1 else -1  # rank 1 "died" right after its reservation: no claim
+        rt.barrier()
+        work(2.0)
+        passed = checkpoint()
+        live = reserve() if rt.rank == 1 else -1
+        rt.barrier()
+        work(3.0)
+        if rt.rank == 1:  # (set after work(3.0), whose own batch ends by clearing rank 1's claims)
+            writer.claims[_claim(home, LOG)] = live  # reserved, not written yet: a live rank's hole
+        claimed = checkpoint()
+        work(4.0)
+        if rt.rank == 2:
+            writer.claims[_claim(home, LOG)] = IN_FLIGHT  # a reservation whose answer is not back yet
+        if rt.rank == 1:
+            writer.claims[_claim(home, LOG)] = IDLE  # rank 1 died after all: its hole is nobody's
+        in_flight = checkpoint()
+        if rt.rank == 2:
+            writer.claims[_claim(home, LOG)] = IDLE
+        work(5.0)
+        freed = checkpoint()
+        return dead, live, passed, claimed, in_flight, freed
+
+    out = run_threads(
+        SIZE,
+        body,
+        first_device=FIRST_HCA,
+        plugins=_plain_hosts,
+        options={"dsm_protocol": protocol, "logging": "remote"},
+    )
+    _, (dead, live, *_), *_ = out
+    passed, claimed, in_flight, freed = out[0][2:]
+    assert dead >= 0 and passed[0] == passed[1] > dead  # past the dead hole: everything after it was covered
+    assert claimed[0] == live < claimed[1]  # stopped at the live rank's hole, covered records after it kept
+    assert in_flight[0] == live  # nothing passed while an answer may still reserve below the tail
+    assert freed[0] == freed[1]  # the hole's reserver is gone and nothing is in flight: all of it released
+
+
+def test_a_writer_claims_what_it_reserved_until_it_is_written() -> None:
+    """A ring's claim word (`_writer`, "Claims"): IN_FLIGHT from before the FETCH_AND_ADD is posted until
+    `write` has its answer, then the lowest reserved position not yet written -- an earlier batch's while a
+    later one is reserved -- and IDLE once every WRITE is complete, or in a process restored from an image."""
+    from ckpt import verbs
+    from ckpt_remotelog._writer import IDLE, IN_FLIGHT, LOG, OWN, RingWriter, _claim
+
+    ctx = verbs.Context(name=f"simib{FIRST_HCA}")
+    try:
+        pd = verbs.PD(ctx)
+        ring = LogRing(pd, 1024)
+        ring.control[0] = ring.control[1] = 64  # 64 bytes appended and discarded before
+        nic, writer = _loop_writer(pd, [{LOG: ring.address(), OWN: LogRing(pd, 1024).address()}], 1024)
+        claim = _claim(0, LOG)
+        assert writer.claims[claim] == IDLE
+        writer.add(0, LOG, encode(RecordKind.DIFF, 0, b"a" * 16, interval=1, gid=7))
+        writer.start()
+        assert writer.claims[claim] == IN_FLIGHT  # (this NIC has answered already; the writer has not looked)
+        writer.write()
+        assert writer.claims[claim] == 64
+        writer.add(0, LOG, encode(RecordKind.DIFF, 0, b"b" * 16, interval=2, gid=7))
+        writer.start()  # a second reservation while the first one's WRITE is not known complete
+        assert writer.claims[claim] == 64
+        writer.complete()
+        assert writer.claims[claim] == IDLE and [r.interval for r in ring.records()] == [1, 2]
+        writer.claims[claim] = 200  # an image taken mid-batch (a failed close) ...
+        restored = RingWriter.__new__(RingWriter)
+        restored.__setstate__(writer.__getstate__())
+        assert restored.claims[claim] == IDLE  # ... restores with nothing claimed
+        assert nic.events  # (the WRs went through the in-process NIC)
+    finally:
+        ctx.close()
+
+
+def test_a_coordinated_checkpoint_releases_a_home_diff_log_past_a_dead_writers_hole() -> None:
+    """Under onesided the writers reserve in a home's diff log too: a coordinated checkpoint releases it past a
+    hole no live rank claims (else it would never empty again, and a full home diff log fails its writers at
+    once), never past one a live rank claims."""
+    from ckpt_remotelog._writer import HOME, IDLE, _atomic, _claim
+
+    def body(rt: ThreadRuntime) -> Any:
+        memory = dsm.attach(rt, "onesided")
+        rt.at_end(memory.close)
+        log: RemoteLog = memory.extensions["remotelog"]
+        writer = log.writer
+        a = memory.array((SIZE * 512,), np.float64)
+        lock = memory.lock()
+
+        def work(value: float) -> None:
+            with lock:
+                with a.write(slice(0, 512 * SIZE)) as v:
+                    v[rt.rank :: SIZE] = value
+            memory.barrier()
+
+        def reserve() -> int:
+            ring, slot = writer.peers[0][HOME], len(writer.landing) - 2
+            memory.client.run(0, [_atomic(writer._land(slot), ring["rkey"], ring["addr"], 128)], memory.seq)
+            return int(writer.landing[slot])
+
+        def checkpoint() -> tuple[int, int]:
+            rt.barrier()
+            log.ckpt_precheckpoint(independent=False)
+            rt.barrier()
+            log.discard()
+            rt.barrier()
+            out = log.home_log.head, log.home_log.tail
+            rt.barrier()
+            return out
+
+        if rt.rank == 0:
+            with a.write() as v:  # rank 0 is every page's home: the others' HOME_DIFFs go to its diff log
+                v[:] = 0.0
+        memory.barrier()
+        work(1.0)
+        dead = reserve() if rt.rank == 1 else -1
+        rt.barrier()
+        work(2.0)
+        passed = checkpoint()
+        live = reserve() if rt.rank == 1 else -1
+        rt.barrier()
+        work(3.0)
+        if rt.rank == 1:
+            writer.claims[_claim(0, HOME)] = live
+        claimed = checkpoint()
+        if rt.rank == 1:
+            writer.claims[_claim(0, HOME)] = IDLE
+        work(4.0)
+        freed = checkpoint()
+        return dead, live, passed, claimed, freed
+
+    out = run_threads(
+        SIZE,
+        body,
+        first_device=FIRST_HCA,
+        plugins=_plain_hosts,
+        options={"dsm_protocol": "onesided", "logging": "remote"},
+    )
+    dead, live = out[1][:2]
+    passed, claimed, freed = out[0][2:]
+    assert dead >= 0 and passed[0] == passed[1] > dead
+    assert claimed[0] == live < claimed[1]
+    assert freed[0] == freed[1]

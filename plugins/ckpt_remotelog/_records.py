@@ -28,8 +28,8 @@
 # (notices as the DSM carries them: ``[writer, interval, [gid, home, ...]]``); RELEASE none.
 #
 # Holes: a writer that dies between its reservation and its WRITE's arrival leaves a hole
-# that no later write fills.  A plain `walk` stops there (what discard needs: it never
-# passes a record it cannot prove covered); a recovery, which needs every record after
+# that no later write fills.  A plain `walk` stops there (a discard passes a hole only once
+# no live rank can still write it: `_writer`, "Claims"); a recovery, which needs every record after
 # it, `scan`s forward 8 bytes at a time for the next word that is its own position + 1
 # followed by a plausible header (known kind, writer < N, payload within the ring) and a
 # matching check.
@@ -50,7 +50,9 @@ _WORD = struct.Struct("<Q")
 _CHECK = struct.Struct("<I")
 RUN = struct.Struct("<II")
 ALIGN = 8
-RECORD_FORMAT = 2  # 1: no check, each commit word a WRITE of its own (images with it are refused)
+#: What an image's rings and writer hold (images of another are refused): 1 had no check and each commit
+#: word was a WRITE of its own; 2 had no claim words (`_writer`, "Claims").
+RECORD_FORMAT = 3
 
 
 class RecordKind(IntEnum):

@@ -88,7 +88,10 @@ import logging
 import time
 from typing import Any
 
+import numpy as np
+
 import ckpt
+from ckpt import verbs
 from ckpt.plugin import RANKS_NS
 from dsm import DsmError
 
@@ -101,11 +104,12 @@ from ._records import (
     diff_payload,
     encode,
     notices_payload,
+    scan,
 )
 from ._replay import LogReplay
-from ._ring import LogRing
+from ._ring import REMOTE, LogRing
 from ._versions import HomeVersions
-from ._writer import HIGH_WATER, HOME, LOG, OWN, RingWriter
+from ._writer import CLAIMS, HIGH_WATER, HOME, IDLE, LOG, OWN, RingWriter
 
 log = logging.getLogger(__name__)
 
@@ -135,11 +139,17 @@ class RemoteLog:
         self.asked: dict[tuple[int, str], int] = {}  # ring -> its head when its owner's checkpoint was asked
         self.snapshot: dict[str, Any] | None = None
         self.home_flush = 0
+        # this rank's claim words, one per ring it may reserve in (`_writer`, "Claims"), read by the rings' owners
+        self.claims = np.full(2 * size, IDLE, dtype=np.int64)
+        self.claims_mr = verbs.MR(memory.pd, self.claims, REMOTE)
+        claims = {"addr": self.claims_mr.buf, "rkey": self.claims_mr.rkey, "capacity": 0}
         self.peers: list[dict[str, dict[str, int]]] = memory.rt.allgather(
-            {LOG: self.ring.address(), HOME: self.home_log.address(), OWN: self.own_ring.address()}
+            {LOG: self.ring.address(), HOME: self.home_log.address(), OWN: self.own_ring.address(), CLAIMS: claims}
         )
         own_home = self.log_home(self.rank)
-        self.writer = RingWriter(memory, self.peers, ring_bytes, self.owner, self._ask_checkpoint, own_home)
+        self.writer = RingWriter(
+            memory, self.peers, ring_bytes, self.owner, self._ask_checkpoint, own_home, self.claims
+        )
         self.versions = HomeVersions(memory, self.home_log, self.overflow)
         self.replay: LogReplay | None = None  # after a recovery: the log it replayed (until the next checkpoint)
         # (lock, token) of a release whose record went into its interval's batch (`dsm_interval_closing`)
@@ -336,6 +346,51 @@ class RemoteLog:
         applied = snapshot["applied"]
         return aid < len(applied) and bool(applied[aid][page, record.writer] >= record.interval)
 
+    def _covered_prefix(self, snapshot: dict[str, Any]) -> tuple[list[Record], int]:
+        """The records of this rank's log ring its checkpoint covers, from the head on, and the position after them.
+
+        Past a hole only when no live rank can still write there: the ring's tail is read first, then every
+        rank's claim on the ring (`_writer`, "Claims"), then the ring.  A hole below that tail and below every
+        claim was reserved by a rank that died before writing it (a live one claims what it reserved until it
+        is written); what a live rank reserves after the tail was read lies above it.
+        """
+        writer, home = self.writer, self.log_home(self.rank)
+        tail = writer.read_word(home, LOG, 0)
+        claim = writer.lowest_claim(home, LOG)
+        records, head = writer.read_ring(home, LOG, holes=True)
+        dead = -1 if claim is None else min(tail, claim)  # positions below this are written or dead
+        dropped: list[Record] = []
+        for record in records:
+            if record.position > head and record.position > dead:
+                return dropped, head  # a hole a live rank may still fill
+            if not self.covered(record, snapshot):
+                return dropped, head
+            dropped.append(record)
+            head = record.position + record.size
+        return dropped, max(head, dead)  # the dead space after the last record too
+
+    def _home_release_end(self, seen: tuple[int, dict[int, int]]) -> int:
+        """How far a coordinated checkpoint releases the home diff log under onesided: past every record its
+        image holds (committed when it was taken: `seen` = the tail then and those records' sizes by position),
+        and past the holes then that no live rank can still fill (as `_covered_prefix`) and nobody filled since
+        -- a writer that died between its reservation and its WRITE (else the log would never empty again)."""
+        tail, committed = seen
+        claim = self.writer.lowest_claim(self.rank, HOME)  # before the log is read again
+        at = self.home_flush
+        if claim is None:
+            return at
+        limit, log = min(tail, claim), self.home_log
+        filled = {r.position for r in scan(log.contents(at, max(at, log.tail)), at, self.size)}
+        while at < limit:
+            if at in committed:
+                at += committed[at]
+                continue
+            after = min((p for p in committed if p > at), default=tail)  # the hole then: [at, after)
+            if after > limit or any(at <= p < after for p in filled):
+                break  # a live rank may write there, or one did since the image: not held by it
+            at = after
+        return at
+
     def discard(self) -> list[Record]:
         """Advance this rank's log ring's head past what the checkpoint covers, and clear its ``lost`` word
         (the checkpoint the ring's recovered holder asked for); release the home diff log if the checkpoint
@@ -344,13 +399,7 @@ class RemoteLog:
             return []
         snapshot, self.snapshot = self.snapshot, None
         self.writer.own_head = int(snapshot["own_tail"])  # the own records before the image: no recovery needs them
-        records, head = self.remote_records()
-        dropped: list[Record] = []
-        for record in records:
-            if not self.covered(record, snapshot):
-                break
-            dropped.append(record)
-            head = record.position + record.size
+        dropped, head = self._covered_prefix(snapshot)
         self.writer.write_word(self.log_home(self.rank), LOG, 8, head)
         if self._holder_incarnation() == snapshot["holder"]:
             # the holder was not recovered since the image was taken: whatever it lost, this image covers (after
@@ -361,8 +410,9 @@ class RemoteLog:
         if not snapshot["independent"]:
             # the new base holds what the home diff log held: kept since the last coordinated checkpoint
             # (`_versions`), it is released at the next one only
+            end = self._home_release_end(snapshot["home"]) if self.onesided else self.home_flush
             with self.home_log.mutex:
-                self.home_log.set_head(max(self.home_log.head, self.home_flush))
+                self.home_log.set_head(max(self.home_log.head, end))
                 del self.overflow[: snapshot["overflow"]]  # those are in the base; later ones are not
         return dropped
 
@@ -379,6 +429,9 @@ class RemoteLog:
             "holder": self._holder_incarnation(),
         }
         self.home_flush = self.home_log.committed_end()  # what the image holds of the home diff log
+        if self.onesided and not independent:  # ... and past its first hole, which `_home_release_end` may pass
+            committed = {r.position: r.size for r in self.home_log.scan(self.size) if r.position >= self.home_flush}
+            self.snapshot["home"] = (self.home_log.tail, committed)
         if not independent:
             self.versions.take_base()  # in the image: a whole-job restart goes back to this checkpoint
 

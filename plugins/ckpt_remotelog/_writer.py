@@ -26,6 +26,15 @@ two ways in:
      invariant asks for it -- and then post and wait for a `last` own record (the
      RELEASE of a release that closes the interval).
 
+Claims (so that a ring's owner can pass a dead writer's hole).  A writer that dies
+between its reservation and its WRITE leaves a hole nobody fills, and the owner's discard
+walks only up to the first hole -- the ring would fill for good.  So every rank publishes,
+in registered memory, one *claim* word per ring it reserves in: ``IN_FLIGHT`` from before
+its FETCH_AND_ADD is posted until its answer is back, then the lowest position it
+reserved and has not yet seen written, ``IDLE`` once every WRITE is complete.  A hole
+below every live rank's claim, and below the ring's tail read *before* those claims, is
+nobody's that lives: the owner's discard passes it (`RemoteLog.discard`).
+
 The endpoint belongs to the program thread, and so does this class (and, while the
 program is parked, the checkpoint thread).  Posting goes straight to the endpoint's
 QPs (a plugin that uses the DSM's connections, not QPs of its own, so that the DSM's
@@ -57,6 +66,9 @@ POST_LIMIT = 128  # WRs posted to one QP without waiting (the send queue holds 5
 FULL_TIMEOUT = 60.0  # seconds a writer waits for room in a full ring
 HIGH_WATER = 0.5  # a reservation past this fill asks for the owner's checkpoint
 OWN_READ = 64 << 10  # bytes of the own ring a recovery reads first (`RingWriter.read_own`)
+CLAIMS = "claims"  # the peers' entry of the claim words
+IDLE, IN_FLIGHT = -2, -1  # claims: nothing reserved and unwritten; a FETCH_AND_ADD whose answer is not back
+NO_CLAIM = 1 << 62  # `lowest_claim` when no live rank claims anything
 
 
 class RingWriter:
@@ -70,8 +82,10 @@ class RingWriter:
         owner: Callable[[int, str], int],
         ask: Callable[[int, str, int], None],
         own_home: int,
+        claims: np.ndarray,
     ) -> None:
         self.memory, self.peers, self.owner, self.ask = memory, peers, owner, ask
+        self.claims = claims  # per (peer, ring): see "Claims" above; registered by the caller (`peers[r][CLAIMS]`)
         # this rank's own ring at its log home: only this rank writes it, so it keeps the ring's tail and head
         # here, and `mine` mirrors it (a record is staged where it lies in the ring, and stays there until a
         # discard passes it: nothing in flight is ever overwritten)
@@ -100,6 +114,11 @@ class RingWriter:
         # in this process, after the image -- a rank recovered from the image must not count them as live
         state["own_head"] = self.own_tail
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if "claims" in state:  # else an older image, which `RemoteLog.__setstate__` refuses
+            self.claims[:] = IDLE  # in place (the array is registered): a new process has nothing in flight
 
     # ------------------------------------------------------------------ batches
     def add(self, peer: int, which: str, record: bytearray) -> None:
@@ -170,6 +189,9 @@ class RingWriter:
         self.queue = []
         reserve: dict[int, list[verbs.SendWR]] = {}
         for (peer, which), batch in rings.items():
+            claim = _claim(peer, which)
+            if self.claims[claim] == IDLE:  # else a lower position is claimed already
+                self.claims[claim] = IN_FLIGHT  # before the FETCH_AND_ADD can reserve anything
             need, ring = sum(len(r) for r in batch), self.peers[peer][which]
             if need > min(ring["capacity"], self.batch_limit):  # `_place` stages a ring's batch at once
                 too_big = f"{need} bytes of log records for one ring exceed {min(ring['capacity'], self.batch_limit)}"
@@ -199,8 +221,10 @@ class RingWriter:
             if peer in lost:  # its rings died with it: its recovery marks them lost, their owners checkpoint
                 log.info("rank %d: %d log record(s) for lost rank %d dropped", self.memory.rank, len(batch), peer)
                 continue
-            slot = self._slot(peer, which)
+            slot, claim = self._slot(peer, which), _claim(peer, which)
             tail, head = int(self.landing[slot]), int(self.landing[slot + 1])
+            if self.claims[claim] < 0 or self.claims[claim] > tail:
+                self.claims[claim] = tail
             if big:  # too much for the staging buffer at once: ring by ring, each written and waited for
                 alone: list[verbs.SendWR] = []
                 self._place(peer, which, tail, head, batch, 0, alone)
@@ -219,6 +243,7 @@ class RingWriter:
         self.write()
         started = time.perf_counter()
         self._settle("log writes to the log homes")
+        self.claims[:] = IDLE  # every reservation is written (nothing is reserved here that `write` did not write)
         self.memory.account("log_seconds", time.perf_counter() - started)
 
     def settle(self) -> None:
@@ -353,6 +378,23 @@ class RingWriter:
         self.memory.counters.count("log_read", 8)
         return int(self.landing[slot])
 
+    def lowest_claim(self, peer: int, which: str) -> int | None:
+        """The lowest position any live rank may still write at in ring `which` at `peer` (`NO_CLAIM`: none), read
+        from every rank's claim word; None when that cannot be known now (an answer in flight, a rank not up)."""
+        client, claim, lowest = self.memory.client, _claim(peer, which), NO_CLAIM
+        for rank in range(len(self.peers)):
+            if rank == self.memory.rank:
+                value = int(self.claims[claim])
+            elif client.state[rank] != UP:
+                return None  # its next incarnation may be writing already, and its claims cannot be read
+            else:
+                value = self.read_word(rank, CLAIMS, 8 * claim)
+            if value == IN_FLIGHT:
+                return None
+            if value != IDLE:
+                lowest = min(lowest, value)
+        return lowest
+
     def write_word(self, peer: int, which: str, offset: int, value: int) -> None:
         ring, slot = self.peers[peer][which], len(self.landing) - 1
         self.landing[slot] = value
@@ -375,11 +417,17 @@ class RingWriter:
         return (scan(data, head, len(self.peers)) if holes else walk(data, head)), head
 
     def _slot(self, peer: int, which: str) -> int:
+        """The landing words (old tail, head) of a reservation in ring `which` at `peer`."""
         return 4 * peer + (0 if which == LOG else 2)
 
     def _land(self, slot: int) -> tuple[int, int, int]:
         """Landing word `slot`, as a local (address, length, lkey)."""
         return self.landing_mr.buf + slot * 8, 8, self.landing_mr.lkey
+
+
+def _claim(peer: int, which: str) -> int:
+    """The claim word of ring `which` (LOG or HOME) at `peer`."""
+    return 2 * peer + (0 if which == LOG else 1)
 
 
 def _spanned(
