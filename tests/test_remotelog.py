@@ -41,7 +41,7 @@ from ckpt_remotelog._records import (
     seal,
     walk,
 )
-from ckpt_remotelog._ring import CONTROL, LogRing
+from ckpt_remotelog._ring import CONTROL, LogRing, circular_write
 from dsm._messages import NAMES
 from dsm.programs import program_class
 
@@ -787,7 +787,8 @@ def test_an_image_with_another_record_format_is_refused() -> None:
 def test_a_discard_passes_a_hole_no_live_rank_claims_and_never_one_that_a_live_rank_may_fill(protocol: str) -> None:
     """A writer that dies between its FETCH_AND_ADD and its WRITE leaves a hole nobody fills.  Rank 0's discard
     passes such a hole -- else its log ring would never empty again and, once full, fail its writers -- but not
-    one a live rank claims (reserved and not yet written), nor any while some rank's reservation is in flight."""
+    one a live rank claims (reserved and not yet written), nor any while some rank's reservation is in flight,
+    nor space reserved after it read the ring's tail."""
     from ckpt_remotelog._writer import IDLE, IN_FLIGHT, LOG, _atomic, _claim
 
     def body(rt: ThreadRuntime) -> Any:
@@ -821,33 +822,46 @@ def test_a_discard_passes_a_hole_no_live_rank_claims_and_never_one_that_a_live_r
             rt.barrier()  # no rank reserves before all have read them
             return head, tail
 
+        def claim(value: int) -> None:
+            writer.claims[_claim(home, LOG)] = value
+
         if rt.rank == 0:
             with a.write() as v:  # first touch: rank 0 is every page's home, so every diff is logged at L(0)
                 v[:] = 0.0
         memory.barrier()
         work(1.0)
-        rt.barrier()
         dead = reserve() if rt.rank == 1 else -1  # rank 1 "died" right after its reservation: no claim
         rt.barrier()
         work(2.0)
         passed = checkpoint()
-        live = reserve() if rt.rank == 1 else -1
-        rt.barrier()
         work(3.0)
-        if rt.rank == 1:  # (set after work(3.0), whose own batch ends by clearing rank 1's claims)
-            writer.claims[_claim(home, LOG)] = live  # reserved, not written yet: a live rank's hole
-        claimed = checkpoint()
+        holes = [reserve(), 0, reserve()] if rt.rank == 1 else []
+        rt.barrier()
         work(4.0)
+        if rt.rank == 1:  # (set after work(4.0): its own batch ends by clearing rank 1's claims)
+            claim(holes[2])  # the second one is reserved and not written yet: a live rank's hole
+        claimed = checkpoint()
+        work(5.0)
         if rt.rank == 2:
-            writer.claims[_claim(home, LOG)] = IN_FLIGHT  # a reservation whose answer is not back yet
+            claim(IN_FLIGHT)  # a reservation whose answer is not back yet
         if rt.rank == 1:
-            writer.claims[_claim(home, LOG)] = IDLE  # rank 1 died after all: its hole is nobody's
+            claim(IDLE)  # rank 1 died after all: its hole is nobody's
         in_flight = checkpoint()
         if rt.rank == 2:
-            writer.claims[_claim(home, LOG)] = IDLE
-        work(5.0)
+            claim(IDLE)
+        work(6.0)
+        late: list[int] = []
+        if rt.rank == 0:  # a reservation after the discard read the claims, before it reads the ring
+            original = writer.lowest_claim
+
+            def then_reserve(peer: int, which: str) -> int | None:
+                found = original(peer, which)
+                late.append(reserve())
+                return found
+
+            writer.lowest_claim = then_reserve  # type: ignore[method-assign]
         freed = checkpoint()
-        return dead, live, passed, claimed, in_flight, freed
+        return dead, holes, passed, claimed, in_flight, freed, late
 
     out = run_threads(
         SIZE,
@@ -856,12 +870,12 @@ def test_a_discard_passes_a_hole_no_live_rank_claims_and_never_one_that_a_live_r
         plugins=_plain_hosts,
         options={"dsm_protocol": protocol, "logging": "remote"},
     )
-    _, (dead, live, *_), *_ = out
-    passed, claimed, in_flight, freed = out[0][2:]
+    dead, (hole, _, live) = out[1][:2]
+    passed, claimed, in_flight, freed, late = out[0][2:]
     assert dead >= 0 and passed[0] == passed[1] > dead  # past the dead hole: everything after it was covered
-    assert claimed[0] == live < claimed[1]  # stopped at the live rank's hole, covered records after it kept
+    assert passed[0] < hole < live < claimed[1] and claimed[0] == live  # past the dead one, up to the live one
     assert in_flight[0] == live  # nothing passed while an answer may still reserve below the tail
-    assert freed[0] == freed[1]  # the hole's reserver is gone and nothing is in flight: all of it released
+    assert freed[0] == late[0] < freed[1]  # all of it released, up to what was reserved after the tail was read
 
 
 def test_a_writer_claims_what_it_reserved_until_it_is_written() -> None:
@@ -877,18 +891,39 @@ def test_a_writer_claims_what_it_reserved_until_it_is_written() -> None:
         ring = LogRing(pd, 1024)
         ring.control[0] = ring.control[1] = 64  # 64 bytes appended and discarded before
         nic, writer = _loop_writer(pd, [{LOG: ring.address(), OWN: LogRing(pd, 1024).address()}], 1024)
-        claim = _claim(0, LOG)
+        claim, at_post = _claim(0, LOG), []
+        post = nic._post
+
+        def watched(peer: int, wr: Any) -> None:  # the claim as each FETCH_AND_ADD is posted
+            if wr.opcode == verbs.IBV_WR_ATOMIC_FETCH_AND_ADD:
+                at_post.append(int(writer.claims[claim]))
+            post(peer, wr)
+
+        nic._post = watched  # type: ignore[method-assign]
+        nic.qps = [SimpleNamespace(post_send=lambda wr: watched(0, wr))]
         assert writer.claims[claim] == IDLE
         writer.add(0, LOG, encode(RecordKind.DIFF, 0, b"a" * 16, interval=1, gid=7))
         writer.start()
-        assert writer.claims[claim] == IN_FLIGHT  # (this NIC has answered already; the writer has not looked)
+        assert at_post == [IN_FLIGHT] and writer.claims[claim] == IN_FLIGHT  # (answered; the writer did not look)
         writer.write()
         assert writer.claims[claim] == 64
         writer.add(0, LOG, encode(RecordKind.DIFF, 0, b"b" * 16, interval=2, gid=7))
         writer.start()  # a second reservation while the first one's WRITE is not known complete
+        assert at_post == [IN_FLIGHT, 64] and writer.claims[claim] == 64  # the lower position stays claimed
+        writer.write()
         assert writer.claims[claim] == 64
         writer.complete()
         assert writer.claims[claim] == IDLE and [r.interval for r in ring.records()] == [1, 2]
+        writer.add(0, LOG, encode(RecordKind.DIFF, 0, b"c" * 16, interval=3, gid=7))
+        writer.start()
+        writer.write()
+        claimed = int(writer.claims[claim])
+        nic.link[0] += 1  # the ring's holder was replaced: its ring goes on from its image, maybe lower
+        writer.add(0, LOG, encode(RecordKind.DIFF, 0, b"d" * 16, interval=4, gid=7))
+        writer.start()
+        assert claimed >= 64 and at_post[-1] == IN_FLIGHT  # an old link's claim says nothing about the new ring
+        writer.complete()
+        assert writer.claims[claim] == IDLE
         writer.claims[claim] = 200  # an image taken mid-batch (a failed close) ...
         restored = RingWriter.__new__(RingWriter)
         restored.__setstate__(writer.__getstate__())
@@ -923,9 +958,13 @@ def test_a_coordinated_checkpoint_releases_a_home_diff_log_past_a_dead_writers_h
             memory.client.run(0, [_atomic(writer._land(slot), ring["rkey"], ring["addr"], 128)], memory.seq)
             return int(writer.landing[slot])
 
-        def checkpoint() -> tuple[int, int]:
+        def checkpoint(fill: int = -1) -> tuple[int, int]:
             rt.barrier()
             log.ckpt_precheckpoint(independent=False)
+            rt.barrier()
+            if rt.rank == 0 and fill >= 0:  # a hole when the image was taken, written since: not in the image
+                record = encode(RecordKind.HOME_DIFF, 1, b"x" * 64, interval=99, gid=0)
+                circular_write(log.home_log.buf[CONTROL:], fill, bytes(seal(record, fill)))
             rt.barrier()
             log.discard()
             rt.barrier()
@@ -952,7 +991,10 @@ def test_a_coordinated_checkpoint_releases_a_home_diff_log_past_a_dead_writers_h
             writer.claims[_claim(0, HOME)] = IDLE
         work(4.0)
         freed = checkpoint()
-        return dead, live, passed, claimed, freed
+        late = rt.allgather(reserve() if rt.rank == 1 else -1)[1]  # 128 bytes: one record of 64
+        work(5.0)
+        filled = checkpoint(fill=late)
+        return dead, live, passed, claimed, freed, late, filled
 
     out = run_threads(
         SIZE,
@@ -962,7 +1004,8 @@ def test_a_coordinated_checkpoint_releases_a_home_diff_log_past_a_dead_writers_h
         options={"dsm_protocol": "onesided", "logging": "remote"},
     )
     dead, live = out[1][:2]
-    passed, claimed, freed = out[0][2:]
+    passed, claimed, freed, late, filled = out[0][2:]
     assert dead >= 0 and passed[0] == passed[1] > dead
     assert claimed[0] == live < claimed[1]
     assert freed[0] == freed[1]
+    assert filled[0] == late < filled[1]  # the record written into the hole after the image is kept

@@ -112,6 +112,8 @@ from ._versions import HomeVersions
 from ._writer import CLAIMS, HIGH_WATER, HOME, IDLE, LOG, OWN, RingWriter
 
 log = logging.getLogger(__name__)
+UNDECIDED_WAIT = 1.0  # seconds a discard polls the claims while it cannot tell whether a hole is dead
+REASK = 5.0  # seconds after which a ring that is still filling asks its owner's checkpoint again
 
 
 class RemoteLog:
@@ -136,7 +138,7 @@ class RemoteLog:
         self.diffs: list[tuple[int, int, int, list[tuple[int, bytes]]]] = []  # this interval's (gid, home, i, diff)
         self.notices: list[Any] = []  # received at the current acquire / barrier
         self.overflow: list[bytearray] = []  # async home diff log records that found it full (in the image)
-        self.asked: dict[tuple[int, str], int] = {}  # ring -> its head when its owner's checkpoint was asked
+        self.asked: dict[tuple[int, str], tuple[int, float]] = {}  # ring -> its head, and when, at the last ask
         self.snapshot: dict[str, Any] | None = None
         self.home_flush = 0
         # this rank's claim words, one per ring it may reserve in (`_writer`, "Claims"), read by the rings' owners
@@ -168,7 +170,9 @@ class RemoteLog:
             host.register(self, name=f"remotelog-{id(self)}")
 
     def __getstate__(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        state = dict(self.__dict__)
+        state["asked"] = {}  # times of this process's clock
+        return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         if state.get("record_format") != RECORD_FORMAT:
@@ -319,11 +323,12 @@ class RemoteLog:
         self.memory.account("log_seconds", time.perf_counter() - started)
 
     def _ask_checkpoint(self, peer: int, which: str, head: int) -> None:
-        """Ask once per ring fill (until its head moves) for the owner's checkpoint."""
-        key = (peer, which)
-        if self.asked.get(key) == head:
+        """Ask once per ring fill (until its head moves, or again after `REASK` seconds: a checkpoint whose discard
+        could not pass a hole yet, `_covered_prefix`) for the owner's checkpoint."""
+        key, now = (peer, which), time.monotonic()
+        if key in self.asked and self.asked[key][0] == head and now - self.asked[key][1] < REASK:
             return
-        self.asked[key] = head
+        self.asked[key] = (head, now)
         owner = self.owner(peer, which)
         self.memory.account("log_full_checkpoints")
         log.info("rank %d: the %s ring of rank %d is filling: asking for its checkpoint", self.rank, which, owner)
@@ -350,24 +355,34 @@ class RemoteLog:
         """The records of this rank's log ring its checkpoint covers, from the head on, and the position after them.
 
         Past a hole only when no live rank can still write there: the ring's tail is read first, then every
-        rank's claim on the ring (`_writer`, "Claims"), then the ring.  A hole below that tail and below every
+        rank's claim on the ring (`_writer`, "Claims"), then the ring.  Space below that tail and below every
         claim was reserved by a rank that died before writing it (a live one claims what it reserved until it
-        is written); what a live rank reserves after the tail was read lies above it.
+        is written); what a live rank reserves after the tail was read lies above it.  Both bounds are
+        reservation boundaries, so the head may stop at either, inside a run of reservations.
         """
         writer, home = self.writer, self.log_home(self.rank)
-        tail = writer.read_word(home, LOG, 0)
-        claim = writer.lowest_claim(home, LOG)
-        records, head = writer.read_ring(home, LOG, holes=True)
-        dead = -1 if claim is None else min(tail, claim)  # positions below this are written or dead
-        dropped: list[Record] = []
-        for record in records:
-            if record.position > head and record.position > dead:
-                return dropped, head  # a hole a live rank may still fill
-            if not self.covered(record, snapshot):
+        deadline, pause = time.monotonic() + UNDECIDED_WAIT, 1e-3
+        while True:
+            tail = writer.read_word(home, LOG, 0)
+            claim = writer.lowest_claim(home, LOG)
+            records, head = writer.read_ring(home, LOG, holes=True)
+            dead = -1 if claim is None else min(tail, claim)  # positions below this are written or dead
+            dropped: list[Record] = []
+            for record in records:
+                if record.position > head and record.position > dead:  # a hole a live rank may still fill
+                    head = max(head, dead)  # ... from `dead` on: what lies before is dead (a reservation's start)
+                    break
+                if not self.covered(record, snapshot):
+                    return dropped, head
+                dropped.append(record)
+                head = record.position + record.size
+            else:
+                return dropped, max(head, dead)  # the dead space after the last record too
+            if claim is not None or time.monotonic() > deadline:
                 return dropped, head
-            dropped.append(record)
-            head = record.position + record.size
-        return dropped, max(head, dead)  # the dead space after the last record too
+            # undecided (an answer in flight is one round trip; a rank not up, its recovery): a while, not for good
+            time.sleep(pause)  # polling remote words, as `RingWriter.wait_for_room` does: nothing signals here
+            pause = min(2 * pause, 0.05)
 
     def _home_release_end(self, seen: tuple[int, dict[int, int]]) -> int:
         """How far a coordinated checkpoint releases the home diff log under onesided: past every record its
@@ -380,7 +395,8 @@ class RemoteLog:
         if claim is None:
             return at
         limit, log = min(tail, claim), self.home_log
-        filled = {r.position for r in scan(log.contents(at, max(at, log.tail)), at, self.size)}
+        end = max(at, min(log.tail, log.head + log.capacity))  # one lap at most
+        filled = {r.position for r in scan(log.contents(at, end), at, self.size)}
         while at < limit:
             if at in committed:
                 at += committed[at]

@@ -81,7 +81,7 @@ class LogRing:
     def scan(self, size: int) -> list[Any]:
         """The committed records from head to tail, past holes (local: no RDMA; `_records.scan`)."""
         head = self.head
-        return scan(self.contents(head, max(head, self.tail)), head, size)
+        return scan(self.contents(head, self._end(head)), head, size)
 
     def address(self) -> dict[str, int]:
         return {"addr": self.mr.buf, "rkey": self.mr.rkey, "capacity": self.capacity}
@@ -93,7 +93,12 @@ class LogRing:
     def records(self) -> list[Any]:
         """The committed records from head on, up to the first that is not (local: no RDMA)."""
         head = self.head
-        return walk(self.contents(head, max(head, self.tail)), head)
+        return walk(self.contents(head, self._end(head)), head)
+
+    def _end(self, head: int) -> int:
+        """Where a read from `head` ends: the tail, at most one lap on (writers reserve past a full ring's end
+        and wait for room)."""
+        return min(max(head, self.tail), head + self.capacity)
 
     def committed_end(self) -> int:
         """The position just past the last record of the committed prefix from head."""

@@ -30,8 +30,10 @@ Claims (so that a ring's owner can pass a dead writer's hole).  A writer that di
 between its reservation and its WRITE leaves a hole nobody fills, and the owner's discard
 walks only up to the first hole -- the ring would fill for good.  So every rank publishes,
 in registered memory, one *claim* word per ring it reserves in: ``IN_FLIGHT`` from before
-its FETCH_AND_ADD is posted until its answer is back, then the lowest position it
-reserved and has not yet seen written, ``IDLE`` once every WRITE is complete.  A hole
+its FETCH_AND_ADD is posted until `write` takes its answer (the interval's diffs leave in
+between), then the lowest position it reserved and has not yet seen written, ``IDLE`` once
+every WRITE is complete.  A claim is per link: after the ring's holder was replaced, its
+ring starts again from its image, so an old claim says nothing about the new positions.  A hole
 below every live rank's claim, and below the ring's tail read *before* those claims, is
 nobody's that lives: the owner's discard passes it (`RemoteLog.discard`).
 
@@ -86,6 +88,7 @@ class RingWriter:
     ) -> None:
         self.memory, self.peers, self.owner, self.ask = memory, peers, owner, ask
         self.claims = claims  # per (peer, ring): see "Claims" above; registered by the caller (`peers[r][CLAIMS]`)
+        self.claim_links: dict[int, int] = {}  # claim word -> the link to its ring's holder it was made on
         # this rank's own ring at its log home: only this rank writes it, so it keeps the ring's tail and head
         # here, and `mine` mirrors it (a record is staged where it lies in the ring, and stays there until a
         # discard passes it: nothing in flight is ever overwritten)
@@ -109,7 +112,7 @@ class RingWriter:
         state = dict(self.__dict__)
         # an image is a point every record before it is covered by (ckpt_restart starts over from it): what is
         # queued, reserved or being written belongs to this process only
-        state.update(queue=[], reserved=None, writing=[], sent={}, last=[])
+        state.update(queue=[], reserved=None, writing=[], sent={}, last=[], claim_links={})
         # ... and every own record before it too: the discard after the checkpoint moves the head there, but only
         # in this process, after the image -- a rank recovered from the image must not count them as live
         state["own_head"] = self.own_tail
@@ -189,9 +192,10 @@ class RingWriter:
         self.queue = []
         reserve: dict[int, list[verbs.SendWR]] = {}
         for (peer, which), batch in rings.items():
-            claim = _claim(peer, which)
-            if self.claims[claim] == IDLE:  # else a lower position is claimed already
+            claim, link = _claim(peer, which), self.memory.client.link[peer]
+            if self.claims[claim] == IDLE or self.claim_links.get(claim) != link:  # else a lower one is claimed
                 self.claims[claim] = IN_FLIGHT  # before the FETCH_AND_ADD can reserve anything
+                self.claim_links[claim] = link
             need, ring = sum(len(r) for r in batch), self.peers[peer][which]
             if need > min(ring["capacity"], self.batch_limit):  # `_place` stages a ring's batch at once
                 too_big = f"{need} bytes of log records for one ring exceed {min(ring['capacity'], self.batch_limit)}"
@@ -217,14 +221,16 @@ class RingWriter:
         count = sum(len(batch) for batch in rings.values())
         writes: dict[int, list[verbs.SendWR]] = {}
         at, big = 0, total > len(self.staging)
+        for peer, which in rings:  # every claim first: a ring below may wait (for room, or ring by ring)
+            claim, tail = _claim(peer, which), int(self.landing[self._slot(peer, which)])
+            if peer not in lost and (self.claims[claim] < 0 or self.claims[claim] > tail):
+                self.claims[claim] = tail
         for (peer, which), batch in rings.items():
             if peer in lost:  # its rings died with it: its recovery marks them lost, their owners checkpoint
                 log.info("rank %d: %d log record(s) for lost rank %d dropped", self.memory.rank, len(batch), peer)
                 continue
-            slot, claim = self._slot(peer, which), _claim(peer, which)
+            slot = self._slot(peer, which)
             tail, head = int(self.landing[slot]), int(self.landing[slot + 1])
-            if self.claims[claim] < 0 or self.claims[claim] > tail:
-                self.claims[claim] = tail
             if big:  # too much for the staging buffer at once: ring by ring, each written and waited for
                 alone: list[verbs.SendWR] = []
                 self._place(peer, which, tail, head, batch, 0, alone)
@@ -244,6 +250,7 @@ class RingWriter:
         started = time.perf_counter()
         self._settle("log writes to the log homes")
         self.claims[:] = IDLE  # every reservation is written (nothing is reserved here that `write` did not write)
+        self.claim_links.clear()
         self.memory.account("log_seconds", time.perf_counter() - started)
 
     def settle(self) -> None:
@@ -387,8 +394,10 @@ class RingWriter:
                 value = int(self.claims[claim])
             elif client.state[rank] != UP:
                 return None  # its next incarnation may be writing already, and its claims cannot be read
-            else:
-                value = self.read_word(rank, CLAIMS, 8 * claim)
+            else:  # twice, until two reads agree: a READ's bytes may be copied while the word is stored
+                value, again = self.read_word(rank, CLAIMS, 8 * claim), None
+                while value != again:
+                    again, value = value, self.read_word(rank, CLAIMS, 8 * claim)
             if value == IN_FLIGHT:
                 return None
             if value != IDLE:
