@@ -113,7 +113,7 @@ from ._writer import CLAIMS, HIGH_WATER, HOME, IDLE, LOG, OWN, RingWriter
 
 log = logging.getLogger(__name__)
 UNDECIDED_WAIT = 1.0  # seconds a discard polls the claims while it cannot tell whether a hole is dead
-REASK = 5.0  # seconds after which a ring that is still filling asks its owner's checkpoint again
+REASK = 5.0  # seconds after which a writer blocked on a full ring asks its owner's checkpoint again
 
 
 class RemoteLog:
@@ -322,11 +322,11 @@ class RemoteLog:
         self.memory.account("log_bytes", len(record))
         self.memory.account("log_seconds", time.perf_counter() - started)
 
-    def _ask_checkpoint(self, peer: int, which: str, head: int) -> None:
-        """Ask once per ring fill (until its head moves, or again after `REASK` seconds: a checkpoint whose discard
-        could not pass a hole yet, `_covered_prefix`) for the owner's checkpoint."""
+    def _ask_checkpoint(self, peer: int, which: str, head: int, again: bool = False) -> None:
+        """Ask once per ring fill (until its head moves) for the owner's checkpoint -- `again`, a writer blocked on
+        the full ring, after `REASK` seconds too (a checkpoint whose discard could not pass a hole yet)."""
         key, now = (peer, which), time.monotonic()
-        if key in self.asked and self.asked[key][0] == head and now - self.asked[key][1] < REASK:
+        if key in self.asked and self.asked[key][0] == head and (not again or now - self.asked[key][1] < REASK):
             return
         self.asked[key] = (head, now)
         owner = self.owner(peer, which)

@@ -82,7 +82,7 @@ class RingWriter:
         peers: list[dict[str, dict[str, int]]],
         staging_bytes: int,
         owner: Callable[[int, str], int],
-        ask: Callable[[int, str, int], None],
+        ask: Callable[..., None],  # (peer, ring, head, again=False): `RemoteLog._ask_checkpoint`
         own_home: int,
         claims: np.ndarray,
     ) -> None:
@@ -369,7 +369,7 @@ class RingWriter:
         deadline = time.monotonic() + FULL_TIMEOUT
         pause = 1e-4
         while (head := self.read_word(peer, which, 8)) < head_needed:
-            self.ask(peer, which, head)
+            self.ask(peer, which, head, again=True)  # blocked: ask again now and then
             if time.monotonic() > deadline:
                 raise DsmError(
                     f"{full} and rank {owner} did not checkpoint within {FULL_TIMEOUT:.0f} s: "
