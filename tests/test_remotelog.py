@@ -789,74 +789,47 @@ def test_a_discard_passes_a_hole_no_live_rank_claims_and_never_one_that_a_live_r
     passes such a hole -- else its log ring would never empty again and, once full, fail its writers -- but not
     one a live rank claims (reserved and not yet written), nor any while some rank's reservation is in flight,
     nor space reserved after it read the ring's tail."""
-    from ckpt_remotelog._writer import IDLE, IN_FLIGHT, LOG, _atomic, _claim
+    from ckpt_remotelog._writer import IDLE, IN_FLIGHT, LOG
 
     def body(rt: ThreadRuntime) -> Any:
-        memory = dsm.attach(rt, protocol)
-        rt.at_end(memory.close)
-        log: RemoteLog = memory.extensions["remotelog"]
-        writer, home = log.writer, log.log_home(0)
-        a = memory.array((SIZE * 512,), np.float64)
-        lock = memory.lock()
-
-        def work(value: float) -> None:
-            with lock:
-                with a.write(slice(0, 512 * SIZE)) as v:
-                    v[rt.rank :: SIZE] = value
-            memory.barrier()
-
-        def reserve() -> int:
-            """A reservation in rank 0's log ring that nobody writes; its position."""
-            ring, slot = writer.peers[home][LOG], len(writer.landing) - 2
-            memory.client.run(home, [_atomic(writer._land(slot), ring["rkey"], ring["addr"], 128)], memory.seq)
-            return int(writer.landing[slot])
+        job = _Holes(rt, protocol, LOG)
+        writer, home = job.writer, job.peer
 
         def checkpoint() -> tuple[int, int]:
-            """A coordinated checkpoint's discard; rank 0's ring head and tail after it."""
-            rt.barrier()
-            log.ckpt_precheckpoint(independent=False)
-            rt.barrier()
-            log.discard()
-            rt.barrier()
+            """Rank 0's ring head and tail after a coordinated checkpoint's discard."""
+            job.checkpoint()
             head, tail = writer.read_word(home, LOG, 8), writer.read_word(home, LOG, 0)
             rt.barrier()  # no rank reserves before all have read them
             return head, tail
 
-        def claim(value: int) -> None:
-            writer.claims[_claim(home, LOG)] = value
-
-        if rt.rank == 0:
-            with a.write() as v:  # first touch: rank 0 is every page's home, so every diff is logged at L(0)
-                v[:] = 0.0
-        memory.barrier()
-        work(1.0)
-        dead = reserve() if rt.rank == 1 else -1  # rank 1 "died" right after its reservation: no claim
+        job.work(1.0)
+        dead = job.reserve() if rt.rank == 1 else -1  # rank 1 "died" right after its reservation: no claim
         rt.barrier()
-        work(2.0)
+        job.work(2.0)
         passed = checkpoint()
-        work(3.0)
-        holes = [reserve(), 0, reserve()] if rt.rank == 1 else []
+        job.work(3.0)
+        holes = [job.reserve(), 0, job.reserve()] if rt.rank == 1 else []
         rt.barrier()
-        work(4.0)
+        job.work(4.0)
         if rt.rank == 1:  # (set after work(4.0): its own batch ends by clearing rank 1's claims)
-            claim(holes[2])  # the second one is reserved and not written yet: a live rank's hole
+            job.claim(holes[2])  # the second one is reserved and not written yet: a live rank's hole
         claimed = checkpoint()
-        work(5.0)
+        job.work(5.0)
         if rt.rank == 2:
-            claim(IN_FLIGHT)  # a reservation whose answer is not back yet
+            job.claim(IN_FLIGHT)  # a reservation whose answer is not back yet
         if rt.rank == 1:
-            claim(IDLE)  # rank 1 died after all: its hole is nobody's
+            job.claim(IDLE)  # rank 1 died after all: its hole is nobody's
         in_flight = checkpoint()
         if rt.rank == 2:
-            claim(IDLE)
-        work(6.0)
+            job.claim(IDLE)
+        job.work(6.0)
         late: list[int] = []
         if rt.rank == 0:  # a reservation after the discard read the claims, before it reads the ring
             original = writer.lowest_claim
 
             def then_reserve(peer: int, which: str) -> int | None:
                 found = original(peer, which)
-                late.append(reserve())
+                late.append(job.reserve())
                 return found
 
             writer.lowest_claim = then_reserve  # type: ignore[method-assign]
@@ -937,62 +910,41 @@ def test_a_coordinated_checkpoint_releases_a_home_diff_log_past_a_dead_writers_h
     """Under onesided the writers reserve in a home's diff log too: a coordinated checkpoint releases it past a
     hole no live rank claims (else it would never empty again, and a full home diff log fails its writers at
     once), never past one a live rank claims."""
-    from ckpt_remotelog._writer import HOME, IDLE, _atomic, _claim
+    from ckpt_remotelog._writer import HOME, IDLE
 
     def body(rt: ThreadRuntime) -> Any:
-        memory = dsm.attach(rt, "onesided")
-        rt.at_end(memory.close)
-        log: RemoteLog = memory.extensions["remotelog"]
-        writer = log.writer
-        a = memory.array((SIZE * 512,), np.float64)
-        lock = memory.lock()
-
-        def work(value: float) -> None:
-            with lock:
-                with a.write(slice(0, 512 * SIZE)) as v:
-                    v[rt.rank :: SIZE] = value
-            memory.barrier()
-
-        def reserve() -> int:
-            ring, slot = writer.peers[0][HOME], len(writer.landing) - 2
-            memory.client.run(0, [_atomic(writer._land(slot), ring["rkey"], ring["addr"], 128)], memory.seq)
-            return int(writer.landing[slot])
+        job = _Holes(rt, "onesided", HOME)
+        home_log = job.log.home_log
 
         def checkpoint(fill: int = -1) -> tuple[int, int]:
-            rt.barrier()
-            log.ckpt_precheckpoint(independent=False)
-            rt.barrier()
-            if rt.rank == 0 and fill >= 0:  # a hole when the image was taken, written since: not in the image
+            """Rank 0's home diff log head and tail after a coordinated checkpoint."""
+
+            def written_since() -> None:  # a hole when the image was taken, written since: not in the image
                 record = encode(RecordKind.HOME_DIFF, 1, b"x" * 64, interval=99, gid=0)
-                circular_write(log.home_log.buf[CONTROL:], fill, bytes(seal(record, fill)))
-            rt.barrier()
-            log.discard()
-            rt.barrier()
-            out = log.home_log.head, log.home_log.tail
+                circular_write(home_log.buf[CONTROL:], fill, bytes(seal(record, fill)))
+
+            job.checkpoint(written_since if rt.rank == 0 and fill >= 0 else None)
+            out = home_log.head, home_log.tail
             rt.barrier()
             return out
 
-        if rt.rank == 0:
-            with a.write() as v:  # rank 0 is every page's home: the others' HOME_DIFFs go to its diff log
-                v[:] = 0.0
-        memory.barrier()
-        work(1.0)
-        dead = reserve() if rt.rank == 1 else -1
+        job.work(1.0)
+        dead = job.reserve() if rt.rank == 1 else -1
         rt.barrier()
-        work(2.0)
+        job.work(2.0)
         passed = checkpoint()
-        live = reserve() if rt.rank == 1 else -1
+        live = job.reserve() if rt.rank == 1 else -1
         rt.barrier()
-        work(3.0)
+        job.work(3.0)
         if rt.rank == 1:
-            writer.claims[_claim(0, HOME)] = live
+            job.claim(live)
         claimed = checkpoint()
         if rt.rank == 1:
-            writer.claims[_claim(0, HOME)] = IDLE
-        work(4.0)
+            job.claim(IDLE)
+        job.work(4.0)
         freed = checkpoint()
-        late = rt.allgather(reserve() if rt.rank == 1 else -1)[1]  # 128 bytes: one record of 64
-        work(5.0)
+        late = rt.allgather(job.reserve() if rt.rank == 1 else -1)[1]  # 128 bytes: one record of 64
+        job.work(5.0)
         filled = checkpoint(fill=late)
         return dead, live, passed, claimed, freed, late, filled
 
@@ -1009,3 +961,56 @@ def test_a_coordinated_checkpoint_releases_a_home_diff_log_past_a_dead_writers_h
     assert claimed[0] == live < claimed[1]
     assert freed[0] == freed[1]
     assert filled[0] == late < filled[1]  # the record written into the hole after the image is kept
+
+
+class _Holes:
+    """One rank's side of the dead-hole tests: rank 0 is every page's home, so every diff is logged at its log
+    home (and, onesided, in its home diff log); `reserve` makes a reservation nobody writes in ring `which` of
+    rank 0 -- what a writer killed right after its FETCH_AND_ADD leaves."""
+
+    def __init__(self, rt: ThreadRuntime, protocol: str, which: str) -> None:
+        from ckpt_remotelog._writer import LOG
+
+        self.rt, self.which, self.memory = rt, which, dsm.attach(rt, protocol)
+        rt.at_end(self.memory.close)
+        self.log: RemoteLog = self.memory.extensions["remotelog"]
+        self.writer = self.log.writer
+        self.peer = self.log.log_home(0) if which == LOG else 0  # where rank 0's ring is
+        self.array = self.memory.array((SIZE * 512,), np.float64)
+        self.lock = self.memory.lock()
+        if rt.rank == 0:
+            with self.array.write() as v:  # first touch: rank 0 is every page's home
+                v[:] = 0.0
+        self.memory.barrier()
+
+    def work(self, value: float) -> None:
+        with self.lock:
+            with self.array.write(slice(0, 512 * SIZE)) as v:
+                v[self.rt.rank :: SIZE] = value
+        self.memory.barrier()
+
+    def reserve(self) -> int:
+        """128 bytes reserved in rank 0's ring and never written; their position."""
+        from ckpt_remotelog._writer import _atomic
+
+        ring, slot, writer = self.writer.peers[self.peer][self.which], len(self.writer.landing) - 2, self.writer
+        wr = _atomic(writer._land(slot), ring["rkey"], ring["addr"], 128)
+        self.memory.client.run(self.peer, [wr], self.memory.seq)
+        return int(writer.landing[slot])
+
+    def claim(self, value: int) -> None:
+        from ckpt_remotelog._writer import _claim
+
+        self.writer.claims[_claim(self.peer, self.which)] = value
+
+    def checkpoint(self, between: Any = None) -> None:
+        """A coordinated checkpoint's discard on every rank (`between`: run after the image, before it)."""
+        rt = self.rt
+        rt.barrier()
+        self.log.ckpt_precheckpoint(independent=False)
+        rt.barrier()
+        if between is not None:
+            between()
+        rt.barrier()
+        self.log.discard()
+        rt.barrier()
