@@ -141,9 +141,7 @@ def ping_pong(pp: PingPongContext, iters: int, is_client: bool, routs: int) -> f
     if is_client:
         pp.qp.post_send(pp.send_wr)
         pending |= SEND_WRID
-    num_cq_events = 0
-    if pp.channel is not None:
-        pp.cq.req_notify()
+    num_cq_events = 0  # (the CQ was armed before any receive was posted: `run`)
     rcnt = scnt = 0
     start = time.perf_counter()
     while rcnt < iters or scnt < iters:
@@ -191,6 +189,11 @@ def run(args: argparse.Namespace) -> None:
         listener = socket.create_server((ex.LISTEN_HOST, args.port), reuse_port=False)
     pp = PingPongContext(args)
     try:
+        if pp.channel is not None:
+            # armed before the first receive is posted, as ibv_rc_pingpong does: the peer may send as soon as
+            # the addresses are exchanged, and a completion that lands before the CQ is armed raises no event
+            # -- both sides would then wait in get_cq_event for good
+            pp.cq.req_notify()
         routs = pp.post_recv(pp.rx_depth)
         if routs < pp.rx_depth:
             raise PingPongError(f"Couldn't post receive ({routs})")

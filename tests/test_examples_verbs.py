@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -153,3 +154,54 @@ def test_rdma_write_bw_pair(size: int, iters: int, depth: int, cq_mod: int) -> N
     assert any("arrived intact" in line for line in server), server
     mine, theirs = addresses(client, BW_DEST), addresses(server, BW_DEST)
     assert mine["local"] == theirs["remote"] and mine["remote"] == theirs["local"]
+
+
+def test_rc_pingpong_events_arms_the_cq_before_the_client_can_send(monkeypatch: pytest.MonkeyPatch) -> None:
+    """-e: a completion that lands before a CQ is armed raises no event.  The client sends as soon as the addresses
+    are exchanged, so the server arms its CQ before it posts its receives, as ibv_rc_pingpong does; armed only
+    when its loop began, a server whose receive had already completed waited in get_cq_event for good, and the
+    client with it (a CI run, and once in 131 runs here).  Here the receive has completed before the loop."""
+    import threading
+
+    sys.path.insert(0, str(EXAMPLES))
+    import rc_pingpong as rp
+    from verbs_util import bring_up, make_endpoint, recv_wr, send_wr
+
+    from ckpt import verbs as v
+
+    peer_ctx = v.Context(name="simib41")
+    try:
+        peer = make_endpoint(peer_ctx, sq_sig_all=0)
+        seen: list[int] = []
+
+        def exchange(listener: Any, pp: Any, my_psn: int, mtu: int, mine: bytes) -> tuple[int, int, int]:
+            """The client, in this thread: connect, send once, and return only once the server's CQ holds the
+            receive completion -- before the server's loop begins."""
+            listener.close()
+            lid = pp.ctx.query_port(1).lid
+            pp.connect(my_psn, mtu, (peer.lid, peer.qp.qp_num, 0))
+            bring_up(peer.qp, pp.qp.qp_num, lid, sq_psn=0, rq_psn=my_psn)
+            peer.qp.post_recv(recv_wr([peer.sge(0, 4096)]))  # for the server's answer
+            peer.qp.post_send(send_wr([peer.sge(0, 100)], flags=0))
+            wait_for(lambda: len(pp.cq.handle.entries) == 1, TIMEOUT, "the receive completion at the server")
+            seen.append(len(pp.cq.handle.entries))
+            return peer.lid, peer.qp.qp_num, 0
+
+        monkeypatch.setattr(rp, "server_exchange", exchange)
+        args = rp.parse_args(["-d", "simib40", "-p", "0", "-s", "100", "-n", "1", "-e"])
+        failed: list[BaseException] = []
+
+        def server() -> None:
+            try:
+                rp.run(args)
+            except BaseException as exc:  # reported below
+                failed.append(exc)
+
+        thread = threading.Thread(target=server, daemon=True)  # daemon: a hung server must not hold pytest
+        thread.start()
+        thread.join(20.0)
+        assert seen == [1] and not failed, failed
+        assert not thread.is_alive(), "the server waits for a CQ event its receive completion never raised"
+        wait_for(lambda: peer.rcq.poll(1)[0] == 1, TIMEOUT, "the server's answer")
+    finally:
+        peer_ctx.close()
