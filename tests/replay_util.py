@@ -161,8 +161,16 @@ def non_adjacent_pair(rng: random.Random) -> list[int]:
 class ReplayRun:
     """One DSM job under `--on-failure recover`: its files, its job, and the checks of its end."""
 
-    def __init__(self, start_job: Callable[..., Job], tmp_path: Path, case: ReplayCase, protocol: str, label: str):
-        self.case, self.protocol, self.label = case, protocol, label
+    def __init__(
+        self,
+        start_job: Callable[..., Job],
+        tmp_path: Path,
+        case: ReplayCase,
+        protocol: str,
+        label: str,
+        options: tuple[str, ...] = (),
+    ):
+        self.case, self.protocol, self.label, self.options = case, protocol, label, options
         self.ckpt_dir = tmp_path / "ckpt"
         self.stats_prefix, self.marks, self.hold = tmp_path / "stats", tmp_path / "marks", tmp_path / "release"
         self.marks.mkdir(parents=True, exist_ok=True)
@@ -217,7 +225,7 @@ class ReplayRun:
             MARK_ENV: str(self.marks),
             **({KILL_ENV: f"{hooked[0].hook}:{hooked[0].rank}:{hooked[0].n}"} if hooked else {}),
         }
-        options = ("--dsm-protocol", self.protocol, *RECOVER)
+        options = ("--dsm-protocol", self.protocol, *RECOVER, *self.options)
         argv = [str(PROGRAM), *self.case.args]
         self.job = self.start_job(
             "launch", "-n", str(RANKS), "--ckpt-dir", str(self.ckpt_dir), *options, *argv,
@@ -320,16 +328,23 @@ class ReplayRun:
 
 
 def run_recovering(
-    start_job: Callable[..., Job], tmp_path: Path, case: ReplayCase, protocol: str, kills: list[Kill], label: str
+    start_job: Callable[..., Job],
+    tmp_path: Path,
+    case: ReplayCase,
+    protocol: str,
+    kills: list[Kill],
+    label: str,
+    options: tuple[str, ...] = (),
 ) -> dict[int, dict[str, Any]]:
     """A run whose victims (not log homes of each other) recover alone by replay; every check of the campaign.
 
     The job ends with the uninterrupted answer; the other ranks have their first PIDs, incarnation 0, all along
     (their statistics are written by that same process at its end); each victim is incarnation 1 and
     verifiably replayed: replayed acquires / barriers, no message to the barrier manager or a lock home for
-    what it replayed, minimal-version pages where it faulted.  The statistics of every rank.
+    what it replayed, minimal-version pages where it faulted.  The statistics of every rank.  `options`: more
+    options of `ckpt launch`.
     """
-    run = ReplayRun(start_job, tmp_path, case, protocol, label)
+    run = ReplayRun(start_job, tmp_path, case, protocol, label, options)
     run.launch(kills)
     first = {r["rank"]: r["pid"] for r in run.settled()["ranks"]}
     run.kill(kills)

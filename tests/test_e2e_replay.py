@@ -9,8 +9,10 @@ acquires and barriers answered from its log (no message to a lock home or the
 barrier manager for them) and minimal-version pages where it faulted.  Two
 concurrent failures of ranks that are not each other's log home recover the
 same way; a rank killed with its log home makes the job restart whole from the
-coordinated checkpoint, in one line.  CI runs four kills (every program, both
-protocols, the three targeted moments and a random one), the same job without
+coordinated checkpoint, in one line.  A kill mid-diff with rings small enough to
+fill many times afterwards shows their owners' discards pass the dead space it
+leaves.  CI runs five kills (every program, both protocols, the three targeted
+moments, a random one and the tiny rings), the same job without
 one (the control) and a check of the kill plugin; the campaign of the issue
 (32 + 10 runs, the fallback) is marked stress.  The seed of a random run
 is in its failure message: CKPT_TEST_SEED=<seed> replays the campaign.
@@ -74,6 +76,27 @@ def test_a_rank_killed_mid_operation_recovers_by_replay(
     name: str, protocol: str, kill: Kill, start_job: Callable[..., Job], tmp_path: Path
 ) -> None:
     run_recovering(start_job, tmp_path, CASES[name], protocol, [kill], f"{name}/{protocol}, kill {kill}")
+
+
+def test_a_dead_writers_hole_does_not_keep_a_log_ring_from_emptying(
+    start_job: Callable[..., Job], tmp_path: Path
+) -> None:
+    """Rank 3 killed mid-diff: reservations of its interval in other ranks' log rings are never written.  With
+    rings so small that each fills many times in the rest of the run, their owners' discards must pass that
+    dead space (docs/remotelog.md, "Dead holes"); a discard that stops at it leaves the ring full for good, and
+    its writers fail after 60 s (which this run did before the claim words: "the log ring of rank 0 at rank 1
+    is full and rank 0 did not checkpoint within 60 s").  Rings of 256 KiB hold about two steps of IS: smaller
+    ones fill within one step, and a writer waiting for room can block its ring's owner at a barrier."""
+    stats = run_recovering(
+        start_job,
+        tmp_path,
+        CASES["isort"],
+        "async",
+        [Kill(3, hook="dsm_diff_sent", n=12)],
+        "isort/async, tiny rings, kill rank 3 mid-diff",
+        options=("--log-ring-bytes", "262144"),
+    )
+    assert sum(s["log_full_checkpoints"] for s in stats.values()) > 0  # the rings did fill and were emptied
 
 
 @pytest.mark.stress  # suite time: the CI runs check numpy's answer and the replay counters themselves
