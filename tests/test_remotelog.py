@@ -836,13 +836,7 @@ def test_a_discard_passes_a_hole_no_live_rank_claims_and_never_one_that_a_live_r
         freed = checkpoint()
         return dead, holes, passed, claimed, in_flight, freed, late
 
-    out = run_threads(
-        SIZE,
-        body,
-        first_device=FIRST_HCA,
-        plugins=_plain_hosts,
-        options={"dsm_protocol": protocol, "logging": "remote"},
-    )
+    out = _Holes.run(protocol, body)
     dead, (hole, _, live) = out[1][:2]
     passed, claimed, in_flight, freed, late = out[0][2:]
     assert dead >= 0 and passed[0] == passed[1] > dead  # past the dead hole: everything after it was covered
@@ -948,13 +942,7 @@ def test_a_coordinated_checkpoint_releases_a_home_diff_log_past_a_dead_writers_h
         filled = checkpoint(fill=late)
         return dead, live, passed, claimed, freed, late, filled
 
-    out = run_threads(
-        SIZE,
-        body,
-        first_device=FIRST_HCA,
-        plugins=_plain_hosts,
-        options={"dsm_protocol": "onesided", "logging": "remote"},
-    )
+    out = _Holes.run("onesided", body)
     dead, live = out[1][:2]
     passed, claimed, freed, late, filled = out[0][2:]
     assert dead >= 0 and passed[0] == passed[1] > dead
@@ -982,6 +970,12 @@ class _Holes:
             with self.array.write() as v:  # first touch: rank 0 is every page's home
                 v[:] = 0.0
         self.memory.barrier()
+
+    @staticmethod
+    def run(protocol: str, body: Any) -> list[Any]:
+        """`body(rt)` on every rank of a job with remote logging, each making its own `_Holes`; their returns."""
+        options = {"dsm_protocol": protocol, "logging": "remote"}
+        return run_threads(SIZE, body, first_device=FIRST_HCA, plugins=_plain_hosts, options=options)
 
     def work(self, value: float) -> None:
         with self.lock:

@@ -363,10 +363,8 @@ class RemoteLog:
         writer, home = self.writer, self.log_home(self.rank)
         deadline, pause = time.monotonic() + UNDECIDED_WAIT, 1e-3
         while True:
-            tail = writer.read_word(home, LOG, 0)
-            claim = writer.lowest_claim(home, LOG)
+            dead = writer.dead_below(home, LOG, writer.read_word(home, LOG, 0))  # written or dead below it
             records, head = writer.read_ring(home, LOG, holes=True)
-            dead = -1 if claim is None else min(tail, claim)  # positions below this are written or dead
             dropped: list[Record] = []
             for record in records:
                 if record.position > head and record.position > dead:  # a hole a live rank may still fill
@@ -378,7 +376,7 @@ class RemoteLog:
                 head = record.position + record.size
             else:
                 return dropped, max(head, dead)  # the dead space after the last record too
-            if claim is not None or time.monotonic() > deadline:
+            if dead >= 0 or time.monotonic() > deadline:
                 return dropped, head
             # undecided (an answer in flight is one round trip; a rank not up, its recovery): a while, not for good
             time.sleep(pause)  # polling remote words, as `RingWriter.wait_for_room` does: nothing signals here
@@ -390,21 +388,12 @@ class RemoteLog:
         and past the holes then that no live rank can still fill (as `_covered_prefix`) and nobody filled since
         -- a writer that died between its reservation and its WRITE (else the log would never empty again)."""
         tail, committed = seen
-        claim = self.writer.lowest_claim(self.rank, HOME)  # before the log is read again
-        at = self.home_flush
-        if claim is None:
-            return at
-        limit, log = min(tail, claim), self.home_log
-        end = max(at, min(log.tail, log.head + log.capacity))  # one lap at most
-        filled = {r.position for r in scan(log.contents(at, end), at, self.size)}
-        while at < limit:
-            if at in committed:
-                at += committed[at]
-                continue
-            after = min((p for p in committed if p > at), default=tail)  # the hole then: [at, after)
-            if after > limit or any(at <= p < after for p in filled):
-                break  # a live rank may write there, or one did since the image: not held by it
-            at = after
+        limit, log, at = self.writer.dead_below(self.rank, HOME, tail), self.home_log, self.home_flush
+        filled = [r.position for r in scan(log.contents(at, max(at, log.readable_end())), at, self.size)]
+        for start in [*sorted(p for p in committed if p >= at), tail]:
+            if start > at and (start > limit or any(at <= p < start for p in filled)):
+                break  # the hole [at, start) then: a live rank may write there, or one did since the image
+            at = start + committed.get(start, 0)
         return at
 
     def discard(self) -> list[Record]:

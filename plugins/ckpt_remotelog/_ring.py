@@ -81,7 +81,7 @@ class LogRing:
     def scan(self, size: int) -> list[Any]:
         """The committed records from head to tail, past holes (local: no RDMA; `_records.scan`)."""
         head = self.head
-        return scan(self.contents(head, self._end(head)), head, size)
+        return scan(self.contents(head, self.readable_end()), head, size)
 
     def address(self) -> dict[str, int]:
         return {"addr": self.mr.buf, "rkey": self.mr.rkey, "capacity": self.capacity}
@@ -93,11 +93,12 @@ class LogRing:
     def records(self) -> list[Any]:
         """The committed records from head on, up to the first that is not (local: no RDMA)."""
         head = self.head
-        return walk(self.contents(head, self._end(head)), head)
+        return walk(self.contents(head, self.readable_end()), head)
 
-    def _end(self, head: int) -> int:
-        """Where a read from `head` ends: the tail, at most one lap on (writers reserve past a full ring's end
-        and wait for room)."""
+    def readable_end(self) -> int:
+        """Where a read of this ring ends: its tail, at most one lap past its head (writers reserve past a full
+        ring's end and wait for room)."""
+        head = self.head
         return min(max(head, self.tail), head + self.capacity)
 
     def committed_end(self) -> int:
@@ -114,7 +115,7 @@ class LogRing:
             position = self.tail
             if position + len(record) - self.head > self.capacity:
                 return False
-            circular_write(self.buf[CONTROL:], position, bytes(seal(record, position)))
+            circular_write(self.buf[CONTROL:], position, seal(record, position))
             self.control[0] = position + len(record)
             return True
 
@@ -138,7 +139,7 @@ def circular_read(area: np.ndarray, start: int, end: int) -> bytes:
     return area[lo:].tobytes() + area[: hi - capacity].tobytes()
 
 
-def circular_write(area: np.ndarray, position: int, data: bytes) -> None:
+def circular_write(area: np.ndarray, position: int, data: bytes | bytearray) -> None:
     capacity = len(area)
     lo = position % capacity
     first = min(len(data), capacity - lo)

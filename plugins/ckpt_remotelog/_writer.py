@@ -146,7 +146,7 @@ class RingWriter:
                 f"rank {self.memory.rank}'s own log ring at rank {peer} is full and no checkpoint can empty it "
                 "mid-step: raise --log-ring-bytes or checkpoint more often"
             )
-        circular_write(self.mine, position, bytes(seal(record, position)))
+        circular_write(self.mine, position, seal(record, position))
         self.own_tail = position + need
         base, lkey = self.mine_mr.buf, self.mine_mr.lkey
         wrs = _spanned(_write, ring, position, need, lambda ring_off, _: base + ring_off, lkey)  # sealed: one WRITE
@@ -384,6 +384,13 @@ class RingWriter:
         self.memory.client.run(peer, [_read(self._land(slot), ring["rkey"], ring["addr"] + offset)], self.memory.seq)
         self.memory.counters.count("log_read", 8)
         return int(self.landing[slot])
+
+    def dead_below(self, peer: int, which: str, tail: int) -> int:
+        """The position below which no live rank can still write in ring `which` at `peer` -- the lower of `tail`
+        (the ring's tail, read *before* this call) and every live rank's claim -- or -1 when that cannot be
+        known now.  Space below it that holds no committed record was reserved by a rank that died."""
+        claim = self.lowest_claim(peer, which)
+        return -1 if claim is None else min(tail, claim)
 
     def lowest_claim(self, peer: int, which: str) -> int | None:
         """The lowest position any live rank may still write at in ring `which` at `peer` (`NO_CLAIM`: none), read
