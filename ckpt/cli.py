@@ -12,6 +12,7 @@ import click
 from click.core import ParameterSource
 
 from ckpt import _jobdir as jobdir
+from ckpt import _sched as sched
 from ckpt._cli_common import ckpt_dir_option, coordinator_option, plugin_options
 from ckpt._cli_control import checkpoint, coordinator_cmd, inspect, kill, plugins, status
 from ckpt._errors import CkptError
@@ -106,6 +107,17 @@ def _job_options(f: Any) -> Any:
         "checkpoint's].",
     )(f)
     f = click.option(
+        "--sched",
+        type=click.Choice(list(sched.POLICIES)),
+        envvar=sched.ENV,
+        show_envvar=True,
+        default=sched.DEFAULT,
+        show_default=True,
+        help="CPU scheduling policy of the launcher, coordinator and ranks: batch (no wake-up preemption; "
+        "faster when the ranks' threads outnumber the cores) or other (the system's default) [per run: not "
+        "recorded].",
+    )(f)
+    f = click.option(
         "--log-level",
         default=lambda: os.environ.get("CKPT_LOG_LEVEL", "WARNING"),
         type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
@@ -127,6 +139,7 @@ def main() -> None:
     argv = sys.argv[1:]
     try:
         if argv and argv[0] in ("launch", "restart"):
+            _apply_sched(argv)
             _add_plugin_options(argv)
         code = cli.main(args=argv, prog_name="ckpt", standalone_mode=False)
     except click.UsageError as exc:
@@ -162,6 +175,15 @@ def _values_of(argv: list[str], flag: str) -> list[str]:
         elif word.startswith(flag + "="):
             values.append(word.split("=", 1)[1])
     return values
+
+
+def _apply_sched(argv: list[str]) -> None:
+    """--sched (or $CKPT_SCHED), applied before anything starts a thread -- numpy's BLAS threads start when a
+    plugin imports it -- so that every thread and process of the job inherits it; a wrong value is left to the
+    option's check."""
+    policy = [os.environ.get(sched.ENV) or sched.DEFAULT, *_values_of(argv, "--sched")][-1]
+    if policy in sched.POLICIES:
+        sched.apply(policy)
 
 
 def _add_plugin_options(argv: list[str]) -> None:
@@ -274,6 +296,7 @@ def launch(
     from ckpt._launcher import JobOptions, external_rank, run_job
     from ckpt._program import load_program
 
+    job.pop("sched")  # applied by main() before anything started (`_apply_sched`)
     _configure_logging(job["log_level"])
     ckpt_dir = ckpt_dir.resolve()
     coordinator = None if new_coordinator else coordinator
@@ -369,6 +392,7 @@ def restart(
     from ckpt._cli_plugins import resolve_transport
     from ckpt._launcher import JobOptions, external_rank, prepare_restart, restart_directory, run_job
 
+    job.pop("sched")  # applied by main() before anything started (`_apply_sched`)
     _configure_logging(job["log_level"])
     if recover_rank is not None:
         _restart_one_rank(recover_rank, ckpt_dir.resolve(), coordinator, with_plugins, disabled, job["log_level"])
