@@ -78,11 +78,14 @@ BENCH_ARGS: dict[str, list[str]] = {
 KEYS = ("lock_acquires", "barriers", "diffs", "diff_bytes", "log_records", "log_bytes", "stable_fsyncs")
 
 
-def run_once(jobs: Jobs, directory: Path, name: str, protocol: str, mode: str, i: int) -> tuple[float, float]:
-    """One job: (mean DSM seconds over the ranks, CPU share of others); its counters go to `LAST`."""
+def run_once(
+    jobs: Jobs, directory: Path, name: str, protocol: str, mode: str, i: int, options: tuple[str, ...] = ()
+) -> tuple[float, float]:
+    """One job (with `options` too): (mean DSM seconds over the ranks, CPU share of others); its counters go to
+    `LAST`."""
     prefix = directory / f"stats-{name}-{protocol}-{mode}-{i}"
     os.environ["CKPT_BENCH_DSM_PROGRAM"], os.environ["CKPT_BENCH_DSM_STATS"] = name, str(prefix)
-    program = ["--dsm-protocol", protocol, "--logging", mode, str(WITH_STATS), *BENCH_ARGS[name]]
+    program = [*options, "--dsm-protocol", protocol, "--logging", mode, str(WITH_STATS), *BENCH_ARGS[name]]
     stdout, foreign = launch(jobs, directory, f"{name}-{protocol}-{mode}-{i}", False, RANKS, program)
     lines = set(results(stdout).values())
     if len(lines) != 1 or "numpy=match" not in next(iter(lines)):
