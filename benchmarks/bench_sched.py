@@ -29,15 +29,16 @@ POLICIES = ("other", "batch")
 
 
 def measure(jobs: Jobs, directory: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Per (program, protocol, logging mode): the median DSM seconds under each policy and batch / other."""
     table: dict[str, Any] = {}
     for name in args.only:
         for protocol in args.protocols:
             for mode in args.modes:
-
+                # B023: `alternate` calls it right away, within this iteration of the loops
                 def run(policy: str, i: int) -> tuple[float, float]:
                     options = ("--sched", policy)
                     got: tuple[float, float] = run_once(jobs, directory, name, protocol, mode, i, options)  # noqa: B023
-                    return got
+                    return got  # (typed: mypy sees bench_remotelog's helpers through an untyped import)
 
                 rows = alternate(args.rounds, args.quiet_wait, run, f"{name}/{protocol}/{mode}", POLICIES)
                 row: dict[str, Any] = {policy: statistics.median(r[policy] for r in rows) for policy in POLICIES}
@@ -49,6 +50,7 @@ def measure(jobs: Jobs, directory: Path, args: argparse.Namespace) -> dict[str, 
 
 
 def report(settings: dict[str, Any], table: dict[str, Any]) -> str:
+    """The table in docs/benchmarks.md's form, and the geometric means of batch / other."""
     lines = [f"machine: {json.dumps(settings['machine'])}", f"command: {settings['command']}", ""]
     lines.append("| program / protocol / logging | other s | batch s | batch / other | median per-round ratio |")
     lines.append("|---|---|---|---|---|")

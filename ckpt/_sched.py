@@ -38,7 +38,8 @@ def apply(policy: str) -> None:
     """Run the calling thread, and what it starts from now on, under `policy` (one of `POLICIES`).
 
     Where the platform has no such policies (not Linux), or refuses (a container that forbids it),
-    nothing changes: the policy is a matter of speed only.
+    nothing changes: the policy is a matter of speed only.  Nor does it under a policy other than
+    these two (SCHED_IDLE, a real-time one), which someone chose from outside.
     """
     if policy not in POLICIES:
         raise ValueError(f"scheduling policy {policy!r}: one of {', '.join(POLICIES)}")
@@ -47,7 +48,11 @@ def apply(policy: str) -> None:
         return
     number = os.SCHED_BATCH if policy == "batch" else os.SCHED_OTHER
     try:
-        if os.sched_getscheduler(0) != number:
+        current = os.sched_getscheduler(0)
+        if current not in (os.SCHED_OTHER, os.SCHED_BATCH):
+            # SCHED_IDLE, a real-time policy: chosen from outside (chrt) on purpose, which --sched does not overrule
+            log.debug("scheduling policy %s not applied: the process runs under policy %d", policy, current)
+        elif current != number:
             setter(0, number, os.sched_param(0))
-    except OSError as exc:  # EPERM under a seccomp profile, or an RT policy set from outside we may not leave
+    except OSError as exc:  # EPERM: a seccomp profile that forbids the call
         log.debug("scheduling policy %s not applied: %s", policy, exc)

@@ -113,9 +113,9 @@ def _job_options(f: Any) -> Any:
         show_envvar=True,
         default=sched.DEFAULT,
         show_default=True,
-        help="CPU scheduling policy of the launcher, coordinator and ranks: batch (no wake-up preemption; "
-        "faster when the ranks' threads outnumber the cores) or other (the system's default) [per run: not "
-        "recorded].",
+        help="CPU scheduling policy of this command, the coordinator it embeds and the ranks it runs: batch "
+        "(no wake-up preemption; faster when the ranks' threads outnumber the cores) or other (the system's "
+        "default); a policy set from outside (chrt: idle, real-time) is kept [per run: a restart takes its own].",
     )(f)
     f = click.option(
         "--log-level",
@@ -164,14 +164,20 @@ _OPTION_TYPES: dict[str, Any] = {"int": int, "float": float, "str": str}
 _PER_RUN: set[str] = set()
 
 
-def _values_of(argv: list[str], flag: str) -> list[str]:
-    """Values of `flag` among ckpt's own options: scanning stops at the program file."""
-    values = []
+def _own_words(argv: list[str]) -> list[str]:
+    """ckpt's own words of a command line: up to the program file, after which come the program's arguments."""
     for i, word in enumerate(argv):
         if word.endswith(".py") and Path(word).is_file():
-            break  # what follows are the program's own arguments
-        if word == flag and i + 1 < len(argv):
-            values.append(argv[i + 1])
+            return argv[:i]
+    return argv
+
+
+def _values_of(argv: list[str], flag: str) -> list[str]:
+    """Values of `flag` among ckpt's own options."""
+    words, values = _own_words(argv), []
+    for i, word in enumerate(words):
+        if word == flag and i + 1 < len(words):
+            values.append(words[i + 1])
         elif word.startswith(flag + "="):
             values.append(word.split("=", 1)[1])
     return values
@@ -181,6 +187,8 @@ def _apply_sched(argv: list[str]) -> None:
     """--sched (or $CKPT_SCHED), applied before anything starts a thread -- numpy's BLAS threads start when a
     plugin imports it -- so that every thread and process of the job inherits it; a wrong value is left to the
     option's check."""
+    if {"-h", "--help"} & set(_own_words(argv)):
+        return  # no job runs
     policy = [os.environ.get(sched.ENV) or sched.DEFAULT, *_values_of(argv, "--sched")][-1]
     if policy in sched.POLICIES:
         sched.apply(policy)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,17 @@ add_pythonpath(TEST_PLUGINS)  # `--with-plugin ckpt_faults` and the other test p
 #: The verbs providers the semantic tests run on: simib's engine found through its subnet manager,
 #: and ckpt_ib2tcp's `tcp` (the same engine, peers found through a directory instead).
 PROVIDERS = ["simib", "tcp"]
+
+
+@pytest.fixture(autouse=True)
+def _runner_scheduling_policy() -> Iterator[None]:
+    """A test that runs the CLI in-process (`ckpt.cli.main`) puts this thread under --sched's policy: put back
+    the runner's own, or every job a later test starts would inherit it (and tests/test_e2e_sched.py could not
+    see whether ckpt applies the policy itself)."""
+    before = os.sched_getscheduler(0)
+    yield
+    if os.sched_getscheduler(0) != before:
+        os.sched_setscheduler(0, before, os.sched_param(0))
 
 
 @pytest.fixture(params=PROVIDERS)

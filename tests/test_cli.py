@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -55,6 +56,14 @@ def test_defaults_and_waiting_are_shown(capsys: pytest.CaptureFixture[str]) -> N
     assert "$CKPT_LOG_LEVEL or WARNING" in text
     _help("checkpoint")
     assert "waits for it" in " ".join(capsys.readouterr().out.split())  # --kill waits for the checkpoint
+
+
+def test_help_leaves_the_scheduling_policy_alone_and_shows_its_choices(capsys: pytest.CaptureFixture[str]) -> None:
+    before = os.sched_getscheduler(0)
+    _help("launch")  # main() applies --sched before it imports plugins, but not for a command that runs no job
+    assert os.sched_getscheduler(0) == before
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--sched [batch|other]" in text and "env var: CKPT_SCHED; default: batch" in text
 
 
 @pytest.mark.parametrize(
