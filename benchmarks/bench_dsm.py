@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from bench_ib import alternate, launch, results
-from bench_image import machine
+from bench_image import run_settings, write_results
 from bench_overhead import Jobs
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -195,12 +195,7 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
-    settings = {
-        "machine": machine(),
-        "command": " ".join(["python", *sys.argv]),
-        "rounds": args.rounds,
-        "pages": args.pages,
-    }
+    settings = run_settings(rounds=args.rounds, pages=args.pages)
     data: dict[str, Any] = {}
     jobs = Jobs()
     with tempfile.TemporaryDirectory(prefix="bench-dsm-", dir=args.dir) as tmp:
@@ -217,8 +212,7 @@ def main() -> None:
         finally:
             jobs.close()
     print(report(settings, data))
-    if args.json:
-        args.json.write_text(json.dumps({"settings": settings, "data": data}, indent=1))
+    write_results(args.json, settings, data)
 
 
 if __name__ == "__main__":

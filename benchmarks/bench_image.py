@@ -127,6 +127,17 @@ def timed(action: Callable[[], object]) -> float:
     return seconds
 
 
+def run_settings(**extra: Any) -> dict[str, Any]:
+    """What a run's results are recorded with: the machine, the exact command, and the run's own `extra`."""
+    return {"machine": machine(), "command": " ".join(["python", *sys.argv]), **extra}
+
+
+def write_results(path: Path | None, settings: dict[str, Any], data: Any) -> None:
+    """--json: the run's settings and data, to `path` (nothing when None)."""
+    if path is not None:
+        path.write_text(json.dumps({"settings": settings, "data": data}, indent=1))
+
+
 def machine() -> dict[str, Any]:
     model = "unknown"
     with open("/proc/cpuinfo") as cpuinfo:

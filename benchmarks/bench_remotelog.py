@@ -59,7 +59,7 @@ from pathlib import Path
 from typing import Any
 
 from bench_ib import alternate, launch, results
-from bench_image import machine
+from bench_image import run_settings, write_results
 from bench_overhead import Jobs, ckpt_cli, wait_quiet
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -438,14 +438,12 @@ def main() -> None:
     jobs = Jobs()
     with tempfile.TemporaryDirectory(prefix="bench-remotelog-", dir=args.dir) as tmp:
         directory = Path(tmp)
-        settings = {
-            "machine": machine(),
-            "command": " ".join(["python", *sys.argv]),
-            "rounds": args.rounds,
-            "protocols": args.protocols,
-            "args": {name: BENCH_ARGS[name] for name in args.only},
-            "log_fs": filesystem(directory),
-        }
+        settings = run_settings(
+            rounds=args.rounds,
+            protocols=args.protocols,
+            args={name: BENCH_ARGS[name] for name in args.only},
+            log_fs=filesystem(directory),
+        )
         if args.recovery:
             settings["failures"] = {f: {"ranks": FAILURES[f][0], "killed": FAILURES[f][1]} for f in args.failures}
         try:
@@ -457,8 +455,7 @@ def main() -> None:
         (write_recovery_csv if args.recovery else write_csv)(table, args.csv)
     if args.plot:
         (plot_recovery if args.recovery else plot)(table, args.plot)
-    if args.json:
-        args.json.write_text(json.dumps({"settings": settings, "data": table}, indent=1))
+    write_results(args.json, settings, table)
 
 
 if __name__ == "__main__":

@@ -15,13 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from bench_ib import alternate
-from bench_image import machine
+from bench_image import run_settings, write_results
 from bench_overhead import Jobs
 from bench_remotelog import BENCH_ARGS, MODES, PROTOCOLS, run_once
 
@@ -87,21 +86,14 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     jobs = Jobs()
-    settings = {
-        "machine": machine(),
-        "command": " ".join(["python", *sys.argv]),
-        "rounds": args.rounds,
-        "modes": args.modes,
-        "args": {name: BENCH_ARGS[name] for name in args.only},
-    }
+    settings = run_settings(rounds=args.rounds, modes=args.modes, args={name: BENCH_ARGS[name] for name in args.only})
     with tempfile.TemporaryDirectory(prefix="bench-sched-") as tmp:
         try:
             table = measure(jobs, Path(tmp), args)
         finally:
             jobs.close()
     print(report(settings, table))
-    if args.json:
-        args.json.write_text(json.dumps({"settings": settings, "data": table}, indent=1))
+    write_results(args.json, settings, table)
 
 
 if __name__ == "__main__":
