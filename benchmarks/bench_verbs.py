@@ -9,10 +9,13 @@
 # HCAs finding each other through files in a temporary $CKPT_TCP_DIRECTORY.
 # Between them: an RC queue pair (path MTU 4096, sq_sig_all=0) over 4 MiB
 # registered buffers, and a plain TCP connection (TCP_NODELAY) for the
-# baselines.  A second TCP connection carries the benchmark's own control
-# messages and is never timed.  Each measurement is repeated --repeat times
-# after one uncounted warm-up round, verbs and TCP alternating and the order
-# flipping every round; the medians are reported.
+# baselines -- the targets are against it -- plus a Unix stream socket for the
+# same baselines again (simib's HCAs on one machine link over Unix sockets:
+# docs/verbs.md, "Same-host links"; so "verbs / Unix" compares like with like).
+# A second TCP connection carries the benchmark's own control messages and is
+# never timed.  Each measurement is repeated --repeat times after one uncounted
+# warm-up round, verbs, TCP and Unix rotating the order every round; the
+# medians are reported.
 #
 #   stream  RDMA WRITE of 4 MiB messages (up to 8 in flight, each signaled)
 #           until --stream-mib MiB have been acknowledged (RC: placed in the
@@ -297,10 +300,12 @@ def small_bytes(count: int) -> int:
 
 
 # ----------------------------------------------------------- the passive side
-def child_main(ctrl_port: int, data_port: int, provider: str) -> None:
+def child_main(ctrl_port: int, data_port: int, unix_name: str, provider: str) -> None:
     ctrl = Control(socket.create_connection(("127.0.0.1", ctrl_port)))
-    data = socket.create_connection(("127.0.0.1", data_port))
-    data.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    tcp = socket.create_connection(("127.0.0.1", data_port))
+    tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    unix.connect("\0" + unix_name)
     ep = Endpoint(provider)
     ctrl.send(**ep.address())
     ep.connect(ctrl.recv())
@@ -310,6 +315,7 @@ def child_main(ctrl_port: int, data_port: int, provider: str) -> None:
     while True:
         cmd = ctrl.recv()
         op = cmd["op"]
+        data = unix if cmd.get("via") == "unix" else tcp
         if op == "quit":
             return
         if op == "tcp_stream":
@@ -378,14 +384,19 @@ class Bench:
             os.environ.update({fabric.ENV_ADDRESS: self.sm.address, fabric.ENV_TOKEN: self.sm.token})
         ctrl_listener = socket.create_server(("127.0.0.1", 0))
         data_listener = socket.create_server(("127.0.0.1", 0))
-        ports = [str(ctrl_listener.getsockname()[1]), str(data_listener.getsockname()[1])]
+        unix_name = f"ckpt-bench-verbs/{os.getpid()}/{random.getrandbits(32):08x}"
+        unix_listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        unix_listener.bind("\0" + unix_name)
+        unix_listener.listen()
+        ports = [str(ctrl_listener.getsockname()[1]), str(data_listener.getsockname()[1]), unix_name]
         self.child = subprocess.Popen([sys.executable, __file__, "--provider", args.provider, "--child", *ports])
-        ctrl_listener.settimeout(60)
-        data_listener.settimeout(60)
+        for listener in (ctrl_listener, data_listener, unix_listener):
+            listener.settimeout(60)
         self.ctrl = Control(ctrl_listener.accept()[0])
         self.data = data_listener.accept()[0]
-        ctrl_listener.close()
-        data_listener.close()
+        self.unix = unix_listener.accept()[0]
+        for listener in (ctrl_listener, data_listener, unix_listener):
+            listener.close()
         self.data.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.ep = Endpoint(args.provider)
         peer = self.ctrl.recv()
@@ -417,42 +428,51 @@ class Bench:
         self.ctrl.recv()  # done
         return value
 
-    def cases(self) -> dict[str, tuple[Callable[[], float], Callable[[], float]]]:
-        """name -> (verbs measurement, TCP measurement)."""
-        a, ep, data = self.args, self.ep, self.data
-        total = a.stream_mib << 20
+    def raw(self, via: str) -> dict[str, Callable[[], float]]:
+        """name -> the raw-socket baseline of that measurement, over the TCP or the Unix connection."""
+        a, ep = self.args, self.ep
+        sock, total = (self.unix if via == "unix" else self.data), a.stream_mib << 20
+        small = small_bytes(a.rate_msgs)
+
+        def stream() -> float:
+            return total / self.run("tcp_stream", lambda: tcp_stream(sock, total, ep.big), bytes=total, via=via)
+
         return {
-            "stream": (
-                lambda: total / self.run("verbs_stream", lambda: verbs_stream(ep, total)),
-                lambda: total / self.run("tcp_stream", lambda: tcp_stream(data, total, ep.big), bytes=total),
-            ),
-            "rtt": (
-                lambda: self.run("verbs_rtt", lambda: verbs_rtt(ep, a.rtt_iters), iters=a.rtt_iters),
-                lambda: self.run("tcp_rtt", lambda: tcp_rtt(data, a.rtt_iters), iters=a.rtt_iters),
-            ),
-            "rate": (
-                lambda: self.run("verbs_rate", lambda: verbs_rate(ep, a.rate_msgs, 1)),
-                lambda: self.run("tcp_stream", lambda: tcp_rate(data, a.rate_msgs), bytes=small_bytes(a.rate_msgs)),
-            ),
-            "rate_chained": (
-                lambda: self.run("verbs_rate", lambda: verbs_rate(ep, a.rate_msgs, SIGNAL_EVERY)),
-                lambda: float("nan"),
-            ),
+            "stream": stream,
+            "rtt": lambda: self.run("tcp_rtt", lambda: tcp_rtt(sock, a.rtt_iters), iters=a.rtt_iters, via=via),
+            "rate": lambda: self.run("tcp_stream", lambda: tcp_rate(sock, a.rate_msgs), bytes=small, via=via),
+        }
+
+    def cases(self) -> dict[str, dict[str, Callable[[], float]]]:
+        """name -> {kind: measurement}, kind "verbs", and "tcp" and "unix" for the raw baselines."""
+        a, ep, total = self.args, self.ep, self.args.stream_mib << 20
+        tcp, unix = self.raw("tcp"), self.raw("unix")
+        verbs: dict[str, Callable[[], float]] = {
+            "stream": lambda: total / self.run("verbs_stream", lambda: verbs_stream(ep, total)),
+            "rtt": lambda: self.run("verbs_rtt", lambda: verbs_rtt(ep, a.rtt_iters), iters=a.rtt_iters),
+            "rate": lambda: self.run("verbs_rate", lambda: verbs_rate(ep, a.rate_msgs, 1)),
+            "rate_chained": lambda: self.run("verbs_rate", lambda: verbs_rate(ep, a.rate_msgs, SIGNAL_EVERY)),
+        }
+        return {
+            name: {"verbs": fn} | ({"tcp": tcp[name], "unix": unix[name]} if name in tcp else {})
+            for name, fn in verbs.items()
         }
 
     def measure(self) -> dict[str, dict[str, list[float]]]:
         results: dict[str, dict[str, list[float]]] = {}
-        for name, (verbs_fn, tcp_fn) in self.cases().items():
+        for name, fns in self.cases().items():
             if self.args.only and name not in self.args.only:
                 continue
-            runs: dict[str, list[float]] = {"verbs": [], "tcp": []}
-            verbs_fn(), tcp_fn()  # warm-up, not counted
+            runs: dict[str, list[float]] = {kind: [] for kind in fns}
+            for fn in fns.values():  # warm-up, not counted
+                fn()
+            order = list(fns.items())
             for i in range(self.args.repeat):
-                order = [("verbs", verbs_fn), ("tcp", tcp_fn)]
-                for kind, fn in order if i % 2 == 0 else order[::-1]:
+                shift = i % len(order)
+                for kind, fn in order[shift:] + order[:shift]:
                     runs[kind].append(fn())
             results[name] = runs
-            print(f"  {name}: verbs {fmt_runs(name, runs['verbs'])} | tcp {fmt_runs(name, runs['tcp'])}", flush=True)
+            print(f"  {name}: " + " | ".join(f"{kind} {fmt_runs(name, xs)}" for kind, xs in runs.items()), flush=True)
         return results
 
 
@@ -466,12 +486,11 @@ def fmt_runs(name: str, values: list[float]) -> str:
 
 def summarize(results: dict[str, dict[str, list[float]]]) -> dict[str, Any]:
     med = {name: {kind: statistics.median(xs) for kind, xs in runs.items()} for name, runs in results.items()}
-    return {
-        "stream": {**med["stream"], "ratio": med["stream"]["verbs"] / med["stream"]["tcp"]},
-        "rtt": {**med["rtt"], "ratio": med["rtt"]["verbs"] / med["rtt"]["tcp"]},
-        "rate": {**med["rate"], "ratio": med["rate"]["verbs"] / med["rate"]["tcp"]},
-        "rate_chained": {"verbs": med["rate_chained"]["verbs"]},
-    }
+    summary: dict[str, Any] = {"rate_chained": {"verbs": med["rate_chained"]["verbs"]}}
+    for name in ("stream", "rtt", "rate"):
+        m = med[name]
+        summary[name] = {**m, "ratio": m["verbs"] / m["tcp"], "ratio_unix": m["verbs"] / m["unix"]}
+    return summary
 
 
 def met(name: str, ratio: float) -> str:
@@ -484,21 +503,21 @@ def report(summary: dict[str, Any], args: argparse.Namespace, command: str) -> N
     s, r, m, c = summary["stream"], summary["rtt"], summary["rate"], summary["rate_chained"]
     print()
     print(f"median of {args.repeat}:")
-    print(f"| measure | {args.provider} verbs | raw TCP | verbs / TCP | target | met |")
-    print("|---|---|---|---|---|---|")
-    print(
-        f"| bandwidth, 4 MiB messages | {s['verbs'] / 1e9:.2f} GB/s | {s['tcp'] / 1e9:.2f} GB/s "
-        f"| {s['ratio']:.2f} | >= 0.9 | {met('stream', s['ratio'])} |"
+    print(f"| measure | {args.provider} verbs | raw TCP | verbs / TCP | target | met | raw Unix | verbs / Unix |")
+    print("|---|---|---|---|---|---|---|---|")
+    rows = (
+        ("bandwidth, 4 MiB messages", "stream", s, 1e9, "GB/s", ">= 0.9"),
+        ("8-byte round trip", "rtt", r, 1e-6, "us", "<= 2.0"),
+        ("small-message rate, 1 WR per post", "rate", m, 1e3, "k msg/s", ">= 0.5"),
     )
-    print(
-        f"| 8-byte round trip | {r['verbs'] * 1e6:.1f} us | {r['tcp'] * 1e6:.1f} us "
-        f"| {r['ratio']:.2f} | <= 2.0 | {met('rtt', r['ratio'])} |"
-    )
-    print(
-        f"| small-message rate, 1 WR per post | {m['verbs'] / 1e3:.1f} k msg/s | {m['tcp'] / 1e3:.1f} k msg/s "
-        f"| {m['ratio']:.2f} | >= 0.5 | {met('rate', m['ratio'])} |"
-    )
-    print(f"| small-message rate, 64-WR chains | {c['verbs'] / 1e3:.1f} k msg/s | | | - | - |")
+    for label, name, x, scale, unit, target in rows:
+        print(
+            f"| {label} | {x['verbs'] / scale:.{1 if name != 'stream' else 2}f} {unit} "
+            f"| {x['tcp'] / scale:.{1 if name != 'stream' else 2}f} {unit} | {x['ratio']:.2f} | {target} "
+            f"| {met(name, x['ratio'])} | {x['unix'] / scale:.{1 if name != 'stream' else 2}f} {unit} "
+            f"| {x['ratio_unix']:.2f} |"
+        )
+    print(f"| small-message rate, 64-WR chains | {c['verbs'] / 1e3:.1f} k msg/s | | | - | - | | |")
     print()
     info = machine()
     print(
@@ -517,10 +536,10 @@ def main() -> int:
     parser.add_argument("--rate-msgs", type=int, default=20000, help="small messages per message-rate round")
     parser.add_argument("--only", nargs="+", choices=CASES, help="run only these measurements (for profiling)")
     parser.add_argument("--json", type=Path, help="also write every run and the medians here")
-    parser.add_argument("--child", nargs=2, type=int, metavar=("CTRL_PORT", "DATA_PORT"), help=argparse.SUPPRESS)
+    parser.add_argument("--child", nargs=3, metavar=("CTRL_PORT", "DATA_PORT", "UNIX_NAME"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child_main(*args.child, args.provider)
+        child_main(int(args.child[0]), int(args.child[1]), args.child[2], args.provider)
         return 0
     if args.stream_mib < 4 or args.rate_msgs < SIGNAL_EVERY:
         parser.error(f"--stream-mib must be >= 4 and --rate-msgs >= {SIGNAL_EVERY}")

@@ -6,7 +6,9 @@
 # connection.  Those threads -- never the program's -- execute incoming RDMA
 # WRITE / READ / atomics on registered memory and produce completions, so a
 # program that is busy, asleep or parked at a checkpoint still has its memory
-# served.
+# served.  A simib HCA also listens on an abstract Unix socket named after its
+# endpoint, and a simib HCA on the same machine reaches it there: half the
+# system time of loopback TCP per message (docs/verbs.md, "Same-host links").
 #
 # Identities (qp_num, lkey, rkey) start from random bases drawn per HCA and
 # LIDs come from the SM's randomised allocator: a new process never sees the
@@ -49,6 +51,11 @@ EINVAL, ENOMEM, EACCES, EBUSY, ENOENT, EOPNOTSUPP = 22, 12, 13, 16, 2, 95
 #: Limits reported by query_device and enforced by the simulator.
 MAX_QP_WR, MAX_SGE, MAX_CQE, MAX_MR_SIZE, MAX_MSG = 16384, 32, 1 << 20, 1 << 40, 1 << 31
 MAX_RD_ATOMIC, MAX_INLINE = 16, 1024
+
+#: CKPT_SIMIB_UNIX=0: simib HCAs on one machine talk over loopback TCP, not Unix sockets (for comparison).
+LOCAL_IPC = os.environ.get("CKPT_SIMIB_UNIX", "1") != "0"
+#: The abstract Unix socket name of the simib HCA whose TCP endpoint is "host:port" (after the NUL byte).
+LOCAL_PREFIX = "ckpt-simib/"
 
 #: Longest an empty CQ.poll waits for a completion before returning none (seconds).
 POLL_WAIT = float(os.environ.get("CKPT_SIMIB_POLL_WAIT", "0.0005"))
@@ -326,6 +333,9 @@ class Hca:
         host = host or os.environ.get("CKPT_SIMIB_HOST", "127.0.0.1")
         self._listener = socket.create_server((host, 0))
         self.endpoint = f"{host}:{self._listener.getsockname()[1]}"
+        # simib's own HCAs (found through the SM) are one machine's processes, mostly; a provider
+        # with a directory of its own (ib2tcp's `tcp`) is TCP by definition
+        self._local = _local_listener(self.endpoint) if LOCAL_IPC and directory is None else None
         self.link_up: dict[int, bool] = {}
         self.lids: list[int] = []  # the SM may push link states before register() returns
         self.sm: Directory = (directory or _subnet_manager)(self._on_link)
@@ -338,7 +348,7 @@ class Hca:
         self.bandwidth = float(reply.get("bandwidth") or 0.0)
         for lid, up in dict(reply.get("links") or {}).items():
             self.link_up.setdefault(int(lid), bool(up))
-        self.rx = ReceiveEngine(self, self._listener)
+        self.rx = ReceiveEngine(self, [self._listener] if self._local is None else [self._listener, self._local])
         log.debug("HCA %s: LIDs %s, endpoint %s", name, self.lids, self.endpoint)
 
     # ------------------------------------------------------------------ identities
@@ -522,17 +532,34 @@ class Hca:
         with self._conns_lock:
             conn = self._conns.get(endpoint)
             if conn is None:
-                host, _, port = endpoint.rpartition(":")
-                try:
-                    sock = socket.create_connection((host, int(port)), timeout=5.0)
-                except OSError as exc:
-                    log.debug("cannot reach HCA at %s: %s", endpoint, exc)
-                    return None
-                sock.settimeout(None)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                sock = self._connect_local(endpoint) if self._local is not None else None
+                if sock is None:
+                    host, _, port = endpoint.rpartition(":")
+                    try:
+                        sock = socket.create_connection((host, int(port)), timeout=5.0)
+                    except OSError as exc:
+                        log.debug("cannot reach HCA at %s: %s", endpoint, exc)
+                        return None
+                    sock.settimeout(None)
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 conn = w.Connection(sock, endpoint, self._connection_broken)
                 self._conns[endpoint] = conn
         return conn if conn.alive else None
+
+    @staticmethod
+    def _connect_local(endpoint: str) -> socket.socket | None:
+        """A Unix socket to the simib HCA at `endpoint` if it is on this machine (None: use TCP).
+
+        The name is scoped by the network namespace, as the TCP endpoint is, and no two live HCAs
+        of one namespace hold the same endpoint, so the name can only reach the HCA it names.
+        """
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect("\0" + LOCAL_PREFIX + endpoint)
+        except OSError:  # not here (another machine, or an HCA that does not listen there)
+            sock.close()
+            return None
+        return sock
 
     def _connection_broken(self, conn: w.Connection) -> None:
         # Nothing to do at once: the QPs' retransmission timers find the path dead (path_ok) and
@@ -631,6 +658,19 @@ def hca(name: str, directory: DirectoryFactory | None = None, host: str | None =
         if found is None:
             found = _hcas[name] = Hca(name, directory, host)
         return found
+
+
+def _local_listener(endpoint: str) -> socket.socket | None:
+    """Listen on the abstract Unix socket named after `endpoint`; None if that cannot be done."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind("\0" + LOCAL_PREFIX + endpoint)
+        sock.listen()
+    except OSError as exc:
+        log.debug("no same-host listener for %s: %s", endpoint, exc)
+        sock.close()
+        return None
+    return sock
 
 
 def _subnet_manager(on_link: Callable[[int, bool], None]) -> Directory:

@@ -117,9 +117,8 @@ class RxChannel:
 class ReceiveEngine:
     """Accepts connections from peer HCAs and executes their packets, on reader threads or on a polling thread."""
 
-    def __init__(self, hca: Hca, listener: socket.socket) -> None:
+    def __init__(self, hca: Hca, listeners: list[socket.socket]) -> None:
         self.hca = hca
-        self._listener = listener
         self._channels: dict[int, RxChannel] = {}
         self._epoll = select.epoll()
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
@@ -131,7 +130,8 @@ class ReceiveEngine:
         self.owing: set[RxChannel] = set()  # channels with coalesced ACKs owed
         self.next_due = float("inf")  # the earliest of their deadlines (or earlier: it is only a wake-up)
         self._park = threading.Condition()
-        threading.Thread(target=self._accept_loop, name=f"{hca.name}-accept", daemon=True).start()
+        for listener in listeners:
+            threading.Thread(target=self._accept_loop, args=(listener,), name=f"{hca.name}-accept", daemon=True).start()
 
     # ------------------------------------------------------------------ the polling thread
     def drive(self, ready: Callable[[], object], timeout: float) -> bool:
@@ -199,13 +199,14 @@ class ReceiveEngine:
             pass
 
     # ------------------------------------------------------------------ reader threads
-    def _accept_loop(self) -> None:
+    def _accept_loop(self, listener: socket.socket) -> None:
         while True:
             try:
-                sock, _ = self._listener.accept()
+                sock, _ = listener.accept()
             except OSError:
                 return
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if sock.family != socket.AF_UNIX:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             chan = RxChannel(sock, self)
             fd = sock.fileno()
             self._channels[fd] = chan
