@@ -12,6 +12,9 @@
 # baselines -- the targets are against it -- plus a Unix stream socket for the
 # same baselines again (simib's HCAs on one machine link over Unix sockets:
 # docs/verbs.md, "Same-host links"; so "verbs / Unix" compares like with like).
+# With simib, each process also opens a second HCA whose links are loopback
+# TCP (as with CKPT_SIMIB_UNIX=0), measured in the same rotation: what the
+# same-host links change, in the same run.
 # A second TCP connection carries the benchmark's own control messages and is
 # never timed.  Each measurement is repeated --repeat times after one uncounted
 # warm-up round, verbs, TCP and Unix rotating the order every round; the
@@ -106,12 +109,18 @@ def recv_exactly_into(sock: socket.socket, view: memoryview) -> None:
 class Endpoint:
     """One process's HCA resources: an RC QP with separate send / receive CQs over 4 MiB of registered memory."""
 
-    def __init__(self, provider: str) -> None:
+    def __init__(self, provider: str, device: int = 0, same_host_links: bool = True) -> None:
         if provider == "tcp":
             import ckpt_ib2tcp
 
             ckpt_ib2tcp.register()
-        self.ctx = v.Context(name=f"{provider}0")
+        from ckpt.verbs import _hca
+
+        default, _hca.LOCAL_IPC = _hca.LOCAL_IPC, same_host_links and _hca.LOCAL_IPC  # read as the HCA opens
+        try:
+            self.ctx = v.Context(name=f"{provider}{device}")
+        finally:
+            _hca.LOCAL_IPC = default
         self.pd = v.PD(self.ctx)
         self.scq = v.CQ(self.ctx, 4096)
         self.rcq = v.CQ(self.ctx, 4096)
@@ -299,6 +308,14 @@ def small_bytes(count: int) -> int:
     return sum(SMALL_SIZES) * (count // len(SMALL_SIZES)) + sum(SMALL_SIZES[: count % len(SMALL_SIZES)])
 
 
+def endpoints(provider: str) -> dict[str, Endpoint]:
+    """The endpoints measured, by kind: "verbs", and for simib "verbs_tcp" (a second HCA, links over TCP)."""
+    eps = {"verbs": Endpoint(provider)}
+    if provider == "simib":
+        eps["verbs_tcp"] = Endpoint(provider, device=1, same_host_links=False)
+    return eps
+
+
 # ----------------------------------------------------------- the passive side
 def child_main(ctrl_port: int, data_port: int, unix_name: str, provider: str) -> None:
     ctrl = Control(socket.create_connection(("127.0.0.1", ctrl_port)))
@@ -306,16 +323,18 @@ def child_main(ctrl_port: int, data_port: int, unix_name: str, provider: str) ->
     tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     unix.connect("\0" + unix_name)
-    ep = Endpoint(provider)
-    ctrl.send(**ep.address())
-    ep.connect(ctrl.recv())
-    ep.post_recvs(1)  # before the parent may send its first ping
+    eps = endpoints(provider)
+    ctrl.send(**{kind: ep.address() for kind, ep in eps.items()})
+    for kind, peer in ctrl.recv().items():
+        eps[kind].connect(peer)
+        eps[kind].post_recvs(1)  # before the parent may send its first ping
     ctrl.send(ok=True)
     stage = np.zeros(BIG, dtype=np.uint8)
     while True:
         cmd = ctrl.recv()
         op = cmd["op"]
         data = unix if cmd.get("via") == "unix" else tcp
+        ep = eps[cmd.get("ep", "verbs")]
         if op == "quit":
             return
         if op == "tcp_stream":
@@ -398,12 +417,14 @@ class Bench:
         for listener in (ctrl_listener, data_listener, unix_listener):
             listener.close()
         self.data.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.ep = Endpoint(args.provider)
-        peer = self.ctrl.recv()
-        self.ctrl.send(**self.ep.address())
-        self.ep.connect(peer)
+        self.eps = endpoints(args.provider)
+        self.ep = self.eps["verbs"]
+        peers = self.ctrl.recv()
+        self.ctrl.send(**{kind: ep.address() for kind, ep in self.eps.items()})
+        for kind, ep in self.eps.items():
+            ep.connect(peers[kind])
+            ep.big[:] = np.arange(BIG, dtype=np.uint64).astype(np.uint8)
         self.ctrl.recv()
-        self.ep.big[:] = np.arange(BIG, dtype=np.uint64).astype(np.uint8)
 
     def close(self) -> None:
         try:
@@ -415,7 +436,8 @@ class Bench:
             if self.child.poll() is None:
                 self.child.kill()
                 self.child.wait()
-            self.ep.ctx.close()
+            for ep in self.eps.values():
+                ep.ctx.close()
             if self.sm is not None:
                 self.sm.stop()
             if self.directory is not None:
@@ -443,19 +465,24 @@ class Bench:
             "rate": lambda: self.run("tcp_stream", lambda: tcp_rate(sock, a.rate_msgs), bytes=small, via=via),
         }
 
-    def cases(self) -> dict[str, dict[str, Callable[[], float]]]:
-        """name -> {kind: measurement}, kind "verbs", and "tcp" and "unix" for the raw baselines."""
-        a, ep, total = self.args, self.ep, self.args.stream_mib << 20
-        tcp, unix = self.raw("tcp"), self.raw("unix")
-        verbs: dict[str, Callable[[], float]] = {
-            "stream": lambda: total / self.run("verbs_stream", lambda: verbs_stream(ep, total)),
-            "rtt": lambda: self.run("verbs_rtt", lambda: verbs_rtt(ep, a.rtt_iters), iters=a.rtt_iters),
-            "rate": lambda: self.run("verbs_rate", lambda: verbs_rate(ep, a.rate_msgs, 1)),
-            "rate_chained": lambda: self.run("verbs_rate", lambda: verbs_rate(ep, a.rate_msgs, SIGNAL_EVERY)),
-        }
+    def verbs(self, kind: str) -> dict[str, Callable[[], float]]:
+        """name -> that measurement on the endpoint of `kind` ("verbs", or "verbs_tcp": `endpoints`)."""
+        a, ep, total = self.args, self.eps[kind], self.args.stream_mib << 20
         return {
-            name: {"verbs": fn} | ({"tcp": tcp[name], "unix": unix[name]} if name in tcp else {})
-            for name, fn in verbs.items()
+            "stream": lambda: total / self.run("verbs_stream", lambda: verbs_stream(ep, total), ep=kind),
+            "rtt": lambda: self.run("verbs_rtt", lambda: verbs_rtt(ep, a.rtt_iters), iters=a.rtt_iters, ep=kind),
+            "rate": lambda: self.run("verbs_rate", lambda: verbs_rate(ep, a.rate_msgs, 1), ep=kind),
+            "rate_chained": lambda: self.run("verbs_rate", lambda: verbs_rate(ep, a.rate_msgs, SIGNAL_EVERY), ep=kind),
+        }
+
+    def cases(self) -> dict[str, dict[str, Callable[[], float]]]:
+        """name -> {kind: measurement}: each endpoint's ("verbs", ...), and "tcp" and "unix" for the raw baselines."""
+        verbs = {kind: self.verbs(kind) for kind in self.eps}
+        tcp, unix = self.raw("tcp"), self.raw("unix")
+        return {
+            name: {kind: verbs[kind][name] for kind in verbs}
+            | ({"tcp": tcp[name], "unix": unix[name]} if name in tcp else {})
+            for name in verbs["verbs"]
         }
 
     def measure(self) -> dict[str, dict[str, list[float]]]:
@@ -486,10 +513,12 @@ def fmt_runs(name: str, values: list[float]) -> str:
 
 def summarize(results: dict[str, dict[str, list[float]]]) -> dict[str, Any]:
     med = {name: {kind: statistics.median(xs) for kind, xs in runs.items()} for name, runs in results.items()}
-    summary: dict[str, Any] = {"rate_chained": {"verbs": med["rate_chained"]["verbs"]}}
+    summary: dict[str, Any] = {"rate_chained": med["rate_chained"]}
     for name in ("stream", "rtt", "rate"):
         m = med[name]
         summary[name] = {**m, "ratio": m["verbs"] / m["tcp"], "ratio_unix": m["verbs"] / m["unix"]}
+        if "verbs_tcp" in m:
+            summary[name]["ratio_tcp_links"] = m["verbs_tcp"] / m["tcp"]
     return summary
 
 
@@ -518,6 +547,19 @@ def report(summary: dict[str, Any], args: argparse.Namespace, command: str) -> N
             f"| {x['ratio_unix']:.2f} |"
         )
     print(f"| small-message rate, 64-WR chains | {c['verbs'] / 1e3:.1f} k msg/s | | | - | - | | |")
+    if "verbs_tcp" in r:
+        print()
+        print("the same engine with links over loopback TCP (a second HCA, as with CKPT_SIMIB_UNIX=0), same run:")
+        print("| measure | simib, TCP links | ÷ raw TCP | simib, Unix links ÷ TCP links |")
+        print("|---|---|---|---|")
+        for label, name, x, scale, unit, _ in rows:
+            digits = 1 if name != "stream" else 2
+            print(
+                f"| {label} | {x['verbs_tcp'] / scale:.{digits}f} {unit} | {x['ratio_tcp_links']:.2f} "
+                f"| {x['verbs'] / x['verbs_tcp']:.2f} |"
+            )
+        chains = f"{c['verbs_tcp'] / 1e3:.1f} k msg/s | | {c['verbs'] / c['verbs_tcp']:.2f}"
+        print(f"| small-message rate, 64-WR chains | {chains} |")
     print()
     info = machine()
     print(
