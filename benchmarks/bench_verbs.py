@@ -11,14 +11,14 @@
 # registered buffers, and a plain TCP connection (TCP_NODELAY) for the
 # baselines -- the targets are against it -- plus a Unix stream socket for the
 # same baselines again (simib's HCAs on one machine link over Unix sockets:
-# docs/verbs.md, "Same-host links"; so "verbs / Unix" compares like with like).
-# With simib, each process also opens a second HCA whose links are loopback
-# TCP (as with CKPT_SIMIB_UNIX=0), measured in the same rotation: what the
-# same-host links change, in the same run.
-# A second TCP connection carries the benchmark's own control messages and is
-# never timed.  Each measurement is repeated --repeat times after one uncounted
-# warm-up round, verbs, TCP and Unix rotating the order every round; the
-# medians are reported.
+# docs/verbs.md, "Same-host links"; so with simib "verbs / Unix" compares like
+# with like, while the tcp provider always runs over TCP).  With simib, each
+# process also opens a second HCA whose links are loopback TCP (as with
+# CKPT_SIMIB_UNIX=0), measured in the same rotation: what the same-host links
+# change, in the same run.  A second TCP connection carries the benchmark's own
+# control messages and is never timed.  Each measurement is repeated --repeat
+# times after one uncounted warm-up round, every kind going first in turn and
+# the order reversed every other round; the medians are reported.
 #
 #   stream  RDMA WRITE of 4 MiB messages (up to 8 in flight, each signaled)
 #           until --stream-mib MiB have been acknowledged (RC: placed in the
@@ -59,7 +59,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ckpt import verbs as v
-from ckpt.verbs import fabric
+from ckpt.verbs import _links, fabric
 
 BIG = 4 << 20
 SMALL_SIZES = (8, 16, 32, 64)
@@ -114,13 +114,11 @@ class Endpoint:
             import ckpt_ib2tcp
 
             ckpt_ib2tcp.register()
-        from ckpt.verbs import _hca
-
-        default, _hca.LOCAL_IPC = _hca.LOCAL_IPC, same_host_links and _hca.LOCAL_IPC  # read as the HCA opens
+        default, _links.LOCAL_IPC = _links.LOCAL_IPC, same_host_links and _links.LOCAL_IPC  # read as the HCA opens
         try:
             self.ctx = v.Context(name=f"{provider}{device}")
         finally:
-            _hca.LOCAL_IPC = default
+            _links.LOCAL_IPC = default
         self.pd = v.PD(self.ctx)
         self.scq = v.CQ(self.ctx, 4096)
         self.rcq = v.CQ(self.ctx, 4096)
@@ -495,8 +493,9 @@ class Bench:
                 fn()
             order = list(fns.items())
             for i in range(self.args.repeat):
-                shift = i % len(order)
-                for kind, fn in order[shift:] + order[:shift]:
+                shift = i % len(order)  # each kind goes first in turn, and every other round the order runs
+                turn = order[shift:] + order[:shift]  # backwards, so no kind always follows the same one
+                for kind, fn in turn if i % 2 == 0 else turn[::-1]:
                     runs[kind].append(fn())
             results[name] = runs
             print(f"  {name}: " + " | ".join(f"{kind} {fmt_runs(name, xs)}" for kind, xs in runs.items()), flush=True)
@@ -549,6 +548,8 @@ def report(summary: dict[str, Any], args: argparse.Namespace, command: str) -> N
     print(f"| small-message rate, 64-WR chains | {c['verbs'] / 1e3:.1f} k msg/s | | | - | - | | |")
     if "verbs_tcp" in r:
         print()
+        if not _links.LOCAL_IPC:
+            print("CKPT_SIMIB_UNIX=0: both HCAs link over TCP, so the last column compares TCP with TCP")
         print("the same engine with links over loopback TCP (a second HCA, as with CKPT_SIMIB_UNIX=0), same run:")
         print("| measure | simib, TCP links | ÷ raw TCP | simib, Unix links ÷ TCP links |")
         print("|---|---|---|---|")

@@ -4,10 +4,6 @@ from __future__ import annotations
 
 import errno
 import itertools
-import os
-import socket
-import subprocess
-import sys
 import threading
 
 import numpy as np
@@ -18,10 +14,8 @@ from verbs_util import (
     Endpoint,
     bring_up,
     connect_rc,
-    contexts,
     drain_events,
     events_of,
-    exchange,
     make_endpoint,
     poll_one,
     poll_until,
@@ -35,7 +29,6 @@ from verbs_util import (
 )
 
 from ckpt import verbs as v
-from ckpt.verbs import _hca
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -349,50 +342,3 @@ def test_statistics_count_packets_bytes_and_rnr_naks(ctxs: tuple[v.Context, ...]
 
 def wait_for_stat(ctx: v.Context, name: str, at_least: int) -> None:
     wait_for(lambda: getattr(ctx.statistics(), name) >= at_least, what=f"{name} >= {at_least}")
-
-
-# ====================================================================== same-host links
-def _link_family(sender: v.Context, receiver: v.Context) -> socket.AddressFamily:
-    """The address family of the connection `sender`'s HCA opened to `receiver`'s (after they exchanged)."""
-    conn = _hca.hca(sender.name)._conns[_hca.hca(receiver.name).endpoint]
-    return conn.sock.family
-
-
-def test_simib_hcas_on_one_machine_link_over_unix_sockets_tcp_over_tcp(
-    ctxs: tuple[v.Context, ...], provider: str
-) -> None:
-    a, b = connect_rc(*ctxs)
-    exchange(a, b, 5)
-    want = socket.AF_UNIX if provider == "simib" else socket.AF_INET  # ib2tcp's provider is TCP by definition
-    assert _link_family(*ctxs) == want and _link_family(ctxs[1], ctxs[0]) == want
-    local = _hca.hca(ctxs[1].name)._local
-    if provider == "simib":  # named after its TCP endpoint: how its peers find it
-        assert local is not None
-        assert local.getsockname() == f"\0{_hca.LOCAL_PREFIX}{_hca.hca(ctxs[1].name).endpoint}".encode()
-    else:
-        assert local is None
-
-
-def test_a_peer_without_a_unix_listener_is_reached_over_tcp(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_hca, "LOCAL_IPC", False)  # as a process started with CKPT_SIMIB_UNIX=0
-    for without in contexts("simib30"):
-        monkeypatch.setattr(_hca, "LOCAL_IPC", True)
-        for with_ in contexts("simib31"):
-            assert _hca.hca("simib30")._local is None and _hca.hca("simib31")._local is not None
-            a, b = connect_rc(with_[0], without[0])
-            exchange(a, b, 6)  # both ways: the one that could use Unix sockets found no listener, the other did not try
-            assert _link_family(with_[0], without[0]) == socket.AF_INET
-            assert _link_family(without[0], with_[0]) == socket.AF_INET
-            c, d = connect_rc(with_[0], with_[0])  # loopback on the HCA that listens: over its Unix socket
-            exchange(c, d, 7)
-            assert _link_family(with_[0], with_[0]) == socket.AF_UNIX
-
-
-def test_same_host_links_can_be_turned_off_by_environment() -> None:
-    code = "from ckpt.verbs import _hca; print(_hca.LOCAL_IPC)"
-    for value, want in (("0", "False"), ("1", "True"), (None, "True")):
-        env = {k: val for k, val in os.environ.items() if k != "CKPT_SIMIB_UNIX"}
-        if value is not None:
-            env["CKPT_SIMIB_UNIX"] = value
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
-        assert out.stdout.strip() == want, out.stderr

@@ -6,9 +6,8 @@
 # connection.  Those threads -- never the program's -- execute incoming RDMA
 # WRITE / READ / atomics on registered memory and produce completions, so a
 # program that is busy, asleep or parked at a checkpoint still has its memory
-# served.  A simib HCA also listens on an abstract Unix socket named after its
-# endpoint, and a simib HCA on the same machine reaches it there: half the
-# system time of loopback TCP per message (docs/verbs.md, "Same-host links").
+# served.  A simib HCA also listens on a Unix socket beside it, which simib HCAs
+# on the same machine use instead (`_links`; docs/verbs.md, "Same-host links").
 #
 # Identities (qp_num, lkey, rkey) start from random bases drawn per HCA and
 # LIDs come from the SM's randomised allocator: a new process never sees the
@@ -22,7 +21,6 @@ import itertools
 import logging
 import os
 import secrets
-import socket
 import threading
 import time
 from collections import deque
@@ -34,6 +32,7 @@ import numpy as np
 
 from ckpt.plugin._verbs import Directory, DirectoryFactory
 from ckpt.verbs import _enums as e
+from ckpt.verbs import _links
 from ckpt.verbs import _wire as w
 from ckpt.verbs._attrs import WC, AsyncEvent, PathRecord, SrqAttr
 from ckpt.verbs._errors import PyverbsError, PyverbsRDMAError
@@ -51,11 +50,6 @@ EINVAL, ENOMEM, EACCES, EBUSY, ENOENT, EOPNOTSUPP = 22, 12, 13, 16, 2, 95
 #: Limits reported by query_device and enforced by the simulator.
 MAX_QP_WR, MAX_SGE, MAX_CQE, MAX_MR_SIZE, MAX_MSG = 16384, 32, 1 << 20, 1 << 40, 1 << 31
 MAX_RD_ATOMIC, MAX_INLINE = 16, 1024
-
-#: CKPT_SIMIB_UNIX=0: simib HCAs on one machine talk over loopback TCP, not Unix sockets (for comparison).
-LOCAL_IPC = os.environ.get("CKPT_SIMIB_UNIX", "1") != "0"
-#: The abstract Unix socket name of the simib HCA whose TCP endpoint is "host:port" (after the NUL byte).
-LOCAL_PREFIX = "ckpt-simib/"
 
 #: Longest an empty CQ.poll waits for a completion before returning none (seconds).
 POLL_WAIT = float(os.environ.get("CKPT_SIMIB_POLL_WAIT", "0.0005"))
@@ -331,24 +325,31 @@ class Hca:
         self.counts = dict.fromkeys(HcaStatistics.__dataclass_fields__, 0)
 
         host = host or os.environ.get("CKPT_SIMIB_HOST", "127.0.0.1")
-        self._listener = socket.create_server((host, 0))
-        self.endpoint = f"{host}:{self._listener.getsockname()[1]}"
         # simib's own HCAs (found through the SM) are one machine's processes, mostly; a provider
         # with a directory of its own (ib2tcp's `tcp`) is TCP by definition
-        self._local = _local_listener(self.endpoint) if LOCAL_IPC and directory is None else None
+        self.same_host = directory is None and _links.LOCAL_IPC
+        listener, local, self.endpoint = _links.listen(host, self.same_host)
+        self.listeners = [listener] if local is None else [listener, local]
         self.link_up: dict[int, bool] = {}
         self.lids: list[int] = []  # the SM may push link states before register() returns
-        self.sm: Directory = (directory or _subnet_manager)(self._on_link)
-        node = os.environ.get(ENV_NODE)  # the machine it stands for: docs/verbs.md, "Nodes"
-        extra = {"node": node} if node else {}  # a directory written before nodes takes no `node`
-        reply = self.sm.register(guid=self.guid, name=name, endpoint=self.endpoint, pid=os.getpid(), host=host, **extra)
+        try:
+            self.sm: Directory = (directory or _subnet_manager)(self._on_link)
+            node = os.environ.get(ENV_NODE)  # the machine it stands for: docs/verbs.md, "Nodes"
+            extra = {"node": node} if node else {}  # a directory written before nodes takes no `node`
+            reply = self.sm.register(
+                guid=self.guid, name=name, endpoint=self.endpoint, pid=os.getpid(), host=host, **extra
+            )
+        except BaseException:
+            for sock in self.listeners:
+                sock.close()
+            raise
         self.lids = list(reply["lids"])
         self.sm_lid = int(reply["sm_lid"])
         self.latency = float(reply.get("latency") or 0.0)
         self.bandwidth = float(reply.get("bandwidth") or 0.0)
         for lid, up in dict(reply.get("links") or {}).items():
             self.link_up.setdefault(int(lid), bool(up))
-        self.rx = ReceiveEngine(self, [self._listener] if self._local is None else [self._listener, self._local])
+        self.rx = ReceiveEngine(self, self.listeners)
         log.debug("HCA %s: LIDs %s, endpoint %s", name, self.lids, self.endpoint)
 
     # ------------------------------------------------------------------ identities
@@ -532,34 +533,14 @@ class Hca:
         with self._conns_lock:
             conn = self._conns.get(endpoint)
             if conn is None:
-                sock = self._connect_local(endpoint) if self._local is not None else None
-                if sock is None:
-                    host, _, port = endpoint.rpartition(":")
-                    try:
-                        sock = socket.create_connection((host, int(port)), timeout=5.0)
-                    except OSError as exc:
-                        log.debug("cannot reach HCA at %s: %s", endpoint, exc)
-                        return None
-                    sock.settimeout(None)
-                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                try:
+                    sock = _links.connect(endpoint, self.same_host)
+                except OSError as exc:
+                    log.debug("cannot reach HCA at %s: %s", endpoint, exc)
+                    return None
                 conn = w.Connection(sock, endpoint, self._connection_broken)
                 self._conns[endpoint] = conn
         return conn if conn.alive else None
-
-    @staticmethod
-    def _connect_local(endpoint: str) -> socket.socket | None:
-        """A Unix socket to the simib HCA at `endpoint` if it is on this machine (None: use TCP).
-
-        The name is scoped by the network namespace, as the TCP endpoint is, and no two live HCAs
-        of one namespace hold the same endpoint, so the name can only reach the HCA it names.
-        """
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.connect("\0" + LOCAL_PREFIX + endpoint)
-        except OSError:  # not here (another machine, or an HCA that does not listen there)
-            sock.close()
-            return None
-        return sock
 
     def _connection_broken(self, conn: w.Connection) -> None:
         # Nothing to do at once: the QPs' retransmission timers find the path dead (path_ok) and
@@ -658,19 +639,6 @@ def hca(name: str, directory: DirectoryFactory | None = None, host: str | None =
         if found is None:
             found = _hcas[name] = Hca(name, directory, host)
         return found
-
-
-def _local_listener(endpoint: str) -> socket.socket | None:
-    """Listen on the abstract Unix socket named after `endpoint`; None if that cannot be done."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.bind("\0" + LOCAL_PREFIX + endpoint)
-        sock.listen()
-    except OSError as exc:
-        log.debug("no same-host listener for %s: %s", endpoint, exc)
-        sock.close()
-        return None
-    return sock
 
 
 def _subnet_manager(on_link: Callable[[int, bool], None]) -> Directory:

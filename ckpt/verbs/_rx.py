@@ -47,6 +47,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ckpt.verbs import _links
 from ckpt.verbs import _wire as w
 
 if TYPE_CHECKING:
@@ -131,7 +132,9 @@ class ReceiveEngine:
         self.next_due = float("inf")  # the earliest of their deadlines (or earlier: it is only a wake-up)
         self._park = threading.Condition()
         for listener in listeners:
-            threading.Thread(target=self._accept_loop, args=(listener,), name=f"{hca.name}-accept", daemon=True).start()
+            kind = "unix" if listener.family == socket.AF_UNIX else "tcp"
+            name = f"{hca.name}-accept-{kind}"
+            threading.Thread(target=self._accept_loop, args=(listener,), name=name, daemon=True).start()
 
     # ------------------------------------------------------------------ the polling thread
     def drive(self, ready: Callable[[], object], timeout: float) -> bool:
@@ -205,8 +208,8 @@ class ReceiveEngine:
                 sock, _ = listener.accept()
             except OSError:
                 return
-            if sock.family != socket.AF_UNIX:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if not _links.accepted(sock):
+                continue
             chan = RxChannel(sock, self)
             fd = sock.fileno()
             self._channels[fd] = chan
