@@ -484,3 +484,8 @@ def test_large_rdma_write_and_read_arrive_intact(
     assert initiator.call("digest", offset=0, length=size)["sha256"] == served
     expected = hashlib.sha256(np.random.default_rng(2).integers(0, 256, size, dtype=np.uint8).data).hexdigest()
     assert served == expected
+    # simib's HCAs in two processes of one machine link over a Unix socket (docs/verbs.md, "Same-host links"):
+    # each found the other's, and the other's credentials and TCP listener checked out; tcp's stay on TCP
+    want = "tcp" if fabric.device.startswith("tcp") or os.environ.get("CKPT_SIMIB_UNIX") == "0" else "unix"
+    for peer in (initiator, target):
+        assert set(peer.call("links")["links"].values()) == {want}

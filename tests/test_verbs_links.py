@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import os
+import select
+import signal
 import socket
 import subprocess
 import sys
-import time
+import threading
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -30,12 +33,13 @@ def _name(endpoint: str) -> str:
     return "\0" + _links.LOCAL_PREFIX + endpoint
 
 
-_fresh = iter(range(50, 100))
+_fresh = itertools.count(50)
 
 
 @pytest.fixture
 def fresh(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[bool], v.Context]]:
-    """fresh(same_host) -> a context of a new simib HCA, opened as with CKPT_SIMIB_UNIX=1 or 0; closed after."""
+    """fresh(same_host) -> a context of a new simib HCA, opened as with CKPT_SIMIB_UNIX=1 or 0; the contexts
+    are closed after (the HCA stays, as every HCA stays for the life of its process)."""
     opened: list[v.Context] = []
 
     def open_one(same_host: bool) -> v.Context:
@@ -75,62 +79,80 @@ def test_a_peer_without_a_unix_listener_is_reached_over_tcp(fresh: Callable[[boo
     assert _family(with_, with_) == socket.AF_UNIX
 
 
-class Nobody:
-    """body(report_fd) run in a forked child as user nobody; its return value (or error) is `result()`."""
+class Child:
+    """body(report_fd) in a forked child holding none of this process's files, as user nobody if `nobody`.
 
-    def __init__(self, body: Callable[[int], str]) -> None:
+    `line()` is its next report line (a body may write "ready"; its return value or error comes last).
+    Used as a context manager: the child is killed, if it still runs, and reaped.
+    """
+
+    def __init__(self, body: Callable[[int], str], nobody: bool) -> None:
         read_fd, write_fd = os.pipe()
         self.pid = os.fork()
         if self.pid == 0:  # the child: only system calls and os._exit
-            os.close(read_fd)
             try:
-                os.setgid(NOBODY)
-                os.setuid(NOBODY)
-                result = body(write_fd)
+                os.dup2(write_fd, 3)  # the report pipe as fd 3; every other inherited file closed
+                os.closerange(4, os.sysconf("SC_OPEN_MAX"))
+                if nobody:
+                    os.setgroups([])
+                    os.setgid(NOBODY)
+                    os.setuid(NOBODY)
+                result = body(3)
             except BaseException as exc:
                 result = f"error: {exc!r}"
-            os.write(write_fd, f"{result}\n".encode())
+            os.write(3, f"{result}\n".encode())
             os._exit(0)
         os.close(write_fd)
         self.reader = os.fdopen(read_fd)
 
-    def line(self) -> str:
-        """The child's next report line ("ready" from a body that says so, or its result)."""
+    def line(self, timeout: float = 20.0) -> str:
+        ready, _, _ = select.select([self.reader], [], [], timeout)
+        assert ready, f"the child said nothing for {timeout} s"
         return self.reader.readline().strip()
 
-    def result(self) -> str:
+    def __enter__(self) -> Child:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.reader.close()
         try:
-            return self.line()
-        finally:
-            self.reader.close()
-            os.waitpid(self.pid, 0)
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        os.waitpid(self.pid, 0)
 
 
-@as_root
-def test_another_users_process_holding_an_hcas_name_gets_no_data(fresh: Callable[[bool], v.Context]) -> None:
-    target = fresh(False)  # its name is free: another user's process takes it
-    name = _name(_hca.hca(target.name).endpoint)
+def _squat(name: str) -> Callable[[int], str]:
+    """A body that takes the Unix name `name`, says "ready", and reports how many bytes one connection brought."""
 
-    def squat(ready_fd: int) -> str:
+    def squat(report: int) -> str:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.bind(name)
         sock.listen()
-        os.write(ready_fd, b"ready\n")
-        sock.settimeout(10.0)
-        conn, _ = sock.accept()  # the HCA connects, finds another user here and closes
-        conn.settimeout(10.0)
+        os.write(report, b"ready\n")
+        sock.settimeout(15.0)
+        conn, _ = sock.accept()  # the HCA connects, finds that this is not the HCA it wants, and closes
+        conn.settimeout(15.0)
         got = b""
         while chunk := conn.recv(65536):
             got += chunk
         return f"received {len(got)} bytes"
 
-    squatter = Nobody(squat)
-    assert squatter.line() == "ready"
-    sender = fresh(True)
-    a, b = connect_rc(sender, target)
-    exchange(a, b, 8)  # over TCP: the squatter never gets a byte
-    assert _family(sender, target) == socket.AF_INET
-    assert squatter.result() == "received 0 bytes"
+    return squat
+
+
+@pytest.mark.parametrize("user", ["same", pytest.param("nobody", marks=as_root)])
+def test_a_process_holding_an_hcas_name_gets_no_data(fresh: Callable[[bool], v.Context], user: str) -> None:
+    # another user's process, or one of this user's that is not the HCA (it does not hold the HCA's TCP
+    # listener), took the name first: peers see who is there and go over TCP
+    target = fresh(False)  # its name is free to take
+    with Child(_squat(_name(_hca.hca(target.name).endpoint)), nobody=user == "nobody") as squatter:
+        assert squatter.line() == "ready"
+        sender = fresh(True)
+        a, b = connect_rc(sender, target)
+        exchange(a, b, 8)  # over TCP: the squatter never gets a byte
+        assert _family(sender, target) == socket.AF_INET
+        assert squatter.line() == "received 0 bytes"
 
 
 @as_root
@@ -138,25 +160,21 @@ def test_a_link_from_another_users_process_is_refused(fresh: Callable[[bool], v.
     target = fresh(True)
     name = _name(_hca.hca(target.name).endpoint)
 
-    def intrude(_fd: int) -> str:
+    def intrude(_report: int) -> str:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(10.0)
+        sock.settimeout(15.0)
         sock.connect(name)
-        try:
-            sock.sendall(b"\0" * 200)  # never executed: the HCA closes the connection first
-            return "closed" if sock.recv(1) == b"" else "open"
-        except (ConnectionResetError, BrokenPipeError):  # closed with those bytes unread
-            return "closed"
+        return "closed" if sock.recv(1) == b"" else "open"  # it sends nothing: only a refusal ends this
 
-    assert Nobody(intrude).result() == "closed"
+    with Child(intrude, nobody=True) as intruder:
+        assert intruder.line() == "closed"
     peer = fresh(True)
     a, b = connect_rc(peer, target)  # the HCA still serves its own user's processes
     exchange(a, b, 9)
     assert _family(peer, target) == socket.AF_UNIX
 
 
-def test_a_unix_listener_that_never_accepts_is_passed_over_for_tcp(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_links, "CONNECT_TIMEOUT", 0.3)
+def test_a_unix_listener_with_a_full_backlog_is_passed_over_for_tcp() -> None:
     tcp = socket.create_server(("127.0.0.1", 0))
     endpoint = f"127.0.0.1:{tcp.getsockname()[1]}"
     stuck = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -171,14 +189,36 @@ def test_a_unix_listener_that_never_accepts_is_passed_over_for_tcp(monkeypatch: 
             extra.connect(_name(endpoint))
     except BlockingIOError:
         pass
-    started = time.monotonic()
-    sock = _links.connect(endpoint, same_host=True)
+    got: list[socket.socket] = []
+    connecting = threading.Thread(target=lambda: got.append(_links.connect(endpoint, same_host=True)), daemon=True)
+    connecting.start()
+    connecting.join(10.0)
     try:
-        assert sock.family == socket.AF_INET
-        assert time.monotonic() - started < 5.0
+        assert got, "the connect to a listener with a full backlog did not return"
+        assert got[0].family == socket.AF_INET
     finally:
-        for s in (sock, stuck, tcp, *queued):
-            s.close()
+        for sock in (*got, stuck, tcp, *queued):
+            sock.close()
+
+
+def test_the_holder_of_an_endpoint_is_found_among_a_process_files() -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    endpoint = f"127.0.0.1:{listener.getsockname()[1]}"
+    try:
+        assert _links._holds_listener(os.getpid(), endpoint)
+        with Child(lambda _report: "holding nothing", nobody=False) as child:  # it closed its copies
+            assert child.line() == "holding nothing"
+            assert not _links._holds_listener(child.pid, endpoint)
+        assert not _links._holds_listener(os.getpid(), "127.0.0.1:1")  # nobody listens there
+        assert not _links._holds_listener(os.getpid(), "localhost:80")  # not numeric: never trusted
+    finally:
+        listener.close()
+    v6 = socket.create_server(("::1", 0), family=socket.AF_INET6) if socket.has_ipv6 else None
+    if v6 is not None:
+        try:
+            assert _links._holds_listener(os.getpid(), f"::1:{v6.getsockname()[1]}")
+        finally:
+            v6.close()
 
 
 def test_same_host_links_can_be_turned_off_by_environment() -> None:

@@ -339,17 +339,17 @@ class Hca:
             reply = self.sm.register(
                 guid=self.guid, name=name, endpoint=self.endpoint, pid=os.getpid(), host=host, **extra
             )
-        except BaseException:
+            self.lids = list(reply["lids"])
+            self.sm_lid = int(reply["sm_lid"])
+            self.latency = float(reply.get("latency") or 0.0)
+            self.bandwidth = float(reply.get("bandwidth") or 0.0)
+            for lid, up in dict(reply.get("links") or {}).items():
+                self.link_up.setdefault(int(lid), bool(up))
+            self.rx = ReceiveEngine(self, self.listeners)
+        except BaseException:  # no HCA: nothing may keep listening for it
             for sock in self.listeners:
                 sock.close()
             raise
-        self.lids = list(reply["lids"])
-        self.sm_lid = int(reply["sm_lid"])
-        self.latency = float(reply.get("latency") or 0.0)
-        self.bandwidth = float(reply.get("bandwidth") or 0.0)
-        for lid, up in dict(reply.get("links") or {}).items():
-            self.link_up.setdefault(int(lid), bool(up))
-        self.rx = ReceiveEngine(self, self.listeners)
         log.debug("HCA %s: LIDs %s, endpoint %s", name, self.lids, self.endpoint)
 
     # ------------------------------------------------------------------ identities

@@ -10,14 +10,16 @@
 # CKPT_SIMIB_UNIX=0 -- uses TCP.
 #
 # Abstract names belong to nobody: any process of the namespace may bind one,
-# even one named after another HCA's endpoint (taken before that HCA binds it).
-# So both ends check who is at the other end (SO_PEERCRED): a Unix link joins
-# processes of the same user only.  A connector that finds another user's
-# process at the name closes that socket and uses TCP; a listener closes a
-# connection from another user.  That makes the Unix side narrower than the TCP
-# endpoint, which any local process may reach (an InfiniBand link carries no
-# token either: a packet is executed only if its QP number, PSN and keys are
-# right).
+# even one named after another HCA's endpoint (taken before that HCA binds it),
+# and would then receive what its peers send.  So a connector checks who is at
+# the other end (SO_PEERCRED): a process of its own user that holds the TCP
+# listener of that very endpoint (its socket among the process's open files,
+# /proc), which only the HCA that registered the endpoint -- or a child that
+# inherited its sockets -- can.  Anything else: it closes that socket and uses
+# TCP.  A listener closes a connection from another user too, for symmetry, not
+# for protection: the TCP endpoint stays open to every process of the
+# namespace, like any loopback port (an InfiniBand link carries no token
+# either: a packet is executed only if its QP number, PSN and keys are right).
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import logging
 import os
 import socket
 import struct
+import sys
 
 log = logging.getLogger(__name__)
 
@@ -32,10 +35,12 @@ log = logging.getLogger(__name__)
 LOCAL_IPC = os.environ.get("CKPT_SIMIB_UNIX", "1") != "0"
 #: The abstract Unix socket name of the simib HCA whose TCP endpoint is "host:port" (after the NUL byte).
 LOCAL_PREFIX = "ckpt-simib/"
-#: Seconds a connect may take (a Unix listener whose backlog is full would otherwise block it for good).
+#: Seconds a TCP connect may take.  (A Unix connect never waits: with a timeout set, a listener whose
+#: backlog is full answers EAGAIN at once, and the link goes over TCP; without one it would block for good.)
 CONNECT_TIMEOUT = 5.0
 
-_CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
+_CREDENTIALS = struct.Struct("iII")  # struct ucred: pid, uid, gid
+_LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's `st` column
 
 
 def listen(host: str, same_host: bool) -> tuple[socket.socket, socket.socket | None, str]:
@@ -49,13 +54,15 @@ def listen(host: str, same_host: bool) -> tuple[socket.socket, socket.socket | N
 
 
 def _listen_local(endpoint: str) -> socket.socket | None:
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock = None
     try:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.bind("\0" + LOCAL_PREFIX + endpoint)
         sock.listen()
-    except OSError as exc:  # EADDRINUSE: some other process holds the name (peers then check who: `_same_user`)
+    except OSError as exc:  # EADDRINUSE: some other process holds the name (peers see it is not this HCA)
         log.warning("HCA at %s: no same-host link (%s); peers reach it over TCP", endpoint, exc)
-        sock.close()
+        if sock is not None:
+            sock.close()
         return None
     return sock
 
@@ -84,26 +91,77 @@ def _connect_local(endpoint: str) -> socket.socket | None:
     except OSError:  # nothing listens there (another machine, an HCA without one), or it never accepted
         sock.close()
         return None
-    if not _same_user(sock):
-        log.warning("the Unix socket named after HCA endpoint %s is held by another user: using TCP", endpoint)
+    pid, uid, _gid = _peer(sock)
+    if uid != os.geteuid() or not _holds_listener(pid, endpoint):
+        log.warning("the Unix socket named after HCA %s is held by process %d, not that HCA: using TCP", endpoint, pid)
         sock.close()
         return None
     sock.settimeout(None)
     return sock
 
 
+_refused = 0  # connections from other users a listener closed (the first is logged as a warning)
+
+
 def accepted(sock: socket.socket) -> bool:
     """Ready a socket a listener accepted; False (and closed) if it is another user's Unix connection."""
+    global _refused
     if sock.family == socket.AF_UNIX:
-        if _same_user(sock):
+        pid, uid, _gid = _peer(sock)
+        if uid == os.geteuid():
             return True
-        log.warning("refused a same-host link from another user's process")
+        _refused += 1
+        (log.warning if _refused == 1 else log.debug)("refused a same-host link from pid %d (uid %d)", pid, uid)
         sock.close()
         return False
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return True
 
 
-def _same_user(sock: socket.socket) -> bool:
-    _pid, uid, _gid = _CREDENTIALS.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDENTIALS.size))
-    return bool(uid == os.geteuid())
+def _peer(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end of a Unix socket (as it was when it connected or listened)."""
+    pid, uid, gid = _CREDENTIALS.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDENTIALS.size))
+    return int(pid), int(uid), int(gid)
+
+
+def _holds_listener(pid: int, endpoint: str) -> bool:
+    """Whether process `pid` has the listening TCP socket of `endpoint` ("address:port") among its open files."""
+    inode = _listener_inode(endpoint)
+    if inode is None:
+        return False
+    wanted = f"socket:[{inode}]"
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") == wanted:
+                return True
+        except OSError:  # closed meanwhile
+            continue
+    return False
+
+
+def _listener_inode(endpoint: str) -> int | None:
+    """The inode of the socket listening on TCP `endpoint` in this network namespace (None: none, or not numeric)."""
+    host, _, port = endpoint.rpartition(":")
+    host = host.strip("[]")
+    for family, table in ((socket.AF_INET, "/proc/net/tcp"), (socket.AF_INET6, "/proc/net/tcp6")):
+        try:
+            packed = socket.inet_pton(family, host)
+        except OSError:
+            continue
+        # the kernel prints each 32-bit word of the address as a number in host byte order, then the port
+        words = "".join(f"{int.from_bytes(packed[i : i + 4], sys.byteorder):08X}" for i in range(0, len(packed), 4))
+        local = f"{words}:{int(port):04X}"
+        try:
+            with open(table) as rows:
+                next(rows, None)  # the heading
+                for row in rows:
+                    fields = row.split()
+                    if len(fields) > 9 and fields[1] == local and fields[3] == _LISTEN:
+                        return int(fields[9])
+        except (OSError, ValueError):
+            return None
+    return None

@@ -208,7 +208,12 @@ class ReceiveEngine:
                 sock, _ = listener.accept()
             except OSError:
                 return
-            if not _links.accepted(sock):
+            try:
+                if not _links.accepted(sock):
+                    continue
+            except OSError as exc:  # the peer went away before we looked at it
+                log.debug("HCA %s: dropped a connection as it was accepted: %s", self.hca.name, exc)
+                sock.close()
                 continue
             chan = RxChannel(sock, self)
             fd = sock.fileno()

@@ -151,6 +151,15 @@ class Peer:
         info = self.info()
         return {"qpns": qpns, "lkeys": lkeys, "rkeys": rkeys, "lids": [info["lid1"], info["lid2"]]}
 
+    def cmd_links(self, c: dict[str, Any]) -> dict[str, Any]:
+        """The socket family ("unix" or "tcp") of each connection this process's HCA opened, by peer endpoint."""
+        import socket
+
+        from ckpt.verbs import _hca
+
+        conns = _hca.hca(self.ctx.name)._conns
+        return {"links": {ep: "unix" if c.sock.family == socket.AF_UNIX else "tcp" for ep, c in conns.items()}}
+
     # ------------------------------------------------------------------ memory
     def cmd_fill(self, c: dict[str, Any]) -> dict[str, Any]:
         off, length = c["offset"], c["length"]
