@@ -1,19 +1,23 @@
-"""Benchmark `ckpt launch --sched`: the DSM programs under SCHED_BATCH against SCHED_OTHER, in the same run."""
+"""Benchmark two ways of running the DSM programs against each other, in the same run: `--sched` policies, or links."""
 
-# Usage: python benchmarks/bench_sched.py [--rounds 3] [--only water,tsp,sor,isort] [--protocols async]
-#                                         [--modes off,remote] [--quiet-wait 3] [--json FILE]
+# Usage: python benchmarks/bench_sched.py [--compare sched|links] [--rounds 3] [--only water,tsp,sor,isort]
+#                                         [--protocols async] [--modes off,remote] [--quiet-wait 3] [--json FILE]
 #
 # Each job is bench_remotelog's (`ckpt launch -n 4 --logging MODE --dsm-protocol P` of a program of
 # dsm/programs through benchmarks/programs/dsm_stats.py; its figure is the mean over the ranks of the DSM's
-# `total_seconds`), once with `--sched other` (Linux's default policy) and once with `--sched batch`,
-# the order flipping every round; the figure of a (program, protocol, mode, policy) is the median over
-# the rounds, and the table gives batch / other.  4 ranks of several threads each on the machine's
-# cores: what wake-up preemption costs when threads outnumber cores (ckpt/_sched.py).
+# `total_seconds`), once per variant, the order flipping every round; the figure of a (program, protocol,
+# mode, variant) is the median over the rounds, and the table gives the second variant / the first.
+#   --compare sched (the default): `--sched other` (Linux's default policy) against `--sched batch`.  4 ranks
+#       of several threads each on the machine's cores: what wake-up preemption costs when threads
+#       outnumber cores (ckpt/_sched.py).
+#   --compare links: simib's links over loopback TCP (CKPT_SIMIB_UNIX=0, in the ranks' environment)
+#       against same-host links over Unix sockets (docs/verbs.md, "Same-host links").
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 from pathlib import Path
@@ -24,41 +28,51 @@ from bench_image import run_settings, write_results
 from bench_overhead import Jobs
 from bench_remotelog import BENCH_ARGS, MODES, PROTOCOLS, run_once
 
-POLICIES = ("other", "batch")
+#: What each comparison runs: (first variant, second variant), and how a job is told which.
+VARIANTS: dict[str, tuple[str, str]] = {"sched": ("other", "batch"), "links": ("tcp", "unix")}
+
+
+def run_variant(compare: str, variant: str) -> tuple[str, ...]:
+    """The launch options of `variant` (and, for links, the environment the launcher passes to its ranks)."""
+    if compare == "sched":
+        return ("--sched", variant)
+    os.environ["CKPT_SIMIB_UNIX"] = "1" if variant == "unix" else "0"
+    return ()
 
 
 def measure(jobs: Jobs, directory: Path, args: argparse.Namespace) -> dict[str, Any]:
-    """Per (program, protocol, logging mode): the median DSM seconds under each policy and batch / other."""
+    """Per (program, protocol, logging mode): the median DSM seconds of each variant, and second / first."""
+    first, second = variants = VARIANTS[args.compare]
     table: dict[str, Any] = {}
     for name in args.only:
         for protocol in args.protocols:
             for mode in args.modes:
                 # B023: `alternate` calls it right away, within this iteration of the loops
-                def run(policy: str, i: int) -> tuple[float, float]:
-                    options = ("--sched", policy)
+                def run(variant: str, i: int) -> tuple[float, float]:
+                    options = run_variant(args.compare, variant)
                     got: tuple[float, float] = run_once(jobs, directory, name, protocol, mode, i, options)  # noqa: B023
                     return got  # (typed: mypy sees bench_remotelog's helpers through an untyped import)
 
-                rows = alternate(args.rounds, args.quiet_wait, run, f"{name}/{protocol}/{mode}", POLICIES)
-                row: dict[str, Any] = {policy: statistics.median(r[policy] for r in rows) for policy in POLICIES}
-                row["ratio"] = row["batch"] / row["other"]
-                row["paired_ratio"] = statistics.median(r["batch"] / r["other"] for r in rows)
+                rows = alternate(args.rounds, args.quiet_wait, run, f"{name}/{protocol}/{mode}", variants)
+                row: dict[str, Any] = {variant: statistics.median(r[variant] for r in rows) for variant in variants}
+                row["ratio"] = row[second] / row[first]
+                row["paired_ratio"] = statistics.median(r[second] / r[first] for r in rows)
                 row["rounds"] = rows
                 table[f"{name}/{protocol}/{mode}"] = row
     return table
 
 
 def report(settings: dict[str, Any], table: dict[str, Any]) -> str:
-    """The table in docs/benchmarks.md's form, and the geometric means of batch / other."""
+    """The table in docs/benchmarks.md's form, and the geometric means of second / first."""
+    first, second = VARIANTS[settings["compare"]]
     lines = [f"machine: {json.dumps(settings['machine'])}", f"command: {settings['command']}", ""]
-    lines.append("| program / protocol / logging | other s | batch s | batch / other | median per-round ratio |")
-    lines.append("|---|---|---|---|---|")
+    heading = f"| {first} s | {second} s | {second} / {first} | median per-round ratio |"
+    lines += [f"| program / protocol / logging {heading}", "|---|---|---|---|---|"]
     for label, row in table.items():
-        lines.append(
-            f"| {label} | {row['other']:.3f} | {row['batch']:.3f} | {row['ratio']:.3f} | {row['paired_ratio']:.3f} |"
-        )
+        figures = f"{row[first]:.3f} | {row[second]:.3f} | {row['ratio']:.3f} | {row['paired_ratio']:.3f}"
+        lines.append(f"| {label} | {figures} |")
     ratios = [row["ratio"] for row in table.values()]
-    lines += ["", f"geometric mean of batch / other: {statistics.geometric_mean(ratios):.3f}"]
+    lines += ["", f"geometric mean of {second} / {first}: {statistics.geometric_mean(ratios):.3f}"]
     for mode in settings["modes"]:
         of_mode = [row["ratio"] for label, row in table.items() if label.endswith(f"/{mode}")]
         lines.append(f"  --logging {mode}: {statistics.geometric_mean(of_mode):.3f}")
@@ -78,6 +92,7 @@ def _choices(allowed: tuple[str, ...] | list[str], what: str) -> Any:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--compare", choices=sorted(VARIANTS), default="sched", help="what the two variants differ in")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--only", type=_choices(list(BENCH_ARGS), "program"), default=list(BENCH_ARGS))
     parser.add_argument("--protocols", type=_choices(PROTOCOLS, "protocol"), default=["async"])
@@ -86,8 +101,9 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     jobs = Jobs()
-    settings = run_settings(rounds=args.rounds, modes=args.modes, args={name: BENCH_ARGS[name] for name in args.only})
-    with tempfile.TemporaryDirectory(prefix="bench-sched-") as tmp:
+    programs = {name: BENCH_ARGS[name] for name in args.only}
+    settings = run_settings(compare=args.compare, rounds=args.rounds, modes=args.modes, args=programs)
+    with tempfile.TemporaryDirectory(prefix=f"bench-{args.compare}-") as tmp:
         try:
             table = measure(jobs, Path(tmp), args)
         finally:
