@@ -533,18 +533,15 @@ def report(summary: dict[str, Any], args: argparse.Namespace, command: str) -> N
     print(f"median of {args.repeat}:")
     print(f"| measure | {args.provider} verbs | raw TCP | verbs / TCP | target | met | raw Unix | verbs / Unix |")
     print("|---|---|---|---|---|---|---|---|")
-    rows = (
-        ("bandwidth, 4 MiB messages", "stream", s, 1e9, "GB/s", ">= 0.9"),
-        ("8-byte round trip", "rtt", r, 1e-6, "us", "<= 2.0"),
-        ("small-message rate, 1 WR per post", "rate", m, 1e3, "k msg/s", ">= 0.5"),
+    rows = (  # label, measurement, its summary, unit, divisor, decimals, target
+        ("bandwidth, 4 MiB messages", "stream", s, "GB/s", 1e9, 2, ">= 0.9"),
+        ("8-byte round trip", "rtt", r, "us", 1e-6, 1, "<= 2.0"),
+        ("small-message rate, 1 WR per post", "rate", m, "k msg/s", 1e3, 1, ">= 0.5"),
     )
-    for label, name, x, scale, unit, target in rows:
-        print(
-            f"| {label} | {x['verbs'] / scale:.{1 if name != 'stream' else 2}f} {unit} "
-            f"| {x['tcp'] / scale:.{1 if name != 'stream' else 2}f} {unit} | {x['ratio']:.2f} | {target} "
-            f"| {met(name, x['ratio'])} | {x['unix'] / scale:.{1 if name != 'stream' else 2}f} {unit} "
-            f"| {x['ratio_unix']:.2f} |"
-        )
+    for label, name, x, unit, scale, digits, target in rows:
+        verbs, tcp, unix = (f"{x[kind] / scale:.{digits}f} {unit}" for kind in ("verbs", "tcp", "unix"))
+        ratios = f"{x['ratio']:.2f} | {target} | {met(name, x['ratio'])}"
+        print(f"| {label} | {verbs} | {tcp} | {ratios} | {unix} | {x['ratio_unix']:.2f} |")
     print(f"| small-message rate, 64-WR chains | {c['verbs'] / 1e3:.1f} k msg/s | | | - | - | | |")
     if "verbs_tcp" in r:
         print()
@@ -553,12 +550,9 @@ def report(summary: dict[str, Any], args: argparse.Namespace, command: str) -> N
         print("the same engine with links over loopback TCP (a second HCA, as with CKPT_SIMIB_UNIX=0), same run:")
         print("| measure | simib, TCP links | ÷ raw TCP | simib, Unix links ÷ TCP links |")
         print("|---|---|---|---|")
-        for label, name, x, scale, unit, _ in rows:
-            digits = 1 if name != "stream" else 2
-            print(
-                f"| {label} | {x['verbs_tcp'] / scale:.{digits}f} {unit} | {x['ratio_tcp_links']:.2f} "
-                f"| {x['verbs'] / x['verbs_tcp']:.2f} |"
-            )
+        for label, _, x, unit, scale, digits, _ in rows:
+            tcp_links = f"{x['verbs_tcp'] / scale:.{digits}f} {unit}"
+            print(f"| {label} | {tcp_links} | {x['ratio_tcp_links']:.2f} | {x['verbs'] / x['verbs_tcp']:.2f} |")
         chains = f"{c['verbs_tcp'] / 1e3:.1f} k msg/s | | {c['verbs'] / c['verbs_tcp']:.2f}"
         print(f"| small-message rate, 64-WR chains | {chains} |")
     print()

@@ -328,8 +328,7 @@ class Hca:
         # simib's own HCAs (found through the SM) are one machine's processes, mostly; a provider
         # with a directory of its own (ib2tcp's `tcp`) is TCP by definition
         self.same_host = directory is None and _links.LOCAL_IPC
-        listener, local, self.endpoint = _links.listen(host, self.same_host)
-        self.listeners = [listener] if local is None else [listener, local]
+        self.listeners, self.endpoint = _links.listen(host, self.same_host)
         self.link_up: dict[int, bool] = {}
         self.lids: list[int] = []  # the SM may push link states before register() returns
         try:

@@ -43,14 +43,15 @@ _CREDENTIALS = struct.Struct("iII")  # struct ucred: pid, uid, gid
 _LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's `st` column
 
 
-def listen(host: str, same_host: bool) -> tuple[socket.socket, socket.socket | None, str]:
-    """(the TCP listener, the Unix one or None, the endpoint "host:port") of a new HCA.
+def listen(host: str, same_host: bool) -> tuple[list[socket.socket], str]:
+    """(the listeners, the endpoint "host:port") of a new HCA: its TCP one, and its Unix one if it has one.
 
     `same_host`: the HCA links over Unix sockets where it can (simib's own HCAs, unless LOCAL_IPC is off).
     """
     tcp = socket.create_server((host, 0))
     endpoint = f"{host}:{tcp.getsockname()[1]}"
-    return tcp, (_listen_local(endpoint) if same_host else None), endpoint
+    local = _listen_local(endpoint) if same_host else None
+    return ([tcp] if local is None else [tcp, local]), endpoint
 
 
 def _listen_local(endpoint: str) -> socket.socket | None:
@@ -91,7 +92,7 @@ def _connect_local(endpoint: str) -> socket.socket | None:
     except OSError:  # nothing listens there (another machine, an HCA without one), or it never accepted
         sock.close()
         return None
-    pid, uid, _gid = _peer(sock)
+    pid, uid = _peer(sock)
     if uid != os.geteuid() or not _holds_listener(pid, endpoint):
         log.warning("the Unix socket named after HCA %s is held by process %d, not that HCA: using TCP", endpoint, pid)
         sock.close()
@@ -107,7 +108,7 @@ def accepted(sock: socket.socket) -> bool:
     """Ready a socket a listener accepted; False (and closed) if it is another user's Unix connection."""
     global _refused
     if sock.family == socket.AF_UNIX:
-        pid, uid, _gid = _peer(sock)
+        pid, uid = _peer(sock)
         if uid == os.geteuid():
             return True
         _refused += 1
@@ -118,10 +119,10 @@ def accepted(sock: socket.socket) -> bool:
     return True
 
 
-def _peer(sock: socket.socket) -> tuple[int, int, int]:
-    """(pid, uid, gid) of the process at the other end of a Unix socket (as it was when it connected or listened)."""
-    pid, uid, gid = _CREDENTIALS.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDENTIALS.size))
-    return int(pid), int(uid), int(gid)
+def _peer(sock: socket.socket) -> tuple[int, int]:
+    """(pid, uid) of the process at the other end of a Unix socket (as it was when it connected or listened)."""
+    pid, uid, _gid = _CREDENTIALS.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDENTIALS.size))
+    return int(pid), int(uid)
 
 
 def _holds_listener(pid: int, endpoint: str) -> bool:
