@@ -108,7 +108,14 @@ def test_a_latest_pointer_that_cannot_be_written_keeps_the_previous_checkpoint(
 
 def test_an_interrupted_launch_leaves_its_end_for_status(tmp_path: Path) -> None:
     ckpt_dir = tmp_path / "ckpt"
-    job = Job(["launch", "-n", "2", "--ckpt-dir", str(ckpt_dir), *LONG], ckpt_dir).start()
+    # A launcher that inherits SIGINT ignored keeps it ignored, as Python does (a shell's background job,
+    # nohup): this test plays a terminal's Ctrl-C on a foreground launcher, so it starts one that does not.
+    # (A Python handler in this process is reset to the default by exec; SIG_IGN would be inherited.)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        job = Job(["launch", "-n", "2", "--ckpt-dir", str(ckpt_dir), *LONG], ckpt_dir).start()
+    finally:
+        signal.signal(signal.SIGINT, previous)
     try:
         job.wait_step(3)
         assert job.process is not None
