@@ -8,7 +8,7 @@ from dataclasses import replace
 from ckpt.verbs import _enums as e
 from ckpt.verbs._attrs import QPAttr, QPInitAttr
 from ckpt.verbs._errors import PyverbsRDMAError
-from ckpt.verbs._hca import (
+from ckpt.verbs._handles import (
     EINVAL,
     EOPNOTSUPP,
     MAX_RD_ATOMIC,

@@ -28,7 +28,7 @@ import numpy as np
 from ckpt.verbs import _enums as e
 from ckpt.verbs import _wire as w
 from ckpt.verbs._errors import PyverbsRDMAError
-from ckpt.verbs._hca import (
+from ckpt.verbs._handles import (
     EINVAL,
     ENOMEM,
 )

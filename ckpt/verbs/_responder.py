@@ -20,7 +20,7 @@ from ckpt.verbs import _enums as e
 from ckpt.verbs import _wire as w
 from ckpt.verbs._attrs import WC
 from ckpt.verbs._errors import PyverbsRDMAError
-from ckpt.verbs._hca import (
+from ckpt.verbs._handles import (
     EINVAL,
     ENOMEM,
 )

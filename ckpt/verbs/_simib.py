@@ -7,6 +7,7 @@ from typing import Any
 
 from ckpt.plugin import DirectoryFactory
 from ckpt.verbs import _enums as e
+from ckpt.verbs import _handles as hh
 from ckpt.verbs import _hca as hw
 from ckpt.verbs._attrs import GID, DeviceAttr, PathRecord, PortAttr, QPInitAttr, SrqAttr
 from ckpt.verbs._errors import PyverbsRDMAError
@@ -14,7 +15,7 @@ from ckpt.verbs._provider import VerbsOps
 from ckpt.verbs._qp import QPHandle
 
 
-class DeviceHandle(hw.NotCheckpointable):
+class DeviceHandle(hh.NotCheckpointable):
     """An open device: the process's HCA for that name."""
 
     __slots__ = ("hca", "name")
@@ -38,25 +39,25 @@ def query_device(dev: DeviceHandle) -> DeviceAttr:
         fw_version=f"ckpt-{dev.hca.provider} 1",
         node_guid=hca.guid,
         sys_image_guid=hca.guid,
-        max_mr_size=hw.MAX_MR_SIZE,
+        max_mr_size=hh.MAX_MR_SIZE,
         page_size_cap=4096,
         vendor_id=0x15B3,
         vendor_part_id=0xC4C7,
         max_qp=1 << 20,
-        max_qp_wr=hw.MAX_QP_WR,
-        max_sge=hw.MAX_SGE,
-        max_sge_rd=hw.MAX_SGE,
+        max_qp_wr=hh.MAX_QP_WR,
+        max_sge=hh.MAX_SGE,
+        max_sge_rd=hh.MAX_SGE,
         max_cq=1 << 20,
-        max_cqe=hw.MAX_CQE,
+        max_cqe=hh.MAX_CQE,
         max_mr=1 << 20,
         max_pd=1 << 20,
-        max_qp_rd_atom=hw.MAX_RD_ATOMIC,
-        max_res_rd_atom=hw.MAX_RD_ATOMIC << 10,
-        max_qp_init_rd_atom=hw.MAX_RD_ATOMIC,
+        max_qp_rd_atom=hh.MAX_RD_ATOMIC,
+        max_res_rd_atom=hh.MAX_RD_ATOMIC << 10,
+        max_qp_init_rd_atom=hh.MAX_RD_ATOMIC,
         atomic_caps=int(e.IBV_ATOMIC_HCA),
         max_srq=1 << 20,
-        max_srq_wr=hw.MAX_QP_WR,
-        max_srq_sge=hw.MAX_SGE,
+        max_srq_wr=hh.MAX_QP_WR,
+        max_srq_sge=hh.MAX_SGE,
         phys_port_cnt=2,
     )
 
@@ -64,7 +65,7 @@ def query_device(dev: DeviceHandle) -> DeviceAttr:
 def query_port(dev: DeviceHandle, port: int) -> PortAttr:
     hca = dev.hca
     if port not in (1, 2):
-        raise PyverbsRDMAError(f"port {port} does not exist (simib HCAs have ports 1 and 2)", hw.EINVAL)
+        raise PyverbsRDMAError(f"port {port} does not exist (simib HCAs have ports 1 and 2)", hh.EINVAL)
     lid = hca.lids[port - 1]
     up = hca.link_up.get(lid, True)
     return PortAttr(
@@ -72,7 +73,7 @@ def query_port(dev: DeviceHandle, port: int) -> PortAttr:
         max_mtu=int(e.IBV_MTU_4096),
         active_mtu=int(e.IBV_MTU_4096),
         gid_tbl_len=1,
-        max_msg_sz=hw.MAX_MSG,
+        max_msg_sz=hh.MAX_MSG,
         pkey_tbl_len=1,
         lid=lid,
         sm_lid=hca.sm_lid,
@@ -87,7 +88,7 @@ def query_port(dev: DeviceHandle, port: int) -> PortAttr:
 
 def query_gid(dev: DeviceHandle, port: int, index: int) -> GID:
     if port not in (1, 2) or index != 0:
-        raise PyverbsRDMAError(f"GID index {index} of port {port} does not exist", hw.EINVAL)
+        raise PyverbsRDMAError(f"GID index {index} of port {port} does not exist", hh.EINVAL)
     guid = dev.hca.guid ^ (port - 1)
     return GID(bytes.fromhex("fe80000000000000") + guid.to_bytes(8, "big"))
 
@@ -96,76 +97,76 @@ def get_async_event(dev: DeviceHandle, timeout: float | None) -> Any:
     return dev.hca.get_event(timeout)
 
 
-def alloc_pd(dev: DeviceHandle) -> hw.PDHandle:
-    return hw.PDHandle(dev.hca)
+def alloc_pd(dev: DeviceHandle) -> hh.PDHandle:
+    return hh.PDHandle(dev.hca)
 
 
-def dealloc_pd(pd: hw.PDHandle) -> None:
+def dealloc_pd(pd: hh.PDHandle) -> None:
     """PDs hold no NIC resources of their own here."""
 
 
-def reg_mr(pd: hw.PDHandle, obj: Any, access: int) -> hw.MRHandle:
-    mr = hw.MRHandle(pd, obj, int(access))
+def reg_mr(pd: hh.PDHandle, obj: Any, access: int) -> hh.MRHandle:
+    mr = hh.MRHandle(pd, obj, int(access))
     pd.hca.register(mr)
     return mr
 
 
-def dereg_mr(mr: hw.MRHandle) -> None:
+def dereg_mr(mr: hh.MRHandle) -> None:
     mr.hca.deregister(mr)
 
 
-def create_comp_channel(dev: DeviceHandle) -> hw.ChannelHandle:
-    return hw.ChannelHandle(dev.hca)
+def create_comp_channel(dev: DeviceHandle) -> hh.ChannelHandle:
+    return hh.ChannelHandle(dev.hca)
 
 
-def destroy_comp_channel(channel: hw.ChannelHandle) -> None:
+def destroy_comp_channel(channel: hh.ChannelHandle) -> None:
     """Nothing to release."""
 
 
-def get_cq_event(channel: hw.ChannelHandle, timeout: float | None) -> hw.CQHandle | None:
+def get_cq_event(channel: hh.ChannelHandle, timeout: float | None) -> hh.CQHandle | None:
     return channel.get(timeout)
 
 
-def create_cq(dev: DeviceHandle, cqe: int, channel: hw.ChannelHandle | None, cq_context: Any) -> hw.CQHandle:
-    return hw.CQHandle(dev.hca, int(cqe), channel, cq_context)
+def create_cq(dev: DeviceHandle, cqe: int, channel: hh.ChannelHandle | None, cq_context: Any) -> hh.CQHandle:
+    return hh.CQHandle(dev.hca, int(cqe), channel, cq_context)
 
 
-def destroy_cq(cq: hw.CQHandle) -> None:
+def destroy_cq(cq: hh.CQHandle) -> None:
     if cq.unacked_events:
-        raise PyverbsRDMAError(f"CQ has {cq.unacked_events} completion events not acknowledged", hw.EBUSY)
+        raise PyverbsRDMAError(f"CQ has {cq.unacked_events} completion events not acknowledged", hh.EBUSY)
 
 
-def poll_cq(cq: hw.CQHandle, num_entries: int) -> list[Any]:
+def poll_cq(cq: hh.CQHandle, num_entries: int) -> list[Any]:
     return cq.poll(num_entries)
 
 
-def req_notify_cq(cq: hw.CQHandle, solicited_only: bool) -> None:
+def req_notify_cq(cq: hh.CQHandle, solicited_only: bool) -> None:
     cq.req_notify(solicited_only)
 
 
-def ack_cq_events(cq: hw.CQHandle, count: int) -> None:
+def ack_cq_events(cq: hh.CQHandle, count: int) -> None:
     if count > cq.unacked_events:
-        raise PyverbsRDMAError(f"acknowledging {count} CQ events, only {cq.unacked_events} were received", hw.EINVAL)
+        raise PyverbsRDMAError(f"acknowledging {count} CQ events, only {cq.unacked_events} were received", hh.EINVAL)
     cq.unacked_events -= count
 
 
-def create_srq(pd: hw.PDHandle, attr: SrqAttr, srq_context: Any) -> hw.SRQHandle:
-    return hw.SRQHandle(pd, attr, srq_context)
+def create_srq(pd: hh.PDHandle, attr: SrqAttr, srq_context: Any) -> hh.SRQHandle:
+    return hh.SRQHandle(pd, attr, srq_context)
 
 
-def modify_srq(srq: hw.SRQHandle, attr: SrqAttr, mask: int) -> None:
+def modify_srq(srq: hh.SRQHandle, attr: SrqAttr, mask: int) -> None:
     srq.modify(attr, int(mask))
 
 
-def query_srq(srq: hw.SRQHandle) -> SrqAttr:
+def query_srq(srq: hh.SRQHandle) -> SrqAttr:
     return srq.query()
 
 
-def destroy_srq(srq: hw.SRQHandle) -> None:
+def destroy_srq(srq: hh.SRQHandle) -> None:
     srq.queue.clear()
 
 
-def post_srq_recv(srq: hw.SRQHandle, wr: Any) -> None:
+def post_srq_recv(srq: hh.SRQHandle, wr: Any) -> None:
     wrs = []
     while wr is not None:
         wrs.append(wr)
@@ -173,7 +174,7 @@ def post_srq_recv(srq: hw.SRQHandle, wr: Any) -> None:
     srq.post(wrs)
 
 
-def create_qp(pd: hw.PDHandle, init_attr: QPInitAttr) -> QPHandle:
+def create_qp(pd: hh.PDHandle, init_attr: QPInitAttr) -> QPHandle:
     return QPHandle(pd, init_attr)
 
 
@@ -197,11 +198,11 @@ def post_recv(qp: QPHandle, wr: Any) -> None:
     qp.post_recv(wr)
 
 
-def create_ah(pd: hw.PDHandle, attr: Any) -> hw.AHHandle:
-    return hw.AHHandle(pd, attr)
+def create_ah(pd: hh.PDHandle, attr: Any) -> hh.AHHandle:
+    return hh.AHHandle(pd, attr)
 
 
-def destroy_ah(ah: hw.AHHandle) -> None:
+def destroy_ah(ah: hh.AHHandle) -> None:
     """Nothing to release."""
 
 
@@ -230,5 +231,5 @@ def make_ops(
     if directory is not None:
         entries["open_device"] = lambda name: DeviceHandle(name, hw.hca(name, directory, host() if host else None))
     # The hot path calls the engine's methods directly: no extra Python frame per post or poll.
-    entries.update(post_send=QPHandle.post_send, post_recv=QPHandle.post_recv, poll_cq=hw.CQHandle.poll)
+    entries.update(post_send=QPHandle.post_send, post_recv=QPHandle.post_recv, poll_cq=hh.CQHandle.poll)
     return VerbsOps(provider, **entries)
