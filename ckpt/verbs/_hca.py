@@ -1,4 +1,4 @@
-"""The simulated HCA of one process: identities, memory registration, events, links, timers (its handles: `_handles`)."""
+"""The simulated HCA of one process: identities, memory registration, events, links, timers (handles: `_handles`)."""
 
 # One `Hca` per device name per process stands for the NIC.  It owns a TCP
 # listener (its endpoint, registered with the subnet manager next to the two

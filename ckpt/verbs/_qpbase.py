@@ -159,9 +159,13 @@ class SendEntry:
         self.inline: bytes | None = None
         self.rkey = wr.rkey or 0
         self.raddr = wr.remote_addr or 0
-        self.compare_add = (wr.compare_add or 0) & _U64
-        self.swap = (wr.swap or 0) & _U64
-        self.imm = int(wr.imm_data or 0) & 0xFFFFFFFF
+        if opcode == _CAS or opcode == _FAA:  # the operands only an atomic carries
+            self.compare_add = (wr.compare_add or 0) & _U64
+            self.swap = (wr.swap or 0) & _U64
+        else:
+            self.compare_add = self.swap = 0
+        imm = wr.imm_data
+        self.imm = int(imm) & 0xFFFFFFFF if imm else 0
         self.length = length
         self.psn = 0
         self.npkts = 1

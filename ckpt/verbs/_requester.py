@@ -84,10 +84,13 @@ class Requester(QPState):
             if state in (_RESET, _INIT, _RTR):
                 raise PyverbsRDMAError(f"post_send on a QP in state {e.ibv_qp_state(state).name}", EINVAL)
             entries: list[SendEntry] = []
+            sq, limit, total = self.sq, self.cap.max_send_wr, 0
             while wr is not None:
-                if len(self.sq) + len(entries) >= self.cap.max_send_wr:
+                if len(sq) + len(entries) >= limit:
                     self._wait_for_room(len(entries))
-                entries.append(self._entry(wr, len(self.sq) + len(entries), mtu))
+                entry = self._entry(wr, len(sq) + len(entries), mtu)
+                entries.append(entry)
+                total += entry.length
                 wr = wr.next_wr
             if state == _ERR:
                 for entry in entries:
@@ -95,11 +98,13 @@ class Requester(QPState):
                 return
             # small WRs behind others in flight wait for this thread's next poll (`Hca.defer`); a large
             # one would then cross the socket on whichever thread flushes it, possibly through the outbox
-            busy = bool(self.sq) and sum(x.length for x in entries) <= DEFER_BYTES
+            busy = bool(sq) and total <= DEFER_BYTES
+            psn = self.sq_psn
             for entry in entries:
-                entry.psn = self.sq_psn
-                self.sq_psn = (self.sq_psn + entry.npkts) & PSN_MASK
-                self.sq.append(entry)
+                entry.psn = psn
+                psn = (psn + entry.npkts) & PSN_MASK
+                sq.append(entry)
+            self.sq_psn = psn
             if busy and self.state == _RTS:
                 self.hca.defer(self)
             else:
