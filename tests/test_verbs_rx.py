@@ -148,6 +148,37 @@ def test_the_lease_is_short() -> None:
     assert _rx.DELAYED_ACK < _MIN_TIMER / 2
 
 
+def test_a_parked_reader_thread_sleeps_while_a_thread_drives_even_with_a_lease_of_zero(
+    ctxs: tuple[v.Context, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CKPT_SIMIB_POLL_LEASE=0: a reader thread parked while another thread drives re-checks the lease at most
+    every PARK_MIN, instead of spinning on the GIL for as long as the driver drives."""
+    monkeypatch.setattr(_rx, "LEASE", 0.0)
+    engine = _hca.hca(ctxs[1].name).rx
+    stop = threading.Event()
+    driver = threading.Thread(target=lambda: engine.drive(stop.is_set, 10.0), daemon=True)
+    driver.start()
+    wait_for(engine._driver.locked, what="the test's thread to drive B's engine")
+    cpu: list[float] = []
+
+    def park() -> None:
+        started = time.thread_time()
+        engine._park_while_leased()  # as a reader thread does when it wakes while a thread drives
+        cpu.append(time.thread_time() - started)
+
+    parked = threading.Thread(target=park, daemon=True)
+    parked.start()
+    try:
+        assert not stop.wait(0.3)  # the window measured: the driver drives, the reader stays parked
+        assert parked.is_alive()
+    finally:
+        stop.set()
+        engine.wake()
+        driver.join(WAIT)
+        parked.join(WAIT)
+    assert cpu and cpu[0] < 0.05, f"a parked reader used {cpu[0] if cpu else None} s of CPU in 0.3 s"
+
+
 class _ForgivingQP:
     """A QP whose ACK a post on another thread carries while the channel sends its due ACKs (the race CI hit:
     `forgive` takes no channel lock, so an entry can leave `owed` between the snapshot and its removal)."""

@@ -57,6 +57,9 @@ log = logging.getLogger(__name__)
 
 #: Seconds the reader threads keep off their sockets after a driver was last active.
 LEASE = float(os.environ.get("CKPT_SIMIB_POLL_LEASE", "0.001"))
+#: Shortest sleep of a parked reader thread before it looks at the lease again (a lease of 0 would make it spin
+#: for as long as a thread drives, taking the GIL from everyone: measured, a page fetch 12x slower).
+PARK_MIN = 0.0005
 #: CKPT_SIMIB_POLL_PROGRESS=0 turns poll-driven progress off (the reader threads do everything: the old engine,
 #: for comparison in benchmarks/bench_verbs.py).
 ENABLED = os.environ.get("CKPT_SIMIB_POLL_PROGRESS", "1") != "0"
@@ -256,7 +259,7 @@ class ReceiveEngine:
     def _park_while_leased(self) -> None:
         with self._park:
             while self._leased():
-                self._park.wait(max(self.lease_until - time.monotonic(), LEASE))
+                self._park.wait(max(self.lease_until - time.monotonic(), LEASE, PARK_MIN))
 
     # ------------------------------------------------------------------ executing a burst (channel lock held)
     def _drain(self, chan: RxChannel) -> int:
