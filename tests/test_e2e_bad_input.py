@@ -193,6 +193,14 @@ def test_bad_heartbeat_settings(tmp_path: Path) -> None:
     one_error_line(done, "heartbeat timeout must be a number of seconds > 0")
 
 
+def test_bad_simulated_verbs_timing_settings(tmp_path: Path) -> None:
+    ckpt_dir = ["--ckpt-dir", str(tmp_path / "ckpt")]
+    done = run("launch", *ckpt_dir, *HEAT, extra_env={"CKPT_SIMIB_POLL_LEASE": "soon"})
+    one_error_line(done, "CKPT_SIMIB_POLL_LEASE='soon': expected a number of seconds >= 0")
+    done = run("launch", *ckpt_dir, *HEAT, extra_env={"CKPT_SIMIB_POLL_WAIT": "-1"})  # would block an empty poll
+    one_error_line(done, "CKPT_SIMIB_POLL_WAIT='-1': expected a number of seconds >= 0")
+
+
 def test_a_wrong_token_for_a_running_job(start_job: Callable[..., Job], tmp_path: Path) -> None:
     ckpt_dir = tmp_path / "ckpt"
     job = start_job("launch", "-n", "2", "--ckpt-dir", str(ckpt_dir), *HEAT)

@@ -179,6 +179,24 @@ def test_a_parked_reader_thread_sleeps_while_a_thread_drives_even_with_a_lease_o
     assert cpu and cpu[0] < 0.05, f"a parked reader used {cpu[0] if cpu else None} s of CPU in 0.3 s"
 
 
+@pytest.mark.parametrize("raw", ["soon", "-1", "nan", "inf", "1e400"])
+def test_a_timing_variable_that_is_not_a_number_of_seconds_is_named(raw: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CKPT_SIMIB_TEST_SECONDS", raw)
+    with pytest.raises(ValueError, match=r"CKPT_SIMIB_TEST_SECONDS=.*: expected a number of seconds >= 0"):
+        _rx.env_seconds("CKPT_SIMIB_TEST_SECONDS", 1.0)
+
+
+@pytest.mark.parametrize(("raw", "seconds"), [(None, 0.25), ("", 0.25), (" 0.002 ", 0.002), ("0", 0.0)])
+def test_a_timing_variable_unset_or_a_number_of_seconds(
+    raw: str | None, seconds: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if raw is None:
+        monkeypatch.delenv("CKPT_SIMIB_TEST_SECONDS", raising=False)
+    else:
+        monkeypatch.setenv("CKPT_SIMIB_TEST_SECONDS", raw)
+    assert _rx.env_seconds("CKPT_SIMIB_TEST_SECONDS", 0.25) == seconds
+
+
 class _ForgivingQP:
     """A QP whose ACK a post on another thread carries while the channel sends its due ACKs (the race CI hit:
     `forgive` takes no channel lock, so an entry can leave `owed` between the snapshot and its removal)."""

@@ -34,7 +34,7 @@ from ckpt.verbs import _links
 from ckpt.verbs import _wire as w
 from ckpt.verbs._attrs import WC, AsyncEvent, PathRecord
 from ckpt.verbs._handles import MRHandle
-from ckpt.verbs._rx import ACK_LATER, ACK_NOW, DELAYED_ACK, ReceiveEngine, RxChannel
+from ckpt.verbs._rx import ACK_LATER, ACK_NOW, DELAYED_ACK, ReceiveEngine, RxChannel, env_seconds
 from ckpt.verbs._subnet import ENV_NODE
 
 if TYPE_CHECKING:
@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 
 #: Longest an empty CQ.poll waits for a completion before returning none (seconds).
-POLL_WAIT = float(os.environ.get("CKPT_SIMIB_POLL_WAIT", "0.0005"))
+POLL_WAIT = env_seconds("CKPT_SIMIB_POLL_WAIT", 0.0005)
 
 
 @dataclass(frozen=True)

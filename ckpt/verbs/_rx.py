@@ -55,8 +55,23 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+
+def env_seconds(name: str, default: float) -> float:
+    """$`name` as a number of seconds >= 0, or `default` when it is unset; ValueError naming it otherwise."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value < float("inf"):  # NaN fails too
+        raise ValueError(f"{name}={raw!r}: expected a number of seconds >= 0")
+    return value
+
+
 #: Seconds the reader threads keep off their sockets after a driver was last active.
-LEASE = float(os.environ.get("CKPT_SIMIB_POLL_LEASE", "0.001"))
+LEASE = env_seconds("CKPT_SIMIB_POLL_LEASE", 0.001)
 #: Shortest sleep of a parked reader thread before it looks at the lease again (a lease of 0 would make it spin
 #: for as long as a thread drives, taking the GIL from everyone: measured, a page fetch 12x slower).
 PARK_MIN = 0.0005
