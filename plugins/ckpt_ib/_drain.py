@@ -32,8 +32,9 @@ import time
 from typing import Any
 
 from ckpt import verbs as v
+from ckpt_ib._datapath import PSN_MASK
 from ckpt_ib._shadows import ShadowQP
-from ckpt_ib._virtual import PSN_MASK, Virtualizer
+from ckpt_ib._virtual import Virtualizer
 
 #: How long a round waits for progress before gathering again (seconds).
 ROUND_WAIT = 0.005
