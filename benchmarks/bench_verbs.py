@@ -35,6 +35,12 @@
 #           against the same number of TCP sends of those sizes (one sendall
 #           each) that the child reads in bulk.  Target, one WR per post:
 #           verbs / TCP >= 0.5 (issue 15); the chains are context.
+#
+# --pin same|split puts every thread of both processes on CPU 0 (same), or this
+# process on CPU 0 and the child on CPU 1 (split), after each warm-up (when
+# every connection and its reader thread exists).  On a VM, waking a thread on
+# another, idle vCPU costs tens of µs; on one CPU nothing waits for a wake-up,
+# so `same` shows the Python cost of a round trip alone (docs/benchmarks.md).
 
 from __future__ import annotations
 
@@ -441,6 +447,18 @@ class Bench:
             if self.directory is not None:
                 shutil.rmtree(self.directory, ignore_errors=True)
 
+    def pin(self) -> None:
+        """Every thread of both processes onto the CPUs --pin asks for (nothing for `none`)."""
+        placement = {"same": ({0}, {0}), "split": ({0}, {1})}.get(self.args.pin)
+        if placement is None:
+            return
+        for pid, cpus in zip((os.getpid(), self.child.pid), placement, strict=True):
+            for task in os.listdir(f"/proc/{pid}/task"):
+                try:
+                    os.sched_setaffinity(int(task), cpus)
+                except ProcessLookupError:  # a thread that ended meanwhile
+                    pass
+
     def run(self, op: str, fn: Callable[[], float], **params: Any) -> float:
         self.ctrl.send(op=op, **params)
         self.ctrl.recv()  # ready
@@ -491,6 +509,7 @@ class Bench:
             runs: dict[str, list[float]] = {kind: [] for kind in fns}
             for fn in fns.values():  # warm-up, not counted
                 fn()
+            self.pin()
             order = list(fns.items())
             for i in range(self.args.repeat):
                 shift = i % len(order)  # each kind goes first in turn, and every other round the order runs
@@ -573,6 +592,9 @@ def main() -> int:
     parser.add_argument("--rate-msgs", type=int, default=20000, help="small messages per message-rate round")
     parser.add_argument("--only", nargs="+", choices=CASES, help="run only these measurements (for profiling)")
     parser.add_argument("--json", type=Path, help="also write every run and the medians here")
+    parser.add_argument(
+        "--pin", choices=["none", "same", "split"], default="none", help="both processes on CPU 0, or on CPUs 0 and 1"
+    )
     parser.add_argument("--child", nargs=3, metavar=("CTRL_PORT", "DATA_PORT", "UNIX_NAME"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -580,6 +602,8 @@ def main() -> int:
         return 0
     if args.stream_mib < 4 or args.rate_msgs < SIGNAL_EVERY:
         parser.error(f"--stream-mib must be >= 4 and --rate-msgs >= {SIGNAL_EVERY}")
+    if args.pin == "split" and len(os.sched_getaffinity(0)) < 2:
+        parser.error("--pin split needs two CPUs")
     args.rate_msgs -= args.rate_msgs % SIGNAL_EVERY  # the last WR of a round is a signaled one
     command = "python " + " ".join([os.path.relpath(__file__), *sys.argv[1:]])
     print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
