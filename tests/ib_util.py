@@ -40,6 +40,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import cloudpickle
+from verbs_util import Endpoint, connect_rc
 
 from ckpt import verbs as v
 from ckpt.testing import FakeRuntime
@@ -94,6 +95,10 @@ class IbEnv:
         """The real HCA behind `device` (`<provider><i>`) in the current generation."""
         index = int(device.removeprefix(self.provider))
         return HCA_GENERATIONS[self.hca_generation % len(HCA_GENERATIONS)][index]
+
+    def pair(self, **opts: Any) -> tuple[Endpoint, Endpoint]:
+        """Two RC endpoints, on devices 0 and 1, connected and in RTS (options of `verbs_util.connect_rc`)."""
+        return connect_rc(self.context(0), self.context(1), **opts)
 
     def context(self, index: int) -> v.Context:
         ctx = v.Context(name=f"{self.provider}{index}")

@@ -9,10 +9,8 @@ import numpy as np
 import pytest
 from ib_util import IbEnv, ib_env, real_of
 from verbs_util import (
-    Endpoint,
     assert_no_completion,
     atomic_wr,
-    connect_rc,
     poll_one,
     poll_until,
     post_recv,
@@ -30,12 +28,8 @@ def ib() -> Iterator[IbEnv]:
     yield from ib_env()
 
 
-def _pair(ib: IbEnv, **opts: object) -> tuple[Endpoint, Endpoint]:
-    return connect_rc(ib.context(0), ib.context(1), **opts)  # type: ignore[arg-type]
-
-
 def test_send_completions_carry_the_programs_ids(ib: IbEnv) -> None:
-    a, b = _pair(ib)
+    a, b = ib.pair()
     post_recv(b, offset=128, length=64, wr_id=0xB0B)
     a.buf[:5] = list(b"hello")
     a.qp.post_send(send_wr([a.sge(0, 5)], wr_id=0xA11CE))
@@ -49,7 +43,7 @@ def test_send_completions_carry_the_programs_ids(ib: IbEnv) -> None:
 
 
 def test_rdma_write_and_read_use_virtual_rkeys_and_addresses(ib: IbEnv) -> None:
-    a, b = _pair(ib)
+    a, b = ib.pair()
     a.buf[:8] = list(range(1, 9))
     a.qp.post_send(rdma_wr(v.IBV_WR_RDMA_WRITE, a.sge(0, 8), b.mr.rkey, b.addr(256), wr_id=1))
     assert poll_one(a.scq).status == v.IBV_WC_SUCCESS
@@ -62,7 +56,7 @@ def test_rdma_write_and_read_use_virtual_rkeys_and_addresses(ib: IbEnv) -> None:
 
 
 def test_rdma_write_with_imm_completes_at_the_responder_with_virtual_ids(ib: IbEnv) -> None:
-    a, b = _pair(ib)
+    a, b = ib.pair()
     post_recv(b, length=0, wr_id=44)
     a.qp.post_send(rdma_wr(v.IBV_WR_RDMA_WRITE_WITH_IMM, a.sge(0, 8), b.mr.rkey, b.addr(8), wr_id=4, imm=0x1234))
     assert poll_one(a.scq).wr_id == 4
@@ -72,7 +66,7 @@ def test_rdma_write_with_imm_completes_at_the_responder_with_virtual_ids(ib: IbE
 
 
 def test_atomics_go_through_the_translation(ib: IbEnv) -> None:
-    a, b = _pair(ib)
+    a, b = ib.pair()
     counter = b.buf[1024:1032].view(np.uint64)
     counter[0] = 40
     a.qp.post_send(atomic_wr(v.IBV_WR_ATOMIC_FETCH_AND_ADD, a.sge(0, 8), b.mr.rkey, b.addr(1024), 2, wr_id=1))
@@ -85,7 +79,7 @@ def test_atomics_go_through_the_translation(ib: IbEnv) -> None:
 
 
 def test_unknown_lkey_gives_loc_prot_err(ib: IbEnv) -> None:
-    a, b = _pair(ib)
+    a, b = ib.pair()
     post_recv(b)
     a.qp.post_send(send_wr([v.SGE(a.addr(0), 8, a.mr.lkey + 1000)], wr_id=1))
     wc = poll_one(a.scq)
@@ -93,21 +87,21 @@ def test_unknown_lkey_gives_loc_prot_err(ib: IbEnv) -> None:
 
 
 def test_real_lkey_is_not_accepted_as_a_virtual_one(ib: IbEnv) -> None:
-    a, b = _pair(ib)
+    a, b = ib.pair()
     post_recv(b)
     a.qp.post_send(send_wr([v.SGE(a.addr(0), 8, real_of(a.mr).lkey)], wr_id=2))
     assert poll_one(a.scq).status == v.IBV_WC_LOC_PROT_ERR
 
 
 def test_unknown_rkey_gives_rem_access_err(ib: IbEnv) -> None:
-    a, b = _pair(ib)
+    a, b = ib.pair()
     a.qp.post_send(rdma_wr(v.IBV_WR_RDMA_WRITE, a.sge(0, 8), b.mr.rkey + 1000, b.addr(0), wr_id=9))
     wc = poll_one(a.scq)
     assert (wc.wr_id, wc.status, wc.qp_num) == (9, v.IBV_WC_REM_ACCESS_ERR, a.qp.qp_num)
 
 
 def test_real_rkey_is_not_accepted_as_a_virtual_one(ib: IbEnv) -> None:
-    a, b = _pair(ib)
+    a, b = ib.pair()
     a.qp.post_send(rdma_wr(v.IBV_WR_RDMA_WRITE, a.sge(0, 8), real_of(b.mr).rkey, b.addr(0), wr_id=9))
     assert poll_one(a.scq).status == v.IBV_WC_REM_ACCESS_ERR
 
@@ -129,7 +123,7 @@ def _spy_posts(ib: IbEnv) -> list[tuple[int, int, int]]:
 
 
 def test_real_wrs_carry_the_plugins_wr_id_and_ask_for_a_completion_only_when_needed(ib: IbEnv) -> None:
-    a, b = _pair(ib, endpoint_a={"sq_sig_all": 0})
+    a, b = ib.pair(endpoint_a={"sq_sig_all": 0})
     post_recv(b)
     seen = _spy_posts(ib)
     a.qp.post_send(send_wr([a.sge(0, 8)], wr_id=777, flags=0))
@@ -146,7 +140,7 @@ def test_real_wrs_carry_the_plugins_wr_id_and_ask_for_a_completion_only_when_nee
 
 
 def test_uc_real_wrs_are_always_signaled(ib: IbEnv) -> None:
-    a, b = _pair(ib, qp_type=v.IBV_QPT_UC, endpoint_a={"sq_sig_all": 0})
+    a, b = ib.pair(qp_type=v.IBV_QPT_UC, endpoint_a={"sq_sig_all": 0})
     post_recv(b)
     seen = _spy_posts(ib)
     a.qp.post_send(send_wr([a.sge(0, 8)], wr_id=1, flags=0))
@@ -156,7 +150,7 @@ def test_uc_real_wrs_are_always_signaled(ib: IbEnv) -> None:
 
 
 def test_a_stray_completion_leaves_the_log_alone(ib: IbEnv) -> None:
-    a, _b = _pair(ib, endpoint_a={"sq_sig_all": 0})
+    a, _b = ib.pair(endpoint_a={"sq_sig_all": 0})
     for i in range(2):
         a.qp.post_send(send_wr([a.sge(0, 8)], wr_id=i, flags=0))
     first, last = a.qp.handle.sends[0].seq, a.qp.handle.sends[-1].seq
@@ -167,7 +161,7 @@ def test_a_stray_completion_leaves_the_log_alone(ib: IbEnv) -> None:
 
 
 def test_unsignaled_wrs_complete_silently_and_leave_the_log(ib: IbEnv) -> None:
-    a, b = _pair(ib, endpoint_a={"sq_sig_all": 0})
+    a, b = ib.pair(endpoint_a={"sq_sig_all": 0})
     for i in range(4):
         post_recv(b, offset=64 * i, length=64, wr_id=i)
     for i in range(3):
@@ -183,14 +177,14 @@ def test_unsignaled_wrs_complete_silently_and_leave_the_log(ib: IbEnv) -> None:
 
 
 def test_sq_sig_all_signals_wrs_without_the_flag(ib: IbEnv) -> None:
-    a, b = _pair(ib, endpoint_a={"sq_sig_all": 1})
+    a, b = ib.pair(endpoint_a={"sq_sig_all": 1})
     post_recv(b)
     a.qp.post_send(send_wr([a.sge(0, 8)], wr_id=5, flags=0))
     assert poll_one(a.scq).wr_id == 5
 
 
 def test_errors_of_unsignaled_wrs_are_visible(ib: IbEnv) -> None:
-    a, b = _pair(ib, endpoint_a={"sq_sig_all": 0})
+    a, b = ib.pair(endpoint_a={"sq_sig_all": 0})
     a.qp.post_send(rdma_wr(v.IBV_WR_RDMA_WRITE, a.sge(0, 8), b.mr.rkey + 1000, b.addr(0), wr_id=66, flags=0))
     wc = poll_one(a.scq)
     assert (wc.wr_id, wc.status, wc.qp_num) == (66, v.IBV_WC_REM_ACCESS_ERR, a.qp.qp_num)

@@ -10,7 +10,6 @@ from ib_util import IbEnv, ib_env, real_of
 from verbs_util import (
     ACCESS_ALL,
     Endpoint,
-    connect_rc,
 )
 
 from ckpt import verbs as v
@@ -23,16 +22,12 @@ def ib() -> Iterator[IbEnv]:
     yield from ib_env()
 
 
-def _pair(ib: IbEnv, **opts: object) -> tuple[Endpoint, Endpoint]:
-    return connect_rc(ib.context(0), ib.context(1), **opts)  # type: ignore[arg-type]
-
-
 def _real_lid(ib: IbEnv, ep: Endpoint, port: int = 1) -> int:
     return int(ib.vz.inner.query_port(real_of(ep.ctx), port).lid)
 
 
 def test_program_sees_virtual_ids_from_the_coordinator(ib: IbEnv) -> None:
-    a, b = _pair(ib)
+    a, b = ib.pair()
     alloc = ib.rt.allocated
     for ep in (a, b):
         assert ep.qp.qp_num in alloc["ib.qpn"] and ep.qp.qp_num != real_of(ep.qp).qp_num
@@ -54,7 +49,7 @@ def test_mr_buf_is_the_address_of_the_first_registration(ib: IbEnv) -> None:
 
 
 def test_kv_maps_virtual_ids_to_real_ones(ib: IbEnv) -> None:
-    a, b = _pair(ib)
+    a, b = ib.pair()
     kv = ib.rt.kv
     for ep in (a, b):
         assert kv.get("ib", f"qpn/{ep.qp.qp_num}") == real_of(ep.qp).qp_num
@@ -64,7 +59,7 @@ def test_kv_maps_virtual_ids_to_real_ones(ib: IbEnv) -> None:
 
 
 def test_modify_qp_translates_dest_qp_num_and_dlid(ib: IbEnv) -> None:
-    a, b = _pair(ib)
+    a, b = ib.pair()
     mask = v.IBV_QP_DEST_QPN | v.IBV_QP_AV
     real_attr, _ = ib.vz.inner.query_qp(real_of(a.qp), mask)
     assert real_attr.dest_qp_num == real_of(b.qp).qp_num
@@ -121,7 +116,7 @@ def test_a_transport_device_stays_when_the_wrapped_provider_is_no_transport() ->
 
 
 def test_path_records_come_back_with_virtual_lids(ib: IbEnv) -> None:
-    a, b = _pair(ib)
+    a, b = ib.pair()
     lids = [b.ctx.query_port(p).lid for p in (1, 2)]
     expected = [v.PathRecord(sport, lids[dport - 1], dport, True) for sport in (1, 2) for dport in (1, 2)]
     assert a.ctx.query_paths(b.lid2) == a.ctx.query_paths(b.lid) == expected
