@@ -36,8 +36,9 @@
 #           each) that the child reads in bulk.  Target, one WR per post:
 #           verbs / TCP >= 0.5 (issue 15); the chains are context.
 #
-# --pin same|split puts every thread of both processes on CPU 0 (same), or this
-# process on CPU 0 and the child on CPU 1 (split), after each warm-up (when
+# --pin same|split puts every thread of both processes on one CPU (same), or this
+# process on one CPU and the child on another (split; the first CPUs this
+# process may use), after each warm-up (when
 # every connection and its reader thread exists).  On a VM, waking a thread on
 # another, idle vCPU costs tens of µs; on one CPU nothing waits for a wake-up,
 # so `same` shows the Python cost of a round trip alone (docs/benchmarks.md).
@@ -449,9 +450,10 @@ class Bench:
 
     def pin(self) -> None:
         """Every thread of both processes onto the CPUs --pin asks for (nothing for `none`)."""
-        placement = {"same": ({0}, {0}), "split": ({0}, {1})}.get(self.args.pin)
-        if placement is None:
+        if self.args.pin == "none":
             return
+        first, *others = sorted(os.sched_getaffinity(0))  # the first two CPUs this process may use
+        placement = ({first}, {first}) if self.args.pin == "same" else ({first}, {others[0]})
         for pid, cpus in zip((os.getpid(), self.child.pid), placement, strict=True):
             for task in os.listdir(f"/proc/{pid}/task"):
                 try:
@@ -593,7 +595,7 @@ def main() -> int:
     parser.add_argument("--only", nargs="+", choices=CASES, help="run only these measurements (for profiling)")
     parser.add_argument("--json", type=Path, help="also write every run and the medians here")
     parser.add_argument(
-        "--pin", choices=["none", "same", "split"], default="none", help="both processes on CPU 0, or on CPUs 0 and 1"
+        "--pin", choices=["none", "same", "split"], default="none", help="both processes on one CPU, or one CPU each"
     )
     parser.add_argument("--child", nargs=3, metavar=("CTRL_PORT", "DATA_PORT", "UNIX_NAME"), help=argparse.SUPPRESS)
     args = parser.parse_args()

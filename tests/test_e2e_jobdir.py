@@ -115,7 +115,7 @@ def test_an_interrupted_launch_leaves_its_end_for_status(tmp_path: Path) -> None
     try:
         job = Job(["launch", "-n", "2", "--ckpt-dir", str(ckpt_dir), *LONG], ckpt_dir).start()
     finally:
-        signal.signal(signal.SIGINT, previous)
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
     try:
         job.wait_step(3)
         assert job.process is not None

@@ -8,7 +8,7 @@
 # 2. Interpose on the provider's operations table (_virtual.py, installed by
 #    ckpt_wrap_verbs once at start-up; the hot path never goes through pluggy).
 # 3. Log posted WRs until they complete, and every modify-QP / modify-SRQ
-#    (_shadows.py, _virtual.py).  Real WRs carry the plugin's own wr_id; an
+#    (_shadows.py, _datapath.py).  Real WRs carry the plugin's own wr_id; an
 #    unsignaled one leaves the log when a later one completes (RC completes
 #    in order) or when DRAIN sees it landed at the peer, so the log is exact
 #    without signaling what the program did not.
@@ -17,7 +17,7 @@
 #    not to have (PSN counts exchanged through the coordinator).  An
 #    independent checkpoint of one rank only takes its CQs: its peers run on.
 # 5. After resume or restart the program's polls are served from that queue
-#    first (_virtual.py poll_cq).
+#    first (_datapath.py poll_cq).
 # 6. What had not landed is re-posted after a restart -- exactly that, so
 #    nothing is delivered twice and nothing is lost (_rebuild.py).
 #

@@ -105,7 +105,7 @@ class SendEntry:
     compare_add: int
     swap: int
     inline: bytes | None
-    real_signaled: bool = True  # the real WR asks for a completion (see _virtual.py)
+    real_signaled: bool = True  # the real WR asks for a completion (see _datapath.py)
     psn: int = 0  # first PSN, computed the way the wire assigns them
     npkts: int = 1
 
