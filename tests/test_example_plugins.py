@@ -73,8 +73,14 @@ def test_dsmtrace_totals_survive_a_restart(ckpt_jobs: Jobs, tmp_path: Path) -> N
         assert summary["generation"] == 1 and plain["generation"] == 0
         # step-aligned events are deterministic: the restarted run's totals are the uninterrupted run's
         assert summary["barriers"] == plain["barriers"] > 0
-        assert summary["diffs"] == plain["diffs"]  # 0 on a rank that is the home of every page it writes
-    assert sum(s["diffs"] for s in summaries) > 0 and sum(s["diff_bytes"] for s in summaries) > 0
+    # Diffs come from the two pages that neighbouring bands share (128 rows of 1 KiB over 3 ranks: rows 40-43 and
+    # 84-87): both ranks first-touch each in setup, whichever claims it first is its home, and the other sends a diff
+    # of it at every barrier (600 in 300 steps) -- plus one of its setup write or not, as the race went.  Which rank
+    # that is differs between launches, so only the job's total compares, to within one per shared page (totals
+    # that lost the counts of the steps before the checkpoint would be short by a third).
+    restarted_diffs, plain_diffs = sum(s["diffs"] for s in summaries), sum(p["diffs"] for p in plains)
+    assert plain_diffs > 0 and abs(restarted_diffs - plain_diffs) <= 2, (restarted_diffs, plain_diffs)
+    assert sum(s["diff_bytes"] for s in summaries) > 0
 
 
 def test_the_counts_come_back_from_the_image(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
