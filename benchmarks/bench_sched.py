@@ -1,6 +1,6 @@
-"""Benchmark two ways of running the DSM programs against each other, in the same run: `--sched` policies, or links."""
+"""Benchmark two ways of running the DSM programs against each other in one run: `--sched`, links, placement."""
 
-# Usage: python benchmarks/bench_sched.py [--compare sched|links] [--rounds 3] [--only water,tsp,sor,isort]
+# Usage: python benchmarks/bench_sched.py [--compare sched|links|direct] [--rounds 3] [--only water,tsp,sor,isort]
 #                                         [--protocols async] [--modes off,remote] [--quiet-wait 3] [--json FILE]
 #
 # Each job is bench_remotelog's (`ckpt launch -n 4 --logging MODE --dsm-protocol P` of a program of
@@ -12,6 +12,8 @@
 #       outnumber cores (ckpt/_sched.py).
 #   --compare links: simib's links over loopback TCP (CKPT_SIMIB_UNIX=0, in the ranks' environment)
 #       against same-host links over Unix sockets (docs/verbs.md, "Same-host links").
+#   --compare direct: one-sided operations as packets (CKPT_SIMIB_DIRECT=0) against direct placement in
+#       the peer's shared memory (docs/verbs.md, "Direct placement").
 
 from __future__ import annotations
 
@@ -29,14 +31,21 @@ from bench_overhead import Jobs
 from bench_remotelog import BENCH_ARGS, MODES, PROTOCOLS, run_once
 
 #: What each comparison runs: (first variant, second variant), and how a job is told which.
-VARIANTS: dict[str, tuple[str, str]] = {"sched": ("other", "batch"), "links": ("tcp", "unix")}
+VARIANTS: dict[str, tuple[str, str]] = {
+    "sched": ("other", "batch"),
+    "links": ("tcp", "unix"),
+    "direct": ("packets", "direct"),
+}
 
 
 def run_variant(compare: str, variant: str) -> tuple[str, ...]:
-    """The launch options of `variant` (and, for links, the environment the launcher passes to its ranks)."""
+    """The launch options of `variant` (for links and placement: the environment the launcher passes to its ranks)."""
     if compare == "sched":
         return ("--sched", variant)
-    os.environ["CKPT_SIMIB_UNIX"] = "1" if variant == "unix" else "0"
+    if compare == "direct":
+        os.environ["CKPT_SIMIB_DIRECT"] = "1" if variant == "direct" else "0"
+    else:
+        os.environ["CKPT_SIMIB_UNIX"] = "1" if variant == "unix" else "0"
     return ()
 
 

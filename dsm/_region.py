@@ -44,9 +44,11 @@ class Region:
         self.aid, self.page_size, self.rank, self.size = aid, page_size, rank, size
         self.unit = unit  # bytes its diffs compare at a time: the element size (_diff.diff_unit)
         self.npages = max(1, -(-nbytes // page_size))
-        self.data = np.zeros(self.npages * page_size, dtype=np.uint8)
-        self.meta = np.zeros((self.npages, size), dtype=np.int64)
-        self.table = np.zeros(self.npages, dtype=np.int64)
+        # what peers read, write and update by RDMA: in shared memory, so that same-host peers place
+        # their one-sided operations in it themselves (docs/verbs.md, "Direct placement")
+        self.data = verbs.shared_array(self.npages * page_size, np.uint8)
+        self.meta = verbs.shared_array((self.npages, size), np.int64)
+        self.table = verbs.shared_array(self.npages, np.int64)
         self.data_mr = verbs.MR(pd, self.data, ACCESS)
         self.meta_mr = verbs.MR(pd, self.meta, ACCESS)
         self.table_mr = verbs.MR(pd, self.table, ACCESS)

@@ -33,6 +33,7 @@ from ckpt.verbs._provider import (
     register_transport,
     transports,
 )
+from ckpt.verbs._shm import SharedArray, shared_array
 from ckpt.verbs._simib import make_ops as engine_ops
 
 __all__ = [
@@ -62,6 +63,7 @@ __all__ = [
     "QPInitAttr",
     "RecvWR",
     "SendWR",
+    "SharedArray",
     "SrqAttr",
     "SrqInitAttr",
     "VerbsObject",
@@ -74,6 +76,7 @@ __all__ = [
     "providers",
     "register_provider",
     "register_transport",
+    "shared_array",
     "transports",
     *(cls.__name__ for cls in _ENUMS),
     *(name for cls in _ENUMS for name in cls.__members__),

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ckpt.verbs import _enums as e
+from ckpt.verbs import _shm
 from ckpt.verbs._attrs import WC, SrqAttr
 from ckpt.verbs._errors import PyverbsError, PyverbsRDMAError
 
@@ -55,7 +56,7 @@ class PDHandle(NotCheckpointable):
 class MRHandle(NotCheckpointable):
     """A registered memory region: a flat writable (or read-only) view of the program's buffer."""
 
-    __slots__ = ("access", "addr", "hca", "length", "lkey", "obj", "pd", "rkey", "valid", "view")
+    __slots__ = ("access", "addr", "hca", "length", "lkey", "obj", "pd", "rkey", "shared", "valid", "view")
 
     def __init__(self, pd: PDHandle, obj: Any, access: int) -> None:
         try:
@@ -75,6 +76,7 @@ class MRHandle(NotCheckpointable):
         self.length = len(view)
         self.lkey, self.rkey = hca.new_key(), hca.new_key()
         self.valid = True
+        self.shared = _shm.locate(self.addr, self.length)  # (memfd, inode, offset) if in shared memory
 
 
 class ChannelHandle(NotCheckpointable):

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckpt.plugin._verbs import Directory, DirectoryFactory
 from ckpt.verbs import _enums as e
-from ckpt.verbs import _links
+from ckpt.verbs import _links, _shm
 from ckpt.verbs import _wire as w
 from ckpt.verbs._attrs import WC, AsyncEvent, PathRecord
 from ckpt.verbs._handles import MRHandle
@@ -64,6 +64,7 @@ class HcaStatistics:
     acks_sent: int  # ACK packets
     acks_carried: int  # ACKs a request carried instead (`_wire.F_ACK`)
     packets_polled: int  # packets executed on a thread that polled (poll-driven progress), not a reader thread
+    direct_ops: int  # one-sided WRs executed in a same-host peer's shared memory, no packet (`_shm`)
 
 
 class Timers:
@@ -126,6 +127,9 @@ class Hca:
         # with a directory of its own (ib2tcp's `tcp`) is TCP by definition
         self.same_host = directory is None and _links.LOCAL_IPC
         self.listeners, self.endpoint = _links.listen(host, self.same_host)
+        # what same-host peers read to place one-sided operations themselves (`_shm`)
+        self.table = _shm.Table(self.endpoint) if self.same_host and _shm.ENABLED else None
+        self._peers: dict[str, _shm.Peer | None] = {}
         self.link_up: dict[int, bool] = {}
         self.lids: list[int] = []  # the SM may push link states before register() returns
         try:
@@ -338,6 +342,23 @@ class Hca:
                 self._conns[endpoint] = conn
         return conn if conn.alive else None
 
+    def direct_peer(self, dlid: int) -> _shm.Peer | None:
+        """The same-host HCA owning `dlid` if one-sided operations can be placed in its memory directly (`_shm`)."""
+        route = self._routes.get(dlid) or self._resolve(dlid)
+        if route is None or self.table is None:
+            return None
+        endpoint = route[0]
+        if endpoint in self._peers:
+            peer = self._peers[endpoint]
+            if peer is None or peer.alive():
+                return peer
+            self._peers[endpoint] = None  # that process is gone (a restarted peer has another endpoint)
+            return None
+        conn = self._connection(endpoint)
+        pid = _links.local_peer(conn.sock) if conn is not None else None
+        found = self._peers[endpoint] = _shm.Peer.attach(pid, endpoint) if pid is not None else None
+        return found
+
     def _connection_broken(self, conn: w.Connection) -> None:
         # Nothing to do at once: the QPs' retransmission timers find the path dead (path_ok) and
         # count their retries, so a dead peer gives RETRY_EXC_ERR after timeout * (retry_cnt + 1).
@@ -406,6 +427,8 @@ class Hca:
     def register(self, mr: MRHandle) -> None:
         self.mrs_by_lkey[mr.lkey] = mr
         self.mrs_by_rkey[mr.rkey] = mr
+        if self.table is not None:
+            self.table.add_mr(mr)
 
     def mr_containing(self, addr: int, length: int) -> MRHandle | None:
         """The registered region holding [addr, addr + length) (inline data is found by address, not lkey)."""
@@ -420,6 +443,8 @@ class Hca:
 
     def deregister(self, mr: MRHandle) -> None:
         mr.valid = False
+        if self.table is not None:
+            self.table.remove_mr(mr)
         self.mrs_by_lkey.pop(mr.lkey, None)
         self.mrs_by_rkey.pop(mr.rkey, None)
 

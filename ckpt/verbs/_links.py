@@ -119,6 +119,11 @@ def accepted(sock: socket.socket) -> bool:
     return True
 
 
+def local_peer(sock: socket.socket) -> int | None:
+    """The pid at the other end of a same-host (Unix) link; None for a TCP one."""
+    return _peer(sock)[0] if sock.family == socket.AF_UNIX else None
+
+
 def _peer(sock: socket.socket) -> tuple[int, int]:
     """(pid, uid) of the process at the other end of a Unix socket (as it was when it connected or listened)."""
     pid, uid, _gid = _CREDENTIALS.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDENTIALS.size))

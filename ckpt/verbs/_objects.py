@@ -13,9 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 from ckpt.verbs import _enums as e
+from ckpt.verbs import _shm
 from ckpt.verbs._attrs import (
     GID,
     AHAttr,
@@ -188,7 +187,8 @@ class MR(VerbsObject):
         # Memory of its own is a numpy array: zeroed like pyverbs' allocation, and picklable, so a
         # checkpoint carries it like any other program state.
         own = isinstance(length, int) and length > 0
-        memory: Any = np.zeros(length, dtype=np.uint8) if own else length
+        # (in shared memory: same-host peers place one-sided operations in it directly, `_shm`)
+        memory: Any = _shm.shared_array(length) if own else length
         self.memory = memory
         if isinstance(length, int) and length <= 0:
             raise PyverbsRDMAError(f"MR length must be positive, got {length}", 22)

@@ -50,8 +50,9 @@ class QPHandle(Requester, Responder):
             self._check_values(attr, mask)
             if new == _RESET:
                 self._flush_and_reset()
-                return
-            self._apply(attr, mask, cur, new)
+            else:
+                self._apply(attr, mask, cur, new)
+            self._publish()
 
     def _check_values(self, attr: QPAttr, mask: int) -> None:
         def bad(what: str) -> PyverbsRDMAError:
@@ -181,3 +182,5 @@ class QPHandle(Requester, Responder):
             self.rq.clear()
             self.hca.qps.pop(self.qp_num, None)
             self.hca.unsent.pop(self, None)
+            if self.hca.table is not None:
+                self.hca.table.remove_qp(self)

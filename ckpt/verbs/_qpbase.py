@@ -279,9 +279,16 @@ class QPState(NotCheckpointable):
             qp_num=self.qp_num,
         )
 
+    def _publish(self) -> None:
+        """Show the QP's state, access and peer to same-host requesters (`_shm.Table`)."""
+        table = self.hca.table
+        if table is not None:
+            table.set_qp(self)
+
     def _enter_error(self) -> None:
         """Flush every outstanding WR with WR_FLUSH_ERR, signaled or not (lock held)."""
         self.state = _ERR
+        self._publish()
         while self.sq:
             entry = self.sq.popleft()
             self.scq.push(self._send_wc(entry, entry.status if entry.done else _FLUSH))

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from ckpt.verbs import _direct
 from ckpt.verbs import _enums as e
 from ckpt.verbs import _wire as w
 from ckpt.verbs._errors import PyverbsRDMAError
@@ -72,6 +73,8 @@ log = logging.getLogger(__name__)
 
 #: Posts of at most this many bytes behind WRs in flight are batched into the next flush (`Hca.defer`).
 DEFER_BYTES = 8192
+#: The opcodes `_direct` may execute in a same-host responder's shared memory.
+DIRECT_OPS = frozenset(_direct.NEEDS)
 
 
 class Requester(QPState):
@@ -96,6 +99,9 @@ class Requester(QPState):
                 for entry in entries:
                     self.scq.push(self._send_wc(entry, _FLUSH))
                 return
+            if not sq and state == _RTS and self.hca.table is not None and entries[0].opcode in DIRECT_OPS:
+                if _direct.execute(self, entries):  # a same-host peer's shared memory, no packets (`_shm`)
+                    return
             # small WRs behind others in flight wait for this thread's next poll (`Hca.defer`); a large
             # one would then cross the socket on whichever thread flushes it, possibly through the outbox
             busy = bool(sq) and total <= DEFER_BYTES

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from ckpt.verbs import _enums as e
+from ckpt.verbs import _shm
 from ckpt.verbs import _wire as w
 from ckpt.verbs._attrs import WC
 from ckpt.verbs._errors import PyverbsRDMAError
@@ -252,13 +253,22 @@ class Responder(QPState):
         if view is None:
             return self._refuse(rc, reader, 0, w.NAK_ACCESS, psn, e.IBV_EVENT_QP_ACCESS_ERR)
         cell = np.frombuffer(view, dtype=np.uint64)
+        # in shared memory, same-host requesters execute atomics on it too (`_direct`): lock the cell for them
+        mr = self.hca.mrs_by_rkey.get(rkey)
+        shared = None if mr is None or mr.shared is None else (mr.shared[0], mr.shared[2] + raddr - mr.addr)
         with self.hca.atomic_lock:
-            orig = int(cell[0])
-            if op == _CAS:
-                if orig == arg1:
-                    cell[0] = arg2
-            else:
-                cell[0] = (orig + arg1) & _U64
+            if shared is not None:
+                _shm.cell_lock(*shared, True)
+            try:
+                orig = int(cell[0])
+                if op == _CAS:
+                    if orig == arg1:
+                        cell[0] = arg2
+                else:
+                    cell[0] = (orig + arg1) & _U64
+            finally:
+                if shared is not None:
+                    _shm.cell_lock(*shared, False)
         self.atomic_cache[psn] = orig
         if len(self.atomic_cache) > _ATOMIC_CACHE:
             del self.atomic_cache[next(iter(self.atomic_cache))]

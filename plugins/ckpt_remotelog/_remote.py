@@ -142,7 +142,8 @@ class RemoteLog:
         self.snapshot: dict[str, Any] | None = None
         self.home_flush = 0
         # this rank's claim words, one per ring it may reserve in (`_writer`, "Claims"), read by the rings' owners
-        self.claims = np.full(2 * size, IDLE, dtype=np.int64)
+        self.claims = verbs.shared_array(2 * size, np.int64)  # read by RDMA
+        self.claims[:] = IDLE
         self.claims_mr = verbs.MR(memory.pd, self.claims, REMOTE)
         claims = {"addr": self.claims_mr.buf, "rkey": self.claims_mr.rkey, "capacity": 0}
         self.peers: list[dict[str, dict[str, int]]] = memory.rt.allgather(

@@ -50,7 +50,7 @@ class LogRing:
         if capacity < 4 * HEADER_SIZE or capacity % 8:
             raise ValueError(f"a log ring needs a multiple of 8 bytes, at least {4 * HEADER_SIZE}, not {capacity}")
         self.capacity = capacity
-        self.buf = np.zeros(CONTROL + capacity, dtype=np.uint8)
+        self.buf = verbs.shared_array(CONTROL + capacity, np.uint8)  # writers place records by RDMA
         self.mr = verbs.MR(pd, self.buf, REMOTE)
         self.mutex = threading.Lock()  # local appenders only (the async home diff log: program + handler)
 
