@@ -87,6 +87,16 @@ def test_a_qp_whose_program_drives_apm_itself_is_left_alone(env: ApmEnv) -> None
     exchange(a, b, 2)
 
 
+def test_a_refused_apm_modify_leaves_the_qp_managed(env: ApmEnv) -> None:
+    a, _ = _pair(env)
+    _armed(a)
+    qps = env.apm.stats.qps
+    attr = v.QPAttr(qp_state=v.IBV_QPS_RTS, path_mig_state=v.IBV_MIG_ARMED)  # only the HCA sets ARMED
+    with pytest.raises(v.PyverbsRDMAError):
+        a.qp.modify(attr, v.IBV_QP_PATH_MIG_STATE)
+    assert env.apm.stats.qps == qps  # still managed: the modify changed nothing
+
+
 def test_two_link_failures_in_a_row_are_survived_and_the_program_still_sees_every_event(env: ApmEnv) -> None:
     """a's port 1 fails: a migrates to port 2, b (ARMED) with it, and both are re-armed on a path that avoids
     the failed link (sharing one end: the fully disjoint pair runs through it).  Then b's port 2 fails: both

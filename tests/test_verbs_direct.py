@@ -78,7 +78,7 @@ def start_peer() -> Iterator[Callable[..., Peer]]:
     started: list[subprocess.Popen[str]] = []
     sm = subnet_manager()
 
-    def start(**env: str) -> Peer:
+    def start(dlid_port: int = 1, **env: str) -> Peer:
         environ = {**os.environ, fab.ENV_ADDRESS: sm.address, fab.ENV_TOKEN: sm.token, **env}
         proc = subprocess.Popen(
             [sys.executable, str(PEER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=environ
@@ -90,7 +90,8 @@ def start_peer() -> Iterator[Callable[..., Peer]]:
         ep = make_endpoint(v.Context(name=name))
         bring_up(ep.qp, remote["qpn"], remote["lid"], timeout=FAST_TIMEOUT, retry_cnt=FAST_RETRY)
         assert proc.stdin is not None
-        proc.stdin.write(json.dumps({"qpn": ep.qp.qp_num, "lid": ep.lid}) + "\n")
+        dlid = ep.lid if dlid_port == 1 else ep.lid2  # where the responder's answers go
+        proc.stdin.write(json.dumps({"qpn": ep.qp.qp_num, "dlid": dlid}) + "\n")
         proc.stdin.flush()
         assert _line(proc) == "ready"
         return Peer(proc, remote, ep)
@@ -101,13 +102,15 @@ def start_peer() -> Iterator[Callable[..., Peer]]:
         proc.wait(10)
 
 
-def _write(peer: Peer, data: bytes, *, private: bool = False, rkey: int | None = None, offset: int = 0) -> v.WC:
+def _write(
+    peer: Peer, data: bytes, *, private: bool = False, rkey: int | None = None, offset: int = 0, wait: float = WAIT
+) -> v.WC:
     ep, r = peer.ep, peer.remote
     ep.buf[: len(data)] = np.frombuffer(data, dtype=np.uint8)
     key = rkey if rkey is not None else r["private_rkey" if private else "rkey"]
     addr = r["private_addr" if private else "addr"] + offset
     ep.qp.post_send(rdma_wr(v.IBV_WR_RDMA_WRITE, ep.sge(0, len(data)), key, addr))
-    return poll_one(ep.scq, timeout=WAIT)
+    return poll_one(ep.scq, timeout=wait)
 
 
 def test_one_sided_wrs_into_shared_memory_complete_at_post_time_without_packets(start_peer: Any) -> None:
@@ -135,7 +138,12 @@ def test_one_sided_wrs_into_shared_memory_complete_at_post_time_without_packets(
     after = peer.counts()
     assert after["direct_ops"] - before["direct_ops"] == 4
     assert after["packets_sent"] == before["packets_sent"]
-    assert ep.qp.query(v.IBV_QP_SQ_PSN)[0].sq_psn == 0  # a direct operation carries no PSN
+    # four WRs consumed four PSNs on both sides, as packets would have
+    assert ep.qp.query(v.IBV_QP_SQ_PSN)[0].sq_psn == 4
+    assert int(peer.ask("psn")) == 4
+    # and a packet after them is in sequence: a SEND needs a receive, so it takes the packet path
+    assert _write(peer, b"private!", private=True).status == v.IBV_WC_SUCCESS
+    assert int(peer.ask("psn")) == 5 and peer.counts()["direct_ops"] == after["direct_ops"]
 
 
 def test_private_memory_and_bad_keys_take_the_packet_path_with_its_errors(start_peer: Any) -> None:
@@ -211,3 +219,64 @@ def test_a_restarted_peer_is_not_reached_through_the_old_mapping(start_peer: Any
     assert _write(second, b"second!!").status == v.IBV_WC_SUCCESS
     assert second.dump()[0][:8] == b"second!!"
     assert second.counts()["direct_ops"] == before + 1
+
+
+def test_atomics_from_two_hcas_of_one_process_exclude_each_other(start_peer: Any) -> None:
+    peer = start_peer()
+    r = peer.remote
+    while (name := f"simib{next(_fresh)}") in _hca._hcas:
+        pass
+    other = make_endpoint(v.Context(name=name))
+    bring_up(other.qp, r["qpn2"], r["lid"])
+    assert peer.ask(f"connect {other.qp.qp_num} {other.lid}") == "done"
+    n = 1500
+
+    def add(ep: Any) -> None:
+        for i in range(n):
+            ep.qp.post_send(atomic_wr(v.IBV_WR_ATOMIC_FETCH_AND_ADD, ep.sge(0, 8), r["rkey"], r["addr"], 1, wr_id=i))
+            assert poll_one(ep.scq).status == v.IBV_WC_SUCCESS
+
+    before = peer.counts()["direct_ops"]
+    threads = [threading.Thread(target=add, args=(ep,)) for ep in (peer.ep, other)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(40)
+    assert int.from_bytes(peer.dump()[0][:8], "little") == 2 * n
+    assert peer.counts()["direct_ops"] - before == n  # (the other HCA counts its own)
+
+
+def test_a_deregistered_region_is_not_written(start_peer: Any) -> None:
+    peer = start_peer()
+    assert _write(peer, b"before!!").status == v.IBV_WC_SUCCESS
+    assert peer.ask("dereg") == "done"
+    assert _write(peer, b"after!!!").status == v.IBV_WC_REM_ACCESS_ERR
+
+
+def test_a_responder_whose_answers_cannot_come_back_gets_packets(start_peer: Any) -> None:
+    peer = start_peer(dlid_port=2)  # the responder answers to this HCA's port 2; requests leave port 1
+    ep, r = peer.ep, peer.remote
+    sm = subnet_manager()
+    hca = _hca.hca(ep.ctx.name)
+    sm.fail_link(ep.lid2)
+    try:
+        wait_for(lambda: not hca.link_up.get(ep.lid2, True), what="the link down")
+        before = peer.counts()["direct_ops"]
+        ep.buf[:8] = np.frombuffer(b"later!!!", dtype=np.uint8)
+        ep.qp.post_send(rdma_wr(v.IBV_WR_RDMA_WRITE, ep.sge(0, 8), r["rkey"], r["addr"]))
+        assert ep.scq.poll(1)[0] == 0  # not completed at post time: it went as a packet, whose ACK is lost
+        assert peer.counts()["direct_ops"] == before
+    finally:
+        sm.restore_link(ep.lid2)
+    assert poll_one(ep.scq, timeout=30).status == v.IBV_WC_SUCCESS  # a retransmission's ACK comes back
+
+
+def test_an_atomic_with_more_than_one_sge_is_refused_at_post(start_peer: Any) -> None:
+    peer = start_peer()
+    ep, r = peer.ep, peer.remote
+    wr = atomic_wr(v.IBV_WR_ATOMIC_FETCH_AND_ADD, ep.sge(0, 4), r["rkey"], r["addr"], 7)
+    wr.sg, wr.num_sge = [ep.sge(0, 4), ep.sge(4, 4)], 2
+    with pytest.raises(v.PyverbsRDMAError) as raised:
+        ep.qp.post_send(wr)
+    assert raised.value.error_code == 22
+    assert peer.dump()[0][:8] == bytes(8)

@@ -21,9 +21,10 @@ def test_a_shared_array_is_zeroed_memory_in_a_memfd_that_locate_finds() -> None:
     a = v.shared_array((4, 8), np.int64)
     assert isinstance(a, np.ndarray) and a.shape == (4, 8) and not a.any()
     addr = int(a.ctypes.data)
-    fd, ino, offset = _shm.locate(addr + 16, 8)  # type: ignore[misc]
-    assert offset == 16 and os.fstat(fd).st_ino == ino
-    assert os.readlink(f"/proc/self/fd/{fd}") == f"/memfd:{_shm.SEGMENT_NAME} (deleted)"
+    seg, offset = _shm.locate(addr + 16, 8)  # type: ignore[misc]
+    assert offset == 16 and os.fstat(seg.fd).st_ino == seg.ino and seg.addr == addr
+    assert os.readlink(f"/proc/self/fd/{seg.fd}") == f"/memfd:{_shm.SEGMENT_NAME} (deleted)"
+    del seg
     assert _shm.locate(addr + a.nbytes - 4, 8) is None  # runs past its end
     assert _shm.locate(int(np.zeros(8).ctypes.data), 8) is None  # private memory
 
@@ -32,7 +33,7 @@ def test_a_segment_is_given_back_when_its_last_array_goes() -> None:
     a = v.shared_array(4096)
     view = a[100:200]
     addr = int(a.ctypes.data)
-    fd = _shm.locate(addr, 1)[0]  # type: ignore[index]
+    fd = _shm.locate(addr, 1)[0].fd  # type: ignore[index]
     del a
     gc.collect()
     assert _shm.locate(addr, 1) is not None  # the view keeps it
@@ -57,10 +58,26 @@ def test_a_shared_array_unpickles_into_shared_memory_again(dumps: str) -> None:
     assert int(b.ctypes.data) != int(a.ctypes.data)
 
 
-def test_a_result_that_only_looks_shared_pickles_as_a_plain_array() -> None:
+def test_copies_and_results_are_private_memory_that_holds_no_segment() -> None:
     a = v.shared_array(16, np.int64)
-    b = pickle.loads(pickle.dumps(a + 1))  # a ufunc's result: private memory with the subclass
-    assert type(b) is np.ndarray and b.tolist() == [1] * 16
+    for b in (a + 1, a.copy()):  # a ufunc's result, a copy: private memory, of the subclass
+        assert b._segment is None  # type: ignore[attr-defined]
+        assert type(pickle.loads(pickle.dumps(b))) is np.ndarray
+    assert a[2:5]._segment is a._segment is not None  # type: ignore[attr-defined]
+
+
+def test_a_region_keeps_its_segment_while_registered() -> None:
+    with v.Context(name="simib0") as ctx:
+        pd = v.PD(ctx)
+        a = v.shared_array(4096)
+        mr = v.MR(pd, a.view(np.ndarray), v.IBV_ACCESS_LOCAL_WRITE)  # a plain view of it
+        addr = int(a.ctypes.data)
+        del a
+        gc.collect()
+        seg = _shm.locate(addr, 1)
+        assert seg is not None and os.fstat(seg[0].fd).st_ino == seg[0].ino
+        del seg
+        mr.close()
 
 
 def test_own_memory_of_an_mr_is_shared_and_published_with_its_keys() -> None:

@@ -127,12 +127,13 @@ class Hca:
         # with a directory of its own (ib2tcp's `tcp`) is TCP by definition
         self.same_host = directory is None and _links.LOCAL_IPC
         self.listeners, self.endpoint = _links.listen(host, self.same_host)
-        # what same-host peers read to place one-sided operations themselves (`_shm`)
-        self.table = _shm.Table(self.endpoint) if self.same_host and _shm.ENABLED else None
-        self._peers: dict[str, _shm.Peer | None] = {}
+        self.table: _shm.Table | None = None  # what same-host peers read to place one-sided operations (`_shm`)
+        self._peers: dict[str, _shm.Peer | float | None] = {}  # float: when to try to map its tables again
         self.link_up: dict[int, bool] = {}
         self.lids: list[int] = []  # the SM may push link states before register() returns
         try:
+            if self.same_host and _shm.ENABLED:
+                self.table = _shm.Table(self.endpoint)
             self.sm: Directory = (directory or _subnet_manager)(self._on_link)
             node = os.environ.get(ENV_NODE)  # the machine it stands for: docs/verbs.md, "Nodes"
             extra = {"node": node} if node else {}  # a directory written before nodes takes no `node`
@@ -146,9 +147,11 @@ class Hca:
             for lid, up in dict(reply.get("links") or {}).items():
                 self.link_up.setdefault(int(lid), bool(up))
             self.rx = ReceiveEngine(self, self.listeners)
-        except BaseException:  # no HCA: nothing may keep listening for it
+        except BaseException:  # no HCA: nothing may keep listening for it, or publish for it
             for sock in self.listeners:
                 sock.close()
+            if self.table is not None:
+                self.table.close()
             raise
         log.debug("HCA %s: LIDs %s, endpoint %s", name, self.lids, self.endpoint)
 
@@ -348,15 +351,25 @@ class Hca:
         if route is None or self.table is None:
             return None
         endpoint = route[0]
-        if endpoint in self._peers:
-            peer = self._peers[endpoint]
-            if peer is None or peer.alive():
-                return peer
+        known = self._peers.get(endpoint, 0.0)
+        if not isinstance(known, float):  # a peer, or None: it publishes nothing, or is over TCP
+            if known is None or known.alive():
+                return known
             self._peers[endpoint] = None  # that process is gone (a restarted peer has another endpoint)
             return None
+        if time.monotonic() < known:
+            return None
         conn = self._connection(endpoint)
-        pid = _links.local_peer(conn.sock) if conn is not None else None
-        found = self._peers[endpoint] = _shm.Peer.attach(pid, endpoint) if pid is not None else None
+        if conn is None:
+            self._peers[endpoint] = _shm.retry_at()
+            return None
+        pid = _links.local_peer(conn.sock)
+        try:
+            found = self._peers[endpoint] = _shm.Peer.attach(pid, endpoint) if pid is not None else None
+        except OSError as exc:
+            log.debug("HCA %s: the tables of HCA %s not mapped (%s); trying again later", self.name, endpoint, exc)
+            self._peers[endpoint] = _shm.retry_at()
+            return None
         return found
 
     def _connection_broken(self, conn: w.Connection) -> None:

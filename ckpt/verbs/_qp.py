@@ -103,6 +103,8 @@ class QPHandle(Requester, Responder):
             self.dest_qp_num = attr.dest_qp_num & PSN_MASK
         if mask & e.IBV_QP_RQ_PSN:
             self.epsn = attr.rq_psn & PSN_MASK
+            # direct WRs before this counted towards the old PSN space (`_shm`)
+            self.direct_seen = self.hca.table.direct_psns(self.qp_num) if self.hca.table is not None else 0
         if mask & e.IBV_QP_MAX_DEST_RD_ATOMIC:
             self.max_dest_rd_atomic = attr.max_dest_rd_atomic
         if mask & e.IBV_QP_MIN_RNR_TIMER:
@@ -140,6 +142,7 @@ class QPHandle(Requester, Responder):
             self._pump(blocking=False)
 
     def query(self) -> tuple[QPAttr, QPInitAttr]:
+        self.absorb_direct()
         with self.lock:
             attr = QPAttr(qp_state=self.state, cur_qp_state=self.state, port_num=self.port_num)
             attr.path_mtu = self.path_mtu

@@ -244,6 +244,7 @@ class QPState(NotCheckpointable):
         self.ack_owed = False  # requests executed that no ACK has covered yet (`Responder.ack_due`)
         self.owed_on: Any = None  # the receive channel that keeps the time of that ACK (`_rx.RxChannel.owe`)
         self.atomic_cache: dict[int, int] = {}
+        self.direct_seen = 0  # of the PSNs direct WRs consumed (`_shm.Table.direct_psns`), those in epsn
 
     def _path(self) -> tuple[int, int]:
         return self.port_num, self.ah.dlid
@@ -261,6 +262,7 @@ class QPState(NotCheckpointable):
         self.mig_state = _MIGRATED
         self.mig_announce = initiated_here
         self.hca.counts["path_migrations"] += 1
+        self._publish()  # its responses take the other path now
         self.hca.event(e.IBV_EVENT_PATH_MIG, self)
         log.debug("QP %#x migrated to port %d -> LID %d", self.qp_num, self.port_num, self.ah.dlid)
 
@@ -280,10 +282,11 @@ class QPState(NotCheckpointable):
         )
 
     def _publish(self) -> None:
-        """Show the QP's state, access and peer to same-host requesters (`_shm.Table`)."""
+        """Show the QP's state, access, peer and path to same-host requesters (`_shm.Table`)."""
         table = self.hca.table
         if table is not None:
-            table.set_qp(self)
+            lids = self.hca.lids
+            table.set_qp(self, lids[self.port_num - 1] if len(lids) >= self.port_num else 0)
 
     def _enter_error(self) -> None:
         """Flush every outstanding WR with WR_FLUSH_ERR, signaled or not (lock held)."""

@@ -152,7 +152,7 @@ class Requester(QPState):
             length = sum(s[1] for s in sg)
         flags = int(wr.send_flags)
         entry = SendEntry(wr, opcode, flags, self.sq_sig_all or bool(flags & _SIGNALED), sg, length)
-        if opcode in (_CAS, _FAA) and length != 8:
+        if opcode in (_CAS, _FAA) and (length != 8 or nsge != 1):
             raise PyverbsRDMAError("an atomic WR needs exactly one 8-byte SGE", EINVAL)
         if flags & _INLINE and opcode not in _RD_ATOMIC:
             if length > cap.max_inline_data:

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
@@ -157,6 +158,9 @@ class Responder(QPState):
     def on_request(self, fields: tuple[Any, ...], reader: w.PacketReader) -> int:
         """Execute one incoming request (the receive engine's thread): ACK_NONE, ACK_NOW or ACK_LATER."""
         _, op, flags, _, _, sqpn, psn, npkts, length, imm, rkey, slid, _, raddr, arg1, arg2, _, _ = fields
+        table = self.hca.table
+        if table is not None and table.direct_psns(self.qp_num) != self.direct_seen:
+            self.absorb_direct()
         state = self.state
         if state not in (_RTR, _RTS, _SQD, _SQE) or sqpn != self.dest_qp_num:
             reader.skip(length)
@@ -255,8 +259,8 @@ class Responder(QPState):
         cell = np.frombuffer(view, dtype=np.uint64)
         # in shared memory, same-host requesters execute atomics on it too (`_direct`): lock the cell for them
         mr = self.hca.mrs_by_rkey.get(rkey)
-        shared = None if mr is None or mr.shared is None else (mr.shared[0], mr.shared[2] + raddr - mr.addr)
-        with self.hca.atomic_lock:
+        shared = None if mr is None or mr.shared is None else (mr.shared[0].fd, mr.shared[1] + raddr - mr.addr)
+        with self.hca.atomic_lock, _shm.atomics if shared is not None else nullcontext():
             if shared is not None:
                 _shm.cell_lock(*shared, True)
             try:
@@ -276,6 +280,17 @@ class Responder(QPState):
         with self.lock:
             self._respond(w.ATOMIC_RESP, 0, psn, orig, [])
         return ACK_NONE
+
+    def absorb_direct(self) -> None:
+        """Take the PSNs same-host requesters consumed by direct WRs (`_shm`) into the expected PSN."""
+        table = self.hca.table
+        if table is None:
+            return
+        with self.lock:
+            total = table.direct_psns(self.qp_num)
+            if total != self.direct_seen:
+                self.epsn = (self.epsn + total - self.direct_seen) & PSN_MASK
+                self.direct_seen = total
 
     def _refuse(self, rc: bool, reader: w.PacketReader, length: int, syndrome: int, psn: int, event: Any) -> int:
         reader.skip(length)

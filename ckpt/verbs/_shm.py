@@ -5,7 +5,8 @@
 # and UCX do within a node (shared-memory windows, CMA/XPMEM): the requester
 # places a WRITE, fetches a READ and executes an atomic in the responder's
 # registered memory itself, at post time, with no packet, no ACK and no thread
-# of the responder involved.  What makes that possible and keeps it faithful:
+# of the responder involved (`_direct`).  What makes that possible and keeps it
+# faithful:
 #
 # * Memory.  `shared_array` allocates zeroed memory in a memfd, mapped shared.
 #   `MR(pd, length)` allocates its own buffer there, and the DSM and the
@@ -13,47 +14,42 @@
 #   a `SharedArray` by value and a restore puts it into a fresh memfd, so it
 #   stays shared across restarts.  Memory the program registers from its own
 #   objects (a bytearray, a plain numpy array) is private: operations on it
-#   take the packet path, as before.
+#   take the packet path.  A registered region holds its segment, so the memfd
+#   outlives every array of it while the region is registered.
 # * Tables.  Every simib HCA that links over Unix sockets publishes, in a memfd
 #   of its own named after its endpoint, one row per registered region in
 #   shared memory (rkey, PD, access, bounds, the memfd and offset behind it)
-#   and one row per QP (number, state, access flags, PD, destination QP, type).
-#   A row is written key last and cleared key first, and a reader checks the
-#   key after copying the row, so it never uses a torn one.
-# * Checks.  A requester takes the direct path for a chain of WRs only when
-#   all of it would succeed on the packet path: an RC QP in RTS with nothing
-#   in flight (so RC order holds trivially), no link model, the path's links
-#   up, the responder process alive (a pidfd), the responder QP in RTS,
-#   connected back to this QP, with the access the operation needs, every
-#   rkey found with the QP's PD, the access and the bounds, every local SGE
-#   valid.  Anything else -- a bad key, a QP in error, a dead link -- takes the
-#   packet path, whose responder produces the right NAK, WC status and QP
-#   transitions.  So errors are exactly what they were; only successes got
-#   faster.
-# * Atomicity.  An atomic holds its process's HCA atomic lock and a POSIX
-#   record lock on the 8 bytes of the memfd, and so does the responder's HCA
-#   when it executes an atomic on shared memory from the packet path: atomics
-#   on one cell exclude each other across processes, as on one HCA.
-# * What differs from the packet path, on purpose: a direct operation carries
-#   no PSN (neither side's sq_psn / rq_psn moves; both sides stay consistent),
-#   sends no packet (HCA statistics count it in `direct_ops`), and the
-#   responder's COMM_EST cannot be its first event (it needs RTS, past RTR).
-#   An operation that completes while the responder process is being killed
-#   counts as done just before it died: nothing of a dead process's memory is
-#   visible afterwards, so no program can tell the difference.
+#   and one row per QP (number, state, access flags, PD, destination QP, type,
+#   its responses' path, and the PSNs requesters consumed directly).  The HCA
+#   changes rows only under an exclusive record lock on the table; a requester
+#   holds a shared one from its checks to the end of its copies.  So a row is
+#   never read torn, and once `dereg_mr` or a `modify` has returned no direct
+#   operation is still using what it changed, as `ibv_dereg_mr(3)` promises.
+# * PSNs.  A direct WR consumes its PSNs like a packet: the requester's
+#   `sq_psn` moves, and it adds them to the responder QP's row, which the
+#   responder takes into its expected PSN before it looks at its next packet or
+#   answers `query_qp` -- so both sides agree, and ckpt_ib's drain (which
+#   compares a sender's PSNs with the receiver's `rq_psn`) sees them delivered.
+# * Atomicity.  An atomic on shared memory holds a process-wide lock and a
+#   POSIX record lock on the 8 bytes of the memfd, whether a requester
+#   executes it directly or the responder's HCA from a packet: atomics on one
+#   cell exclude each other across threads, HCAs and processes.
 #
-# CKPT_SIMIB_DIRECT=0 turns the direct path off (every operation takes packets).
+# CKPT_SIMIB_DIRECT=0 (read when ckpt.verbs is imported) turns it all off.
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import fcntl
 import logging
 import mmap
 import os
 import select
 import threading
+import time
 import weakref
+from collections.abc import Iterator
 from typing import Any, Final
 
 import numpy as np
@@ -64,23 +60,29 @@ log = logging.getLogger(__name__)
 ENABLED: Final = os.environ.get("CKPT_SIMIB_DIRECT", "1") != "0"
 SEGMENT_NAME: Final = "ckpt-simib-mem"
 TABLE_PREFIX: Final = "ckpt-simib-table:"
-MAGIC: Final = 0x434B5054_53484D31  # "CKPTSHM1"
+MAGIC: Final = 0x434B5054_53484D32  # "CKPTSHM2"
 SLOTS: Final = 1024  # regions and QPs an HCA can publish; more take the packet path
+RETRY: Final = 0.5  # seconds before a peer whose table could not be mapped is tried again
 _TAG: Final = 1 << 40  # keys are stored as value | _TAG, so 0 means a free row
+_KEEP: Final = 32  # a peer view keeps this many memfds of regions no longer published, at most
 
 # header words
 _H_MAGIC, _H_PID = 0, 1
-_HEADER_WORDS = 8
+_HEADER_WORDS: Final = 8
 # a region's row
 MR_KEY, MR_PD, MR_ACCESS, MR_ADDR, MR_LENGTH, MR_INO, MR_FD, MR_OFFSET = range(8)
-# a QP's row
-QP_KEY, QP_STATE, QP_ACCESS, QP_PD, QP_DEST, QP_TYPE = range(6)
-_ROW = 8
+# a QP's row (QP_PSNS: PSNs requesters consumed by direct WRs, written by them)
+QP_KEY, QP_STATE, QP_ACCESS, QP_PD, QP_DEST, QP_TYPE, QP_SLID, QP_DLID, QP_PSNS = range(9)
+_ROW: Final = 16
+
+#: Held by every atomic this process executes on shared memory (with the cell's record lock, which
+#: excludes other processes only: POSIX record locks belong to a process, not to a thread).
+atomics = threading.Lock()
 
 
 # ---------------------------------------------------------------------------- shared buffers
-class _Segment:
-    """One memfd, mapped shared, with its address in this process."""
+class Segment:
+    """One memfd, mapped shared, with its address in this process; its fd closes when nothing holds it."""
 
     __slots__ = ("__weakref__", "addr", "fd", "ino", "mm", "size")
 
@@ -97,13 +99,13 @@ class _Segment:
         self.addr = int(np.frombuffer(self.mm, dtype=np.uint8).ctypes.data)
         with _lock:
             bisect.insort(_starts, self.addr)
-            _segments[self.addr] = (self.addr + size, fd, self.ino)
+            _segments[self.addr] = weakref.ref(self)
         weakref.finalize(self, _forget, self.addr, fd)
 
 
 _lock = threading.Lock()
 _starts: list[int] = []
-_segments: dict[int, tuple[int, int, int]] = {}  # start address -> (end, fd, inode)
+_segments: dict[int, weakref.ref[Segment]] = {}  # start address -> the segment
 
 
 def _forget(addr: int, fd: int) -> None:
@@ -113,32 +115,39 @@ def _forget(addr: int, fd: int) -> None:
     os.close(fd)
 
 
-def locate(addr: int, length: int) -> tuple[int, int, int] | None:
-    """(memfd, inode, offset in it) of [addr, addr + length) if it lies in one shared segment, else None."""
+def locate(addr: int, length: int) -> tuple[Segment, int] | None:
+    """(the shared segment, offset in it) of [addr, addr + length) if it lies in one, else None."""
     with _lock:
         i = bisect.bisect_right(_starts, addr) - 1
-        if i < 0:
-            return None
-        start = _starts[i]
-        end, fd, ino = _segments[start]
-    return (fd, ino, addr - start) if addr + length <= end else None
+        seg = _segments[_starts[i]]() if i >= 0 else None
+    if seg is None or addr + length > seg.addr + seg.size:
+        return None
+    return seg, addr - seg.addr
 
 
 class SharedArray(np.ndarray):
-    """A numpy array in shared memory (`shared_array`); pickles by value and unpickles into shared memory again."""
+    """A numpy array in shared memory (`shared_array`); pickles by value and unpickles into shared memory again.
 
-    _segment: _Segment | None = None
+    A view keeps its segment alive; a copy or a ufunc's result is private memory and holds none.
+    """
+
+    _segment: Segment | None = None
 
     def __array_finalize__(self, obj: Any) -> None:
-        self._segment = getattr(obj, "_segment", None)  # views keep the segment alive
+        seg = getattr(obj, "_segment", None)
+        if seg is not None and (self.base is None or not seg.addr <= _data(self) < seg.addr + seg.size):
+            seg = None  # new memory (a copy, a ufunc's result), not a view of the segment
+        self._segment = seg
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         plain = self.view(np.ndarray)
-        seg = self._segment
-        start = int(plain.__array_interface__["data"][0]) if plain.size else 0
-        if seg is None or not seg.addr <= start < seg.addr + seg.size or not plain.flags.c_contiguous:
-            return plain.__reduce_ex__(protocol)  # (a ufunc's result, say: it only looks shared)
+        if self._segment is None or not plain.flags.c_contiguous:
+            return plain.__reduce_ex__(protocol)  # (a strided view: restored as private memory)
         return _unpickle, (plain,)
+
+
+def _data(a: np.ndarray) -> int:
+    return int(a.__array_interface__["data"][0])
 
 
 def _unpickle(plain: np.ndarray) -> np.ndarray:
@@ -156,10 +165,15 @@ def shared_array(shape: Any, dtype: Any = np.uint8) -> np.ndarray:
     if not ENABLED:
         return np.zeros(shape, dtype=dtype)
     count = int(np.prod(shape, dtype=np.int64))
-    seg = _Segment(count * dtype.itemsize)
+    seg = Segment(count * dtype.itemsize)
     out = np.ndarray(shape, dtype=dtype, buffer=seg.mm).view(SharedArray)
     out._segment = seg
     return out
+
+
+def cell_lock(fd: int, offset: int, lock: bool) -> None:
+    """Take (or let go of) the record lock of the 8-byte cell at `offset` of memfd `fd` (hold `atomics` too)."""
+    fcntl.lockf(fd, fcntl.LOCK_EX if lock else fcntl.LOCK_UN, 8, offset)
 
 
 # ---------------------------------------------------------------------------- an HCA's published tables
@@ -183,49 +197,63 @@ class Table:
         self._free = {"mr": list(range(SLOTS - 1, -1, -1)), "qp": list(range(SLOTS - 1, -1, -1))}
         self._lock = threading.Lock()
 
-    def _slot(self, kind: str, key: int) -> int | None:
+    def close(self) -> None:
+        self.header[_H_MAGIC] = 0
+        os.close(self.fd)
+
+    @contextlib.contextmanager
+    def _changing(self) -> Iterator[None]:
+        """Exclusive: no peer is between its checks and the end of its copies (`Peer.holding`)."""
+        with self._lock:
+            fcntl.lockf(self.fd, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.lockf(self.fd, fcntl.LOCK_UN)
+
+    def _slot(self, kind: str, key: int, rows: np.ndarray) -> int | None:
         slot = self._slots.get((kind, key))
         if slot is None and self._free[kind]:
             slot = self._slots[kind, key] = self._free[kind].pop()
+            rows[slot] = 0
         return slot
 
     def _drop(self, kind: str, key: int, rows: np.ndarray) -> None:
-        slot = self._slots.pop((kind, key), None)
-        if slot is not None:
-            rows[slot, 0] = 0
-            self._free[kind].append(slot)
+        with self._changing():
+            slot = self._slots.pop((kind, key), None)
+            if slot is not None:
+                rows[slot, 0] = 0
+                self._free[kind].append(slot)
 
     def add_mr(self, mr: Any) -> None:
         """Publish a region whose memory is shared (`mr.shared`); nothing for private memory."""
         if mr.shared is None:
             return
-        fd, ino, offset = mr.shared
-        with self._lock:
-            slot = self._slot("mr", mr.rkey)
-            if slot is None:
-                return
-            row = self.mrs[slot]
-            row[0] = 0
-            row[1:] = (id(mr.pd), mr.access, mr.addr, mr.length, ino, fd, offset)
-            row[0] = mr.rkey | _TAG
+        seg, offset = mr.shared
+        with self._changing():
+            slot = self._slot("mr", mr.rkey, self.mrs)
+            if slot is not None:
+                self.mrs[slot, 1:8] = (id(mr.pd), mr.access, mr.addr, mr.length, seg.ino, seg.fd, offset)
+                self.mrs[slot, 0] = mr.rkey | _TAG
 
     def remove_mr(self, mr: Any) -> None:
-        with self._lock:
+        if mr.shared is not None:
             self._drop("mr", mr.rkey, self.mrs)
 
-    def set_qp(self, qp: Any) -> None:
-        with self._lock:
-            slot = self._slot("qp", qp.qp_num)
-            if slot is None:
-                return
-            row = self.qps[slot]
-            row[0] = 0
-            row[1:6] = (qp.state, qp.access, id(qp.pd), qp.dest_qp_num, qp.qp_type)
-            row[0] = qp.qp_num | _TAG
+    def set_qp(self, qp: Any, slid: int) -> None:
+        with self._changing():
+            slot = self._slot("qp", qp.qp_num, self.qps)
+            if slot is not None:
+                self.qps[slot, 1:8] = (qp.state, qp.access, id(qp.pd), qp.dest_qp_num, qp.qp_type, slid, qp.ah.dlid)
+                self.qps[slot, 0] = qp.qp_num | _TAG
 
     def remove_qp(self, qp: Any) -> None:
-        with self._lock:
-            self._drop("qp", qp.qp_num, self.qps)
+        self._drop("qp", qp.qp_num, self.qps)
+
+    def direct_psns(self, qpn: int) -> int:
+        """The PSNs requesters have consumed by direct WRs to QP `qpn` so far (0 if it is not published)."""
+        slot = self._slots.get(("qp", qpn))
+        return 0 if slot is None else int(self.qps[slot, QP_PSNS])
 
 
 def _views(mm: mmap.mmap) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -240,76 +268,102 @@ def _views(mm: mmap.mmap) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 class Peer:
     """A same-host HCA in another process, as this process sees it: its tables and its shared memory."""
 
-    def __init__(self, pid: int, pidfd: int, mm: mmap.mmap) -> None:
-        self.pid, self._pidfd, self._mm = pid, pidfd, mm
+    def __init__(self, pid: int, pidfd: int, table_fd: int, mm: mmap.mmap) -> None:
+        self.pid, self._table_fd, self._mm = pid, table_fd, mm
         self._header, self._mrs, self._qps = _views(mm)
         self._exited = select.poll()
         self._exited.register(pidfd, select.POLLIN)
         self._mr_slots: dict[int, int] = {}
         self._qp_slots: dict[int, int] = {}
         self._segments: dict[int, tuple[memoryview, int]] = {}  # inode -> (its bytes, our fd of it)
-        self._fds = [pidfd]  # closed when nothing uses this view any more (a post may be in the middle of it)
-        self._lock = threading.Lock()
+        self._fds = [pidfd, table_fd]  # closed when nothing uses this view any more
+        self._lock = threading.Lock()  # one chain at a time: record locks belong to the process
         weakref.finalize(self, _close_all, self._fds)
 
     @classmethod
     def attach(cls, pid: int, endpoint: str) -> Peer | None:
-        """The HCA at `endpoint`, held by process `pid` (its Unix link's peer); None if it publishes no table."""
+        """The HCA at `endpoint`, held by process `pid` (its Unix link's peer); None if it publishes no table.
+
+        OSError if its table could not be mapped (try again later).
+        """
         if not ENABLED or pid == os.getpid():
             return None
-        try:
-            pidfd = os.pidfd_open(pid)  # first: a table found after it belongs to this very process
-        except OSError:
-            return None
+        pidfd = os.pidfd_open(pid)  # first: a table found after it belongs to this very process
         wanted = f"/memfd:{TABLE_PREFIX}{endpoint} (deleted)"
         try:
             for fd in os.listdir(f"/proc/{pid}/fd"):
                 path = f"/proc/{pid}/fd/{fd}"
-                if os.readlink(path) != wanted:
+                try:
+                    if os.readlink(path) != wanted:
+                        continue
+                except OSError:  # closed while we looked
                     continue
-                with open(path, "r+b", buffering=0) as f:
-                    mm = mmap.mmap(f.fileno(), 0)
-                header = np.frombuffer(mm, dtype=np.int64, count=_HEADER_WORDS)
-                if header[_H_MAGIC] == MAGIC and header[_H_PID] == pid:
-                    return cls(pid, pidfd, mm)
-        except (OSError, ValueError) as exc:
-            log.debug("no shared-memory placement to HCA %s (pid %d): %s", endpoint, pid, exc)
+                table_fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+                try:
+                    mm = mmap.mmap(table_fd, 0)
+                    header = np.frombuffer(mm, dtype=np.int64, count=_HEADER_WORDS)
+                    if header[_H_MAGIC] == MAGIC and header[_H_PID] == pid:
+                        return cls(pid, pidfd, table_fd, mm)
+                except BaseException:
+                    os.close(table_fd)
+                    raise
+                os.close(table_fd)
+        except BaseException:
+            os.close(pidfd)
+            raise
         os.close(pidfd)
         return None
 
     def alive(self) -> bool:
         return not self._exited.poll(0)
 
-    def mr(self, rkey: int) -> list[int] | None:
-        """The published row of region `rkey` (MR_* fields), or None."""
-        return _find(self._mrs, self._mr_slots, rkey)
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[None]:
+        """The peer changes no row while this is held (a shared record lock on its table); one thread at a time."""
+        with self._lock:
+            fcntl.lockf(self._table_fd, fcntl.LOCK_SH)
+            try:
+                yield
+            finally:
+                fcntl.lockf(self._table_fd, fcntl.LOCK_UN)
 
-    def qp(self, qpn: int) -> list[int] | None:
-        """The published row of QP `qpn` (QP_* fields), or None."""
+    def mr(self, rkey: int) -> list[int] | None:
+        """The published row of region `rkey` (MR_* fields), or None (hold `holding`)."""
+        found = _find(self._mrs, self._mr_slots, rkey)
+        return None if found is None else found[1]
+
+    def qp(self, qpn: int) -> tuple[int, list[int]] | None:
+        """(slot, published row) of QP `qpn` (QP_* fields), or None (hold `holding`)."""
         return _find(self._qps, self._qp_slots, qpn)
 
+    def consumed(self, slot: int, psns: int) -> None:
+        """Add `psns` direct PSNs to the QP row in `slot` (this QP's requester is its only writer)."""
+        self._qps[slot, QP_PSNS] = int(self._qps[slot, QP_PSNS]) + psns
+
     def memory(self, row: list[int]) -> tuple[memoryview, int] | None:
-        """(the bytes of the memfd behind region `row`, this process's fd of it), or None."""
+        """(the bytes of the memfd behind region `row`, this process's fd of it), or None (hold `holding`)."""
         ino = row[MR_INO]
         found = self._segments.get(ino)
         if found is not None:
             return found
-        with self._lock:
-            found = self._segments.get(ino)
-            if found is not None:
-                return found
-            fd = -1
-            try:
-                fd = os.open(f"/proc/{self.pid}/fd/{row[MR_FD]}", os.O_RDWR | os.O_CLOEXEC)
-                if os.fstat(fd).st_ino != ino:  # that descriptor is another file by now
-                    os.close(fd)
-                    return None
-                found = self._segments[ino] = (memoryview(mmap.mmap(fd, 0)), fd)
-            except (OSError, ValueError):
-                if fd >= 0:
-                    os.close(fd)
+        if len(self._segments) >= _KEEP:  # let go of memfds the peer no longer publishes
+            live = set(self._mrs[self._mrs[:, MR_KEY] != 0, MR_INO].tolist())
+            for old in [i for i in self._segments if i not in live]:
+                fd = self._segments.pop(old)[1]
+                self._fds.remove(fd)
+                os.close(fd)
+        fd = -1
+        try:
+            fd = os.open(f"/proc/{self.pid}/fd/{row[MR_FD]}", os.O_RDWR | os.O_CLOEXEC)
+            if os.fstat(fd).st_ino != ino:  # that descriptor is another file by now
+                os.close(fd)
                 return None
-            self._fds.append(fd)
+            found = self._segments[ino] = (memoryview(mmap.mmap(fd, 0)), fd)
+        except (OSError, ValueError):
+            if fd >= 0:
+                os.close(fd)
+            return None
+        self._fds.append(fd)
         return found
 
 
@@ -318,7 +372,7 @@ def _close_all(fds: list[int]) -> None:
         os.close(fd)
 
 
-def _find(rows: np.ndarray, slots: dict[int, int], key: int) -> list[int] | None:
+def _find(rows: np.ndarray, slots: dict[int, int], key: int) -> tuple[int, list[int]] | None:
     tagged = key | _TAG
     slot = slots.get(key)
     if slot is None or rows[slot, 0] != tagged:
@@ -327,12 +381,9 @@ def _find(rows: np.ndarray, slots: dict[int, int], key: int) -> list[int] | None
             slots.pop(key, None)
             return None
         slot = slots[key] = int(hits[0])
-    row: list[int] = rows[slot].tolist()
-    if row[0] != tagged or rows[slot, 0] != tagged:  # rewritten while we copied it
-        return None
-    return row
+    return slot, rows[slot].tolist()
 
 
-def cell_lock(fd: int, offset: int, lock: bool) -> None:
-    """Take (or let go of) the record lock of the 8-byte cell at `offset` of memfd `fd`: atomics across processes."""
-    fcntl.lockf(fd, fcntl.LOCK_EX if lock else fcntl.LOCK_UN, 8, offset)
+def retry_at() -> float:
+    """When a peer whose table could not be mapped is tried again."""
+    return time.monotonic() + RETRY

@@ -208,13 +208,25 @@ class Apm:
         self.inner.destroy_qp(qp)
 
     def modify_qp(self, qp: Any, attr: Any, mask: int) -> None:
-        self.inner.modify_qp(qp, attr, mask)
         if mask & _PROGRAM_APM:
-            with self.lock:  # the program drives APM on this QP itself: hands off
+            # the program drives APM on this QP itself: hands off -- before the modify, whose PATH_MIG
+            # (a manual migration) would otherwise reach the event thread while the QP is still managed
+            with self.lock:
                 self.own.add(id(qp))
-                if self.managed.pop(id(qp), None) is not None:
+                dropped = self.managed.pop(id(qp), None)
+                if dropped is not None:
                     self.stats.qps -= 1
+            try:
+                self.inner.modify_qp(qp, attr, mask)
+            except BaseException:  # refused: nothing changed, so neither did who drives it
+                with self.lock:
+                    self.own.discard(id(qp))
+                    if dropped is not None:
+                        self.managed[id(qp)] = dropped
+                        self.stats.qps += 1
+                raise
             return
+        self.inner.modify_qp(qp, attr, mask)
         device = self.device_of.get(id(qp))
         to_rts = mask & v.IBV_QP_STATE and int(attr.qp_state) == int(v.IBV_QPS_RTS)
         if device is None or not to_rts or id(qp) in self.own:
