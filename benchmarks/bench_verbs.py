@@ -15,7 +15,10 @@
 # with like, while the tcp provider always runs over TCP).  With simib, each
 # process also opens a second HCA whose links are loopback TCP (as with
 # CKPT_SIMIB_UNIX=0), measured in the same rotation: what the same-host links
-# change, in the same run.  A second TCP connection carries the benchmark's own
+# change, in the same run.  And a third HCA whose registered memory is shared
+# (`ckpt.verbs.shared_array`, as `MR(pd, length)` allocates it), so its RDMA
+# WRITEs are placed in the child's memory directly, with no packet (docs/verbs.md,
+# "Direct placement"; its SENDs still take packets): "verbs_shm".  A second TCP connection carries the benchmark's own
 # control messages and is never timed.  Each measurement is repeated --repeat
 # times after one uncounted warm-up round, every kind going first in turn and
 # the order reversed every other round; the medians are reported.
@@ -66,7 +69,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ckpt import verbs as v
-from ckpt.verbs import _links, fabric
+from ckpt.verbs import _links, _shm, fabric
 
 BIG = 4 << 20
 SMALL_SIZES = (8, 16, 32, 64)
@@ -116,7 +119,7 @@ def recv_exactly_into(sock: socket.socket, view: memoryview) -> None:
 class Endpoint:
     """One process's HCA resources: an RC QP with separate send / receive CQs over 4 MiB of registered memory."""
 
-    def __init__(self, provider: str, device: int = 0, same_host_links: bool = True) -> None:
+    def __init__(self, provider: str, device: int = 0, same_host_links: bool = True, shared: bool = False) -> None:
         if provider == "tcp":
             import ckpt_ib2tcp
 
@@ -129,8 +132,9 @@ class Endpoint:
         self.pd = v.PD(self.ctx)
         self.scq = v.CQ(self.ctx, 4096)
         self.rcq = v.CQ(self.ctx, 4096)
-        self.big = np.zeros(BIG, dtype=np.uint8)
-        self.small = np.zeros(4096, dtype=np.uint8)
+        alloc = v.shared_array if shared else np.zeros  # shared: same-host peers place WRITEs directly
+        self.big = alloc(BIG, np.uint8)
+        self.small = alloc(4096, np.uint8)
         self.big_mr = v.MR(self.pd, self.big, ACCESS)
         self.small_mr = v.MR(self.pd, self.small, ACCESS)
         cap = v.QPCap(max_send_wr=SQ_DEPTH, max_recv_wr=RQ_DEPTH, max_send_sge=1, max_recv_sge=1, max_inline_data=64)
@@ -314,10 +318,13 @@ def small_bytes(count: int) -> int:
 
 
 def endpoints(provider: str) -> dict[str, Endpoint]:
-    """The endpoints measured, by kind: "verbs", and for simib "verbs_tcp" (a second HCA, links over TCP)."""
+    """The endpoints measured, by kind: "verbs", and for simib "verbs_tcp" (a second HCA, links over TCP) and,
+    unless CKPT_SIMIB_DIRECT=0, "verbs_shm" (a third, over shared memory: direct placement)."""
     eps = {"verbs": Endpoint(provider)}
     if provider == "simib":
         eps["verbs_tcp"] = Endpoint(provider, device=1, same_host_links=False)
+        if _shm.ENABLED and _links.LOCAL_IPC:
+            eps["verbs_shm"] = Endpoint(provider, device=2, shared=True)
     return eps
 
 
@@ -539,6 +546,8 @@ def summarize(results: dict[str, dict[str, list[float]]]) -> dict[str, Any]:
         summary[name] = {**m, "ratio": m["verbs"] / m["tcp"], "ratio_unix": m["verbs"] / m["unix"]}
         if "verbs_tcp" in m:
             summary[name]["ratio_tcp_links"] = m["verbs_tcp"] / m["tcp"]
+        if "verbs_shm" in m:
+            summary[name]["ratio_shm"] = m["verbs_shm"] / m["tcp"]
     return summary
 
 
@@ -575,6 +584,18 @@ def report(summary: dict[str, Any], args: argparse.Namespace, command: str) -> N
             tcp_links = f"{x['verbs_tcp'] / scale:.{digits}f} {unit}"
             print(f"| {label} | {tcp_links} | {x['ratio_tcp_links']:.2f} | {x['verbs'] / x['verbs_tcp']:.2f} |")
         chains = f"{c['verbs_tcp'] / 1e3:.1f} k msg/s | | {c['verbs'] / c['verbs_tcp']:.2f}"
+        print(f"| small-message rate, 64-WR chains | {chains} |")
+    if "verbs_shm" in r:
+        print()
+        print("the same engine over shared memory (a third HCA, memory from ckpt.verbs.shared_array: WRITEs placed")
+        print("directly, SENDs as packets), same run:")
+        print("| measure | simib, shared memory | ÷ raw TCP | target | met | ÷ packets (Unix links) |")
+        print("|---|---|---|---|---|---|")
+        for label, name, x, unit, scale, digits, target in rows:
+            shm = f"{x['verbs_shm'] / scale:.{digits}f} {unit}"
+            ratio = f"{x['ratio_shm']:.2f} | {target} | {met(name, x['ratio_shm'])}"
+            print(f"| {label} | {shm} | {ratio} | {x['verbs_shm'] / x['verbs']:.2f} |")
+        chains = f"{c['verbs_shm'] / 1e3:.1f} k msg/s | | | | {c['verbs_shm'] / c['verbs']:.2f}"
         print(f"| small-message rate, 64-WR chains | {chains} |")
     print()
     info = machine()

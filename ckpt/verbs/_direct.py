@@ -38,11 +38,12 @@ def execute(qp: Any, entries: list[SendEntry]) -> bool:
     hca = qp.hca
     if qp.qp_type != _RC or qp.mig_announce or hca.latency or hca.bandwidth:
         return False
-    port, dlid = qp._path()
-    peer = hca.direct_peer(dlid)
-    if peer is None or not hca.path_ok(port, dlid) or not peer.alive():
+    port, dlid = qp.port_num, qp.ah.dlid
+    peer = hca.direct_peer(dlid)  # (alive: checked there)
+    if peer is None or not hca.path_ok(port, dlid):
         return False
-    with peer.holding():  # the peer changes no row (no dereg, no modify) until the copies are done
+    peer.hold()  # the peer changes no row (no dereg, no modify) until the copies are done
+    try:
         plan = _plan(qp, peer, entries)
         if plan is None:
             return False
@@ -52,6 +53,8 @@ def execute(qp: Any, entries: list[SendEntry]) -> bool:
             _run(entry, remote, local, fd, start)
             psns += entry.npkts
         peer.consumed(slot, psns)
+    finally:
+        peer.release()
     qp.sq_psn = (qp.sq_psn + psns) & PSN_MASK
     push, wc = qp.scq.push, qp._send_wc
     for entry, *_ in todo:

@@ -67,7 +67,7 @@ _TAG: Final = 1 << 40  # keys are stored as value | _TAG, so 0 means a free row
 _KEEP: Final = 32  # a peer view keeps this many memfds of regions no longer published, at most
 
 # header words
-_H_MAGIC, _H_PID = 0, 1
+_H_MAGIC, _H_PID, _H_GEN = 0, 1, 2  # _H_GEN: bumped by every change of a row but QP_PSNS
 _HEADER_WORDS: Final = 8
 # a region's row
 MR_KEY, MR_PD, MR_ACCESS, MR_ADDR, MR_LENGTH, MR_INO, MR_FD, MR_OFFSET = range(8)
@@ -203,12 +203,14 @@ class Table:
 
     @contextlib.contextmanager
     def _changing(self) -> Iterator[None]:
-        """Exclusive: no peer is between its checks and the end of its copies (`Peer.holding`)."""
+        """Exclusive: no peer is between its checks and the end of its copies (`Peer.hold`); and the generation
+        moves, so peers read the rows again instead of using what they remember of them."""
         with self._lock:
             fcntl.lockf(self.fd, fcntl.LOCK_EX)
             try:
                 yield
             finally:
+                self.header[_H_GEN] += 1
                 fcntl.lockf(self.fd, fcntl.LOCK_UN)
 
     def _slot(self, kind: str, key: int, rows: np.ndarray) -> int | None:
@@ -266,15 +268,23 @@ def _views(mm: mmap.mmap) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 # ---------------------------------------------------------------------------- a peer's tables, seen from here
 class Peer:
-    """A same-host HCA in another process, as this process sees it: its tables and its shared memory."""
+    """A same-host HCA in another process, as this process sees it: its tables and its shared memory.
+
+    Between `hold` and `release` the peer changes no row; what was read of the rows is remembered for as
+    long as the table's generation stays the same.
+    """
 
     def __init__(self, pid: int, pidfd: int, table_fd: int, mm: mmap.mmap) -> None:
         self.pid, self._table_fd, self._mm = pid, table_fd, mm
         self._header, self._mrs, self._qps = _views(mm)
+        self._words = memoryview(mm).cast("q")  # plain indexing: cheaper than numpy's for one word
         self._exited = select.poll()
         self._exited.register(pidfd, select.POLLIN)
         self._mr_slots: dict[int, int] = {}
         self._qp_slots: dict[int, int] = {}
+        self._gen = -1
+        self._mr_rows: dict[int, list[int] | None] = {}
+        self._qp_rows: dict[int, tuple[int, list[int]] | None] = {}
         self._segments: dict[int, tuple[memoryview, int]] = {}  # inode -> (its bytes, our fd of it)
         self._fds = [pidfd, table_fd]  # closed when nothing uses this view any more
         self._lock = threading.Lock()  # one chain at a time: record locks belong to the process
@@ -317,31 +327,48 @@ class Peer:
     def alive(self) -> bool:
         return not self._exited.poll(0)
 
-    @contextlib.contextmanager
-    def holding(self) -> Iterator[None]:
-        """The peer changes no row while this is held (a shared record lock on its table); one thread at a time."""
-        with self._lock:
+    def hold(self) -> None:
+        """Keep the peer from changing any row (a shared record lock on its table) until `release`."""
+        self._lock.acquire()
+        try:
             fcntl.lockf(self._table_fd, fcntl.LOCK_SH)
-            try:
-                yield
-            finally:
-                fcntl.lockf(self._table_fd, fcntl.LOCK_UN)
+        except BaseException:
+            self._lock.release()
+            raise
+        gen = self._words[_H_GEN]
+        if gen != self._gen:  # something changed: read rows afresh
+            self._gen = gen
+            self._mr_rows.clear()
+            self._qp_rows.clear()
+
+    def release(self) -> None:
+        fcntl.lockf(self._table_fd, fcntl.LOCK_UN)
+        self._lock.release()
 
     def mr(self, rkey: int) -> list[int] | None:
-        """The published row of region `rkey` (MR_* fields), or None (hold `holding`)."""
-        found = _find(self._mrs, self._mr_slots, rkey)
-        return None if found is None else found[1]
+        """The published row of region `rkey` (MR_* fields), or None (hold the peer)."""
+        try:
+            return self._mr_rows[rkey]
+        except KeyError:
+            found = _find(self._mrs, self._mr_slots, rkey)
+            row = self._mr_rows[rkey] = None if found is None else found[1]
+            return row
 
     def qp(self, qpn: int) -> tuple[int, list[int]] | None:
-        """(slot, published row) of QP `qpn` (QP_* fields), or None (hold `holding`)."""
-        return _find(self._qps, self._qp_slots, qpn)
+        """(slot, published row) of QP `qpn` (QP_* fields, QP_PSNS as it was then), or None (hold the peer)."""
+        try:
+            return self._qp_rows[qpn]
+        except KeyError:
+            found = self._qp_rows[qpn] = _find(self._qps, self._qp_slots, qpn)
+            return found
 
     def consumed(self, slot: int, psns: int) -> None:
         """Add `psns` direct PSNs to the QP row in `slot` (this QP's requester is its only writer)."""
-        self._qps[slot, QP_PSNS] = int(self._qps[slot, QP_PSNS]) + psns
+        at = _HEADER_WORDS + SLOTS * _ROW + slot * _ROW + QP_PSNS
+        self._words[at] += psns
 
     def memory(self, row: list[int]) -> tuple[memoryview, int] | None:
-        """(the bytes of the memfd behind region `row`, this process's fd of it), or None (hold `holding`)."""
+        """(the bytes of the memfd behind region `row`, this process's fd of it), or None (hold the peer)."""
         ino = row[MR_INO]
         found = self._segments.get(ino)
         if found is not None:
