@@ -58,12 +58,14 @@ def test_a_shared_array_unpickles_into_shared_memory_again(dumps: str) -> None:
     assert int(b.ctypes.data) != int(a.ctypes.data)
 
 
-def test_copies_and_results_are_private_memory_that_holds_no_segment() -> None:
+def test_copies_results_and_views_pickle_as_private_memory() -> None:
     a = v.shared_array(16, np.int64)
     for b in (a + 1, a.copy()):  # a ufunc's result, a copy: private memory, of the subclass
         assert b._segment is None  # type: ignore[attr-defined]
         assert type(pickle.loads(pickle.dumps(b))) is np.ndarray
-    assert a[2:5]._segment is a._segment is not None  # type: ignore[attr-defined]
+    view = a[2:5]
+    assert view.base is a and a._segment is not None  # type: ignore[attr-defined]
+    assert type(pickle.loads(pickle.dumps(view))) is np.ndarray  # a view pickles as a copy, as numpy's do
 
 
 def test_a_region_keeps_its_segment_while_registered() -> None:

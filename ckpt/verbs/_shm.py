@@ -128,26 +128,18 @@ def locate(addr: int, length: int) -> tuple[Segment, int] | None:
 class SharedArray(np.ndarray):
     """A numpy array in shared memory (`shared_array`); pickles by value and unpickles into shared memory again.
 
-    A view keeps its segment alive; a copy or a ufunc's result is private memory and holds none.
+    Only the array `shared_array` made holds its segment: a view of it holds the array (its `base`), and
+    pickles as private memory, as does a copy or a ufunc's result.  No `__array_finalize__`: numpy
+    skips the call when a subclass has none, so slicing costs what it costs a plain array.
     """
 
     _segment: Segment | None = None
 
-    def __array_finalize__(self, obj: Any) -> None:
-        seg = getattr(obj, "_segment", None)
-        if seg is not None and (self.base is None or not seg.addr <= _data(self) < seg.addr + seg.size):
-            seg = None  # new memory (a copy, a ufunc's result), not a view of the segment
-        self._segment = seg
-
     def __reduce_ex__(self, protocol: Any) -> Any:
         plain = self.view(np.ndarray)
-        if self._segment is None or not plain.flags.c_contiguous:
-            return plain.__reduce_ex__(protocol)  # (a strided view: restored as private memory)
+        if self._segment is None:
+            return plain.__reduce_ex__(protocol)
         return _unpickle, (plain,)
-
-
-def _data(a: np.ndarray) -> int:
-    return int(a.__array_interface__["data"][0])
 
 
 def _unpickle(plain: np.ndarray) -> np.ndarray:
