@@ -557,6 +557,20 @@ def met(name: str, ratio: float) -> str:
     return "yes" if ok else "NO"
 
 
+def variant_table(kind: str, title: str, heading: str, rows: Any, chains: dict[str, float]) -> None:
+    """The measurements of the endpoint of `kind`, against raw TCP and against "verbs" (packets, Unix links)."""
+    print()
+    print(heading)
+    print(f"| measure | {title} | ÷ raw TCP | target | met | ÷ simib, Unix links |")
+    print("|---|---|---|---|---|---|")
+    for label, name, x, unit, scale, digits, target in rows:
+        ratio = x[kind] / x["tcp"]
+        value = f"{x[kind] / scale:.{digits}f} {unit}"
+        print(f"| {label} | {value} | {ratio:.2f} | {target} | {met(name, ratio)} | {x[kind] / x['verbs']:.2f} |")
+    rate, against = chains[kind], chains["verbs"]
+    print(f"| small-message rate, 64-WR chains | {rate / 1e3:.1f} k msg/s | | | | {rate / against:.2f} |")
+
+
 def report(summary: dict[str, Any], args: argparse.Namespace, command: str) -> None:
     s, r, m, c = summary["stream"], summary["rtt"], summary["rate"], summary["rate_chained"]
     print()
@@ -574,29 +588,16 @@ def report(summary: dict[str, Any], args: argparse.Namespace, command: str) -> N
         print(f"| {label} | {verbs} | {tcp} | {ratios} | {unix} | {x['ratio_unix']:.2f} |")
     print(f"| small-message rate, 64-WR chains | {c['verbs'] / 1e3:.1f} k msg/s | | | - | - | | |")
     if "verbs_tcp" in r:
-        print()
         if not _links.LOCAL_IPC:
-            print("CKPT_SIMIB_UNIX=0: both HCAs link over TCP, so the last column compares TCP with TCP")
-        print("the same engine with links over loopback TCP (a second HCA, as with CKPT_SIMIB_UNIX=0), same run:")
-        print("| measure | simib, TCP links | ÷ raw TCP | simib, Unix links ÷ TCP links |")
-        print("|---|---|---|---|")
-        for label, _, x, unit, scale, digits, _ in rows:
-            tcp_links = f"{x['verbs_tcp'] / scale:.{digits}f} {unit}"
-            print(f"| {label} | {tcp_links} | {x['ratio_tcp_links']:.2f} | {x['verbs'] / x['verbs_tcp']:.2f} |")
-        chains = f"{c['verbs_tcp'] / 1e3:.1f} k msg/s | | {c['verbs'] / c['verbs_tcp']:.2f}"
-        print(f"| small-message rate, 64-WR chains | {chains} |")
+            print("\nCKPT_SIMIB_UNIX=0: both HCAs link over TCP, so the last column compares TCP with TCP")
+        heading = "the same engine with links over loopback TCP (a second HCA, as with CKPT_SIMIB_UNIX=0), same run:"
+        variant_table("verbs_tcp", "simib, TCP links", heading, rows, c)
     if "verbs_shm" in r:
-        print()
-        print("the same engine over shared memory (a third HCA, memory from ckpt.verbs.shared_array: WRITEs placed")
-        print("directly, SENDs as packets), same run:")
-        print("| measure | simib, shared memory | ÷ raw TCP | target | met | ÷ packets (Unix links) |")
-        print("|---|---|---|---|---|---|")
-        for label, name, x, unit, scale, digits, target in rows:
-            shm = f"{x['verbs_shm'] / scale:.{digits}f} {unit}"
-            ratio = f"{x['ratio_shm']:.2f} | {target} | {met(name, x['ratio_shm'])}"
-            print(f"| {label} | {shm} | {ratio} | {x['verbs_shm'] / x['verbs']:.2f} |")
-        chains = f"{c['verbs_shm'] / 1e3:.1f} k msg/s | | | | {c['verbs_shm'] / c['verbs']:.2f}"
-        print(f"| small-message rate, 64-WR chains | {chains} |")
+        heading = (
+            "the same engine over shared memory (a third HCA, memory from ckpt.verbs.shared_array: WRITEs placed\n"
+            "directly, SENDs as packets), same run:"
+        )
+        variant_table("verbs_shm", "simib, shared memory", heading, rows, c)
     print()
     info = machine()
     print(
