@@ -85,3 +85,11 @@ def ctxs(provider: str) -> Iterator[Any]:
     from verbs_util import contexts
 
     yield from contexts(f"{provider}0", f"{provider}1")
+
+
+@pytest.fixture
+def ib() -> Iterator[Any]:
+    """The ckpt_ib tests' environment (tests/ib_util.py): an IbEnv, killed at teardown."""
+    from ib_util import ib_env  # here, not at the top: only the tests that use it import ckpt_ib
+
+    yield from ib_env()

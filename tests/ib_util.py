@@ -152,7 +152,7 @@ def destroy_real_resources(vz: Any) -> None:
 
 
 def ib_env() -> Iterator[IbEnv]:
-    """The body of each test module's `ib` fixture (``yield from ib_env()``): an IbEnv, killed at teardown."""
+    """The body of the `ib` fixture (tests/conftest.py): an IbEnv, killed at teardown."""
     env = IbEnv()
     try:
         yield env

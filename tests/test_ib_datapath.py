@@ -3,11 +3,9 @@ translated back and hidden ones dropped."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
-from ib_util import IbEnv, ib_env, real_of
+from ib_util import IbEnv, real_of
 from verbs_util import (
     assert_no_completion,
     atomic_wr,
@@ -21,11 +19,6 @@ from verbs_util import (
 from ckpt import verbs as v
 
 pytestmark = pytest.mark.timeout(30)
-
-
-@pytest.fixture
-def ib() -> Iterator[IbEnv]:
-    yield from ib_env()
 
 
 def test_send_completions_carry_the_programs_ids(ib: IbEnv) -> None:

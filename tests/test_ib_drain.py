@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from ib_util import IbEnv, ib_env, real_of
+from ib_util import IbEnv, real_of
 from verbs_util import (
     Endpoint,
     assert_no_completion,
@@ -23,11 +22,6 @@ from ckpt import verbs as v
 from ckpt_ib import drain
 
 pytestmark = pytest.mark.timeout(30)
-
-
-@pytest.fixture
-def ib() -> Iterator[IbEnv]:
-    yield from ib_env()
 
 
 def _pair(ib: IbEnv, **opts: Any) -> tuple[Endpoint, Endpoint]:

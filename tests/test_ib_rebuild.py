@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
-from ib_util import IbEnv, ib_env, real_of
+from ib_util import IbEnv, real_of
 from verbs_util import (
     FAST_RETRY,
     FAST_TIMEOUT,
@@ -29,11 +28,6 @@ from verbs_util import subnet_manager as fabric_manager
 from ckpt import verbs as v
 
 pytestmark = pytest.mark.timeout(30)
-
-
-@pytest.fixture
-def ib() -> Iterator[IbEnv]:
-    yield from ib_env()
 
 
 def _pair(ib: IbEnv, **opts: Any) -> tuple[Endpoint, Endpoint]:

@@ -3,23 +3,17 @@
 from __future__ import annotations
 
 import pickle
-from collections.abc import Iterator
 
 import cloudpickle
 import numpy as np
 import pytest
-from ib_util import IbEnv, ib_env, real_of
+from ib_util import IbEnv, real_of
 from verbs_util import ACCESS_ALL, connect_rc, post_recv, send_wr
 
 from ckpt import verbs as v
 from ckpt_ib._shadows import Registry, SendEntry, ShadowDevice, ShadowMR, ShadowPD, ShadowQP
 
 pytestmark = pytest.mark.timeout(30)
-
-
-@pytest.fixture
-def ib() -> Iterator[IbEnv]:
-    yield from ib_env()
 
 
 def test_real_handles_are_not_pickled(ib: IbEnv) -> None:

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
-from ib_util import IbEnv, ib_env, real_of
+from ib_util import IbEnv, real_of
 from verbs_util import (
     ACCESS_ALL,
     Endpoint,
@@ -15,11 +13,6 @@ from verbs_util import (
 from ckpt import verbs as v
 
 pytestmark = pytest.mark.timeout(30)
-
-
-@pytest.fixture
-def ib() -> Iterator[IbEnv]:
-    yield from ib_env()
 
 
 def _real_lid(ib: IbEnv, ep: Endpoint, port: int = 1) -> int:
