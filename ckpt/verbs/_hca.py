@@ -361,14 +361,14 @@ class Hca:
             return None
         conn = self._connection(endpoint)
         if conn is None:
-            self._peers[endpoint] = _shm.retry_at()
+            self._peers[endpoint] = time.monotonic() + _shm.RETRY
             return None
         pid = _links.local_peer(conn.sock)
         try:
             found = self._peers[endpoint] = _shm.Peer.attach(pid, endpoint) if pid is not None else None
         except OSError as exc:
             log.debug("HCA %s: the tables of HCA %s not mapped (%s); trying again later", self.name, endpoint, exc)
-            self._peers[endpoint] = _shm.retry_at()
+            self._peers[endpoint] = time.monotonic() + _shm.RETRY
             return None
         return found
 

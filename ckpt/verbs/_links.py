@@ -133,20 +133,24 @@ def _peer(sock: socket.socket) -> tuple[int, int]:
 def _holds_listener(pid: int, endpoint: str) -> bool:
     """Whether process `pid` has the listening TCP socket of `endpoint` ("address:port") among its open files."""
     inode = _listener_inode(endpoint)
-    if inode is None:
-        return False
-    wanted = f"socket:[{inode}]"
+    return inode is not None and open_file(pid, f"socket:[{inode}]") is not None
+
+
+def open_file(pid: int, target: str) -> str | None:
+    """The /proc path of a descriptor of process `pid` that links to `target`; None if it has none (or we may
+    not look)."""
     try:
         fds = os.listdir(f"/proc/{pid}/fd")
     except OSError:
-        return False
+        return None
     for fd in fds:
+        path = f"/proc/{pid}/fd/{fd}"
         try:
-            if os.readlink(f"/proc/{pid}/fd/{fd}") == wanted:
-                return True
+            if os.readlink(path) == target:
+                return path
         except OSError:  # closed meanwhile
             continue
-    return False
+    return None
 
 
 def _listener_inode(endpoint: str) -> int | None:
