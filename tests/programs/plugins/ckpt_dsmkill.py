@@ -5,7 +5,7 @@
 Rank <rank> sends itself SIGKILL at the <n>th call of DSM hook <hook> (one of
 `HOOKS`) counted from the first checkpoint it resumed from (a rank killed
 before the job's first checkpoint has nothing to recover from).  Just before,
-it writes DIR/killed.<rank> (JSON: pid, hook, n, incarnation), exclusively: a
+it writes DIR/killed.<rank> (JSON: pid, hook, n, incarnation), whole and exclusively: a
 rank kills itself once per job, so its next incarnation, which loads the same
 plugin, and a whole-job restart, which counts again, run on.  The hooks run
 before remote logging's own implementation of the same hook (plugins run in
@@ -76,13 +76,17 @@ def _tick(memory: Any, hook: str) -> None:
     if _calls[hook] != target[1]:
         return
     mark = Path(os.environ[MARK_ENV]) / f"killed.{memory.rank}"
+    # written whole under another name, then linked into place: the mark appears with its contents (a test
+    # waits for it to exist and then reads it), and only once (link fails if it exists)
+    incarnation = int(getattr(memory.rt, "incarnation", 0))
+    draft = mark.with_name(f"{mark.name}.{os.getpid()}.draft")
+    draft.write_text(json.dumps({"pid": os.getpid(), "hook": hook, "n": target[1], "incarnation": incarnation}))
     try:
-        fd = os.open(mark, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        os.link(draft, mark)
     except FileExistsError:
         return  # this rank was killed once already in this job
-    incarnation = int(getattr(memory.rt, "incarnation", 0))
-    os.write(fd, json.dumps({"pid": os.getpid(), "hook": hook, "n": target[1], "incarnation": incarnation}).encode())
-    os.close(fd)
+    finally:
+        draft.unlink()
     os.kill(os.getpid(), signal.SIGKILL)
 
 
