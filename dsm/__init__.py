@@ -16,6 +16,7 @@ import os
 from typing import Any
 
 from ._array import Lock, SharedArray
+from ._diff import Diff
 from ._errors import DsmError, ReplayDiverged
 from ._memory import PROTOCOLS, Memory
 from ._replay import PageVersions, Replay
@@ -23,6 +24,7 @@ from ._stats import Statistics
 
 __all__ = [
     "PROTOCOLS",
+    "Diff",
     "DsmError",
     "Lock",
     "Memory",

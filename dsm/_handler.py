@@ -74,7 +74,7 @@ import numpy as np
 from ckpt import PluginError
 
 from . import _reconnect
-from ._diff import apply_diff
+from ._diff import Diff
 from ._errors import DsmError
 from ._messages import (
     Ack,
@@ -184,7 +184,7 @@ class Handler:
                 case PageRequest():
                     self._page(src, msg.rid, msg.gid, msg.need)
                 case DiffRequest():
-                    self._diff(src, msg.rid, msg.gid, msg.interval, msg.runs)
+                    self._diff(src, msg.rid, msg.gid, msg.interval, msg.diff)
                 case AcquireRequest() | ReleaseRequest() if self.holding:
                     self.held_back.append((src, raw, server.link[src] if link is None else link))
                 case AcquireRequest():
@@ -364,11 +364,11 @@ class Handler:
         self.reply(src, PageReply(rid, region.page(page).tobytes()), "page_reply")
         self.counters.pages_served += 1
 
-    def _diff(self, src: int, rid: int, gid: int, interval: int, runs: list[Any]) -> None:
+    def _diff(self, src: int, rid: int, gid: int, interval: int, encoded: bytes) -> None:
         region, page = self._region(gid)
-        diff = [(int(offset), bytes(data)) for offset, data in runs]
+        diff = Diff.decode(encoded, region.page_size)
         self.mem.hook("dsm_diff_received", writer=src, gid=gid, interval=interval, diff=diff)
-        apply_diff(region.page(page), diff)
+        diff.apply(region.page(page))
         region.meta[page, src] = max(int(region.meta[page, src]), interval)
         self.counters.diffs_applied += 1
         self.mem.hook("dsm_diff_applied", writer=src, gid=gid, interval=interval)

@@ -59,7 +59,7 @@ from ckpt import verbs
 from ckpt.plugin import PluginCalls, Runtime
 
 from . import _fetch, _onesided, _reconnect, _replay, hookspecs
-from ._diff import Diff, diff_size, diff_unit, make_diff
+from ._diff import EMPTY, Diff, diff_unit, make_diff
 from ._errors import DsmError
 from ._handler import Handler
 from ._messages import (
@@ -364,7 +364,7 @@ class Memory(RequestClient):
             home = int(region.home[page])
             if home == self.rank:
                 twin = region.twins.pop(page, None)  # only while twin_homes is on
-                mine = make_diff(region.program_page(page), twin, region.unit) if twin is not None else []
+                mine = make_diff(region.program_page(page), twin, region.unit) if twin is not None else EMPTY
                 if twin is not None and not mine:
                     # unchanged, as its twin shows: no notice, as for a page homed elsewhere (with remote
                     # logging, a notice without a logged diff would name an interval a rebuilt copy lacks)
@@ -380,7 +380,7 @@ class Memory(RequestClient):
             written += [gid, home]
             outgoing.setdefault(home, []).append((region, page, diff))
             self.counters.diffs += 1
-            self.counters.diff_bytes += diff_size(diff)
+            self.counters.diff_bytes += diff.nbytes
             self.hook("dsm_diff_created", gid=gid, home=home, interval=interval, diff=diff)
         self.dirty.clear()
         if not written:
@@ -429,7 +429,7 @@ class Memory(RequestClient):
             requests: list[tuple[int, Request, str]] = [
                 (
                     home,
-                    DiffRequest(self._next_rid(), gid_of(region.aid, page), interval, diff),
+                    DiffRequest(self._next_rid(), gid_of(region.aid, page), interval, diff.encode()),
                     f"diff ack from rank {home}",
                 )
                 for home, items in outgoing.items()
@@ -441,7 +441,7 @@ class Memory(RequestClient):
         for home, items in outgoing.items():
             for region, page, diff in items:
                 self.hook(
-                    "dsm_diff_sent", gid=gid_of(region.aid, page), home=home, interval=interval, nbytes=diff_size(diff)
+                    "dsm_diff_sent", gid=gid_of(region.aid, page), home=home, interval=interval, nbytes=diff.nbytes
                 )
 
     def _merge(self, vt: list[int], notices: list[Notice], source: str) -> None:

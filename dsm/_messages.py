@@ -2,8 +2,8 @@
 
 On the wire a message is its tuple as a msgpack array, the kind last: ``[rid, fields..., kind]``.
 The request id `rid` is the requester's (`Memory._next_rid`), and the reply echoes it.
-A write notice is ``[writer, interval, [gid, home, gid, home, ...]]``; a diff is a list of
-``[offset, bytes]`` runs.  Both ranks run the same code (an image restarts with the version that
+A write notice is ``[writer, interval, [gid, home, gid, home, ...]]``; a diff is its
+encoding (`Diff.encode`).  Both ranks run the same code (an image restarts with the version that
 wrote it), so the layout carries no version of its own.
 """
 
@@ -54,12 +54,12 @@ class PageRequest(NamedTuple):
 
 
 class DiffRequest(NamedTuple):
-    """Apply the writer's `runs` of `interval` to page `gid` (this rank is its home)."""
+    """Apply the writer's diff of `interval` to page `gid` (this rank is its home)."""
 
     rid: int
     gid: int
     interval: int
-    runs: list[Any]  # [[offset, bytes], ...]
+    diff: bytes  # Diff.encode()
     kind: int = Kind.DIFF
 
 

@@ -118,11 +118,9 @@ def draw(mem: Memory, outgoing: dict[int, list[tuple[Region, int, Diff]]], inter
             column = region.remote_meta(home, page, mem.rank)
             wrs.append(rdma(verbs.IBV_WR_RDMA_WRITE, opening, *column))
             rkey, addr = region.remote_page(home, page)
-            for offset, data in diff:
-                wrs.append(
-                    rdma(verbs.IBV_WR_RDMA_WRITE, region.local_page(page, offset, len(data)), rkey, addr + offset)
-                )
-                mem.counters.count("rdma_write", len(data))
+            for offset, length in zip(diff.offsets.tolist(), diff.lengths.tolist(), strict=True):
+                wrs.append(rdma(verbs.IBV_WR_RDMA_WRITE, region.local_page(page, offset, length), rkey, addr + offset))
+                mem.counters.count("rdma_write", length)
             wrs.append(rdma(verbs.IBV_WR_RDMA_WRITE, closing, *column))
             mem.counters.count("stamp", 16)  # the two column WRITEs
         mem.client.run(home, wrs, mem.seq)

@@ -27,7 +27,7 @@ import numpy as np
 
 from ckpt.plugin import RANKS_NS
 
-from ._diff import apply_diff
+from ._diff import Diff
 from ._errors import ReplayDiverged
 from ._messages import Notice
 from ._region import split_gid
@@ -39,8 +39,6 @@ log = logging.getLogger("dsm")
 _T = TypeVar("_T")
 #: How often (seconds) a replaying rank publishes its progress for ``ckpt status``.
 PROGRESS_EVERY = 0.5
-
-Runs = list[tuple[int, bytes]]
 
 
 class Replay(Protocol):
@@ -80,8 +78,8 @@ class Replay(Protocol):
         when not logged (the arrival goes live; the manager answers a repeated arrival)."""
         ...
 
-    def home_diffs(self, vt: list[int]) -> list[tuple[int, Runs]]:
-        """(gid, runs) of the logged diffs to this rank's own home pages, by other writers, that `vt`
+    def home_diffs(self, vt: list[int]) -> list[tuple[int, Diff]]:
+        """(gid, diff) of the logged diffs to this rank's own home pages, by other writers, that `vt`
         now covers (interval <= vt[writer]) and that were not returned before, in log order: what the
         program's view of its home pages must show from here on."""
         ...
@@ -185,9 +183,9 @@ def _stepped(mem: Memory) -> None:
     """After a replayed operation: show the home pages' logged changes it covers, publish progress, maybe end."""
     replay = mem.replay
     assert replay is not None
-    for gid, runs in replay.home_diffs(list(mem.vt)):
+    for gid, diff in replay.home_diffs(list(mem.vt)):
         aid, page = split_gid(gid)
-        apply_diff(mem.regions[aid].program_page(page), runs)
+        diff.apply(mem.regions[aid].program_page(page))
     done, total = replay.progress()
     now = time.perf_counter()
     if now - mem.replay_published > PROGRESS_EVERY:

@@ -29,6 +29,8 @@ from typing import Any
 
 from ckpt.plugin import Direction, hookspec
 
+from ._diff import Diff
+
 Notices = list[tuple[int, int, list[int]]]  # (writer rank, interval, [gid, home, gid, home, ...])
 
 #: Each hook's direction (read by the plugin host): all are notifications, in registration order.
@@ -92,8 +94,9 @@ def dsm_interval_closed(memory: Any, interval: int, pages: list[int]) -> None:
 
 
 @hookspec
-def dsm_diff_created(memory: Any, gid: int, home: int, interval: int, diff: list[tuple[int, bytes]]) -> None:
-    """A diff of page `gid` against its twin, for its `home`; `diff` is a list of (offset, bytes) runs.
+def dsm_diff_created(memory: Any, gid: int, home: int, interval: int, diff: Diff) -> None:
+    """A diff of page `gid` against its twin, for its `home`: a `dsm.Diff`, whose iteration gives (offset, bytes)
+    runs, `nbytes` their payload and `encode()` one bytes string (`dsm.Diff.decode` reverses it).
 
     With ``memory.twin_homes`` on, also for this rank's own writes to pages it is home of
     (``home == memory.rank``): those diffs are only reported, never sent.
@@ -106,7 +109,7 @@ def dsm_diff_sent(memory: Any, gid: int, home: int, interval: int, nbytes: int) 
 
 
 @hookspec
-def dsm_diff_received(memory: Any, writer: int, gid: int, interval: int, diff: list[tuple[int, bytes]]) -> None:
+def dsm_diff_received(memory: Any, writer: int, gid: int, interval: int, diff: Diff) -> None:
     """*handler*, async only: this rank, the home of `gid`, received `writer`'s diff for `interval`."""
 
 

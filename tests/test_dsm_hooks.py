@@ -36,7 +36,7 @@ class Recorder:
         self._note("interval_closed")
 
     @ckpt.hookimpl
-    def dsm_diff_created(self, gid: int, home: int, interval: int, diff: list[tuple[int, bytes]]) -> None:
+    def dsm_diff_created(self, gid: int, home: int, interval: int, diff: Any) -> None:
         self._note("diff_created")
 
     @ckpt.hookimpl
@@ -44,7 +44,7 @@ class Recorder:
         self._note("diff_sent")
 
     @ckpt.hookimpl
-    def dsm_diff_received(self, writer: int, gid: int, interval: int, diff: list[tuple[int, bytes]]) -> None:
+    def dsm_diff_received(self, writer: int, gid: int, interval: int, diff: Any) -> None:
         self._note("diff_received")
 
     @ckpt.hookimpl

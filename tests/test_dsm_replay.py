@@ -16,6 +16,7 @@ from dsm_util import run_ranks
 
 import dsm
 from ckpt.testing import ThreadRuntime
+from dsm import Diff
 from dsm._messages import Notice
 from dsm._region import INVALID, gid_of
 
@@ -65,12 +66,12 @@ class ScriptedReplay:
         op = self._next("barrier", epoch)
         return op[2], op[3]
 
-    def home_diffs(self, vt: list[int]) -> list[tuple[int, list[tuple[int, bytes]]]]:
+    def home_diffs(self, vt: list[int]) -> list[tuple[int, Diff]]:
         out = []
         for k, (writer, interval, gid, data) in enumerate(self.diffs):
             if k not in self.given and interval <= vt[writer]:
                 self.given.add(k)
-                out.append((gid, [(0, data)]))
+                out.append((gid, Diff.of_runs([(0, data)])))
         return out
 
 

@@ -34,7 +34,6 @@ from ckpt_remotelog._records import (
     Record,
     RecordKind,
     decode_at,
-    diff_runs,
     encode,
     notices_of,
     record_size,
@@ -42,6 +41,7 @@ from ckpt_remotelog._records import (
     walk,
 )
 from ckpt_remotelog._ring import CONTROL, LogRing, circular_write
+from dsm import Diff
 from dsm._messages import NAMES
 from dsm.programs import program_class
 
@@ -73,7 +73,7 @@ class Seen:
         self.logs[self.rank] = memory.extensions["remotelog"]  # runs after the plugin's (registered first)
 
     @ckpt.hookimpl
-    def dsm_diff_created(self, gid: int, home: int, interval: int, diff: list[tuple[int, bytes]]) -> None:
+    def dsm_diff_created(self, gid: int, home: int, interval: int, diff: Diff) -> None:
         self.diffs.append((gid, home, interval, b"".join(o.to_bytes(4, "little") + d for o, d in diff)))
 
     @ckpt.hookimpl
@@ -232,7 +232,7 @@ def test_every_ring_holds_exactly_the_records_the_paper_requires(name: str, argv
 
 
 def _runs(record: Record) -> bytes:
-    return b"".join(o.to_bytes(4, "little") + d for o, d in diff_runs(record.payload))
+    return b"".join(o.to_bytes(4, "little") + d for o, d in Diff.decode(record.payload))
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)

@@ -31,7 +31,6 @@ from ckpt_remotelog._records import (
     HEADER_SIZE,
     Record,
     RecordKind,
-    diff_payload,
     encode,
     notices_payload,
     seal,
@@ -40,6 +39,7 @@ from ckpt_remotelog._records import (
 from ckpt_remotelog._replay import LogReplay
 from ckpt_remotelog._ring import LogRing
 from ckpt_remotelog._versions import HomeVersions
+from dsm import Diff
 from dsm._handler import Handler
 from dsm._messages import BarrierRequest, ReleaseRequest, decode
 
@@ -187,7 +187,7 @@ def test_a_version_is_the_base_and_the_covered_diffs_in_log_order_overflow_last(
         versions.base = {gid: (bytes([9]) * 64, np.array([0, 1, 0, 0]))}  # holds writer 1's interval 1
 
         def home_diff(writer: int, interval: int, byte: int, page: int = gid) -> bytearray:
-            payload = diff_payload([(0, bytes([byte]) * 8), (32, bytes([byte]))])
+            payload = Diff.of_runs([(0, bytes([byte]) * 8), (32, bytes([byte]))]).encode()
             return encode(RecordKind.HOME_DIFF, writer, payload, interval=interval, gid=page)
 
         for record in (home_diff(1, 1, 50), home_diff(2, 1, 1), home_diff(1, 2, 2), home_diff(2, 1, 77, other)):
@@ -249,7 +249,9 @@ def test_a_walk_stops_at_a_hole_and_a_scan_finds_every_record_past_it() -> None:
         bogus[HEADER_SIZE] ^= 1  # ... one byte of which did not land: its check fails, not a record
         area = ring.buf[24:]
         area[hole + 64 : hole + 64 + len(bogus)] = np.frombuffer(bytes(bogus), dtype=np.uint8)
-        later = [encode(RecordKind.DIFF, w, diff_payload([(8, b"x" * w)]), interval=w, gid=7) for w in (0, 2, 3)]
+        later = [
+            encode(RecordKind.DIFF, w, Diff.of_runs([(8, b"x" * w)]).encode(), interval=w, gid=7) for w in (0, 2, 3)
+        ]
         for record in later:
             assert ring.append_local(record)
         assert [r.serial for r in ring.records()] == [0]  # what discard reads: up to the hole
@@ -281,7 +283,11 @@ def _own(kind: RecordKind, tag: int, serial: int, token: int = 0, vt: list[int] 
 
 def _diff(writer: int, interval: int, gid: int = 5) -> bytearray:
     return encode(
-        RecordKind.DIFF, writer, diff_payload([(8 * interval, bytes([writer]) * 8)]), interval=interval, gid=gid
+        RecordKind.DIFF,
+        writer,
+        Diff.of_runs([(8 * interval, bytes([writer]) * 8)]).encode(),
+        interval=interval,
+        gid=gid,
     )
 
 
@@ -316,7 +322,10 @@ def test_a_replay_hands_back_the_logged_operations_in_program_order() -> None:
     copy = pickle.loads(pickle.dumps(replay))  # mid-replay: what an image would hold
     for r in (replay, copy):
         assert r.barrier(1) == ([1, 3, 2, 1], [[2, 8, [5, 1]]])
-        assert r.home_diffs([1, 3, 2, 1]) == [(5, [(16, b"\x02" * 8)]), (6, [(8, b"\x03" * 8)])]
+        assert [(g, d.runs()) for g, d in r.home_diffs([1, 3, 2, 1])] == [
+            (5, [(16, b"\x02" * 8)]),
+            (6, [(8, b"\x03" * 8)]),
+        ]
         assert r.home_diffs([9, 9, 9, 9]) == []  # each once
         assert r.acquire(0, 3) is not None
         assert r.release(0, 3) is False  # logged last: it may not have reached the home, send it
@@ -327,9 +336,9 @@ def test_a_replay_hands_back_the_logged_operations_in_program_order() -> None:
 
 def test_home_diffs_come_back_in_log_order_as_the_vector_timestamp_covers_them() -> None:
     replay = _replay(_log(_diff(2, 2), _diff(3, 1), _diff(2, 3), _diff(3, 2)), {5: [0, 0, 1, 0]})
-    assert [r[1] for r in replay.home_diffs([0, 0, 0, 1])] == [[(8, b"\x03" * 8)]]
-    assert [r[1][0][0] for r in replay.home_diffs([0, 0, 3, 1])] == [16, 24]
-    assert [r[1][0][0] for r in replay.home_diffs([0, 0, 3, 2])] == [16]
+    assert [r[1].runs() for r in replay.home_diffs([0, 0, 0, 1])] == [[(8, b"\x03" * 8)]]
+    assert [r[1].runs()[0][0] for r in replay.home_diffs([0, 0, 3, 1])] == [16, 24]
+    assert [r[1].runs()[0][0] for r in replay.home_diffs([0, 0, 3, 2])] == [16]
     assert replay.done  # no operation logged: nothing to replay
 
 

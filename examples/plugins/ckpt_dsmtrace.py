@@ -33,6 +33,7 @@ import ckpt
 
 if TYPE_CHECKING:
     from ckpt.plugin import ImageContents
+    from dsm import Diff
 
 CKPT_PLUGIN_API = 2
 CKPT_PLUGIN_NAME = "dsmtrace"
@@ -53,7 +54,7 @@ def _add(field: str, amount: float = 1) -> None:
 
 
 @ckpt.hookimpl
-def dsm_diff_created(diff: list[tuple[int, bytes]]) -> None:
+def dsm_diff_created(diff: Diff) -> None:
     _add("diffs")
 
 

@@ -23,7 +23,8 @@
 # each commit word was a WRITE of its own behind the bodies, k + 1 work requests for k
 # records; the log homes' NIC executed one packet per record.)
 #
-# Payloads: a diff (DIFF, HOME_DIFF) is its runs, each ``<offset u32, length u32, bytes>``;
+# Payloads: a diff (DIFF, HOME_DIFF) is its encoding as the DSM sends it (`dsm.Diff.encode`: run count,
+# offsets, lengths, the runs' bytes);
 # NOTICES, BARRIER and BARRIER_ARRIVAL carry msgpack ``[vector timestamp, notices]``
 # (notices as the DSM carries them: ``[writer, interval, [gid, home, ...]]``); RELEASE none.
 #
@@ -48,11 +49,11 @@ HEADER_SIZE = HEADER.size  # 64
 CHECK_AT = HEADER_SIZE - 4  # the check is the header's last field
 _WORD = struct.Struct("<Q")
 _CHECK = struct.Struct("<I")
-RUN = struct.Struct("<II")
 ALIGN = 8
 #: What an image's rings and writer hold (images of another are refused): 1 had no check and each commit
-#: word was a WRITE of its own; 2 had no claim words (`_writer`, "Claims").
-RECORD_FORMAT = 3
+#: word was a WRITE of its own; 2 had no claim words (`_writer`, "Claims"); 3 encoded a diff run by run
+#: (``<offset u32, length u32, bytes>`` each).
+RECORD_FORMAT = 4
 
 
 class RecordKind(IntEnum):
@@ -72,7 +73,7 @@ KINDS = frozenset(int(kind) for kind in RecordKind)
 
 
 class Record(NamedTuple):
-    """One decoded record (the payload still encoded: `diff_runs` / `notices_of` decode it)."""
+    """One decoded record (the payload still encoded: `dsm.Diff.decode` / `notices_of` decode it)."""
 
     position: int
     kind: RecordKind
@@ -132,24 +133,6 @@ def _check(data: bytes | bytearray | memoryview, at: int, end: int) -> int:
     """The CRC-32 of the record at `data[at:end]`, its check field left out."""
     view = memoryview(data)
     return zlib.crc32(view[at + HEADER_SIZE : end], zlib.crc32(view[at : at + CHECK_AT]))
-
-
-def diff_payload(diff: list[tuple[int, bytes]]) -> bytes:
-    parts: list[bytes] = []
-    pack = RUN.pack
-    for offset, data in diff:  # no concatenation per run: a fragmented diff has hundreds
-        parts += (pack(offset, len(data)), data)
-    return b"".join(parts)
-
-
-def diff_runs(payload: bytes) -> list[tuple[int, bytes]]:
-    runs, at = [], 0
-    while at < len(payload):
-        offset, length = RUN.unpack_from(payload, at)
-        at += RUN.size
-        runs.append((offset, bytes(payload[at : at + length])))
-        at += length
-    return runs
 
 
 def notices_payload(vt: list[int], notices: list[Any]) -> bytes:

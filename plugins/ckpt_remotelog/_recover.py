@@ -34,9 +34,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ckpt import CoordinatorError
-from dsm import DsmError
+from dsm import Diff, DsmError
 
-from ._records import Record, RecordKind, diff_runs, encode
+from ._records import Record, RecordKind, encode
 from ._replay import LogReplay
 from ._writer import LOG, OWN
 
@@ -125,9 +125,7 @@ def rebuild_master(rlog: RemoteLog, records: list[Record]) -> int:
         column = record.writer
         if record.interval <= int(region.meta[page, column]):
             continue  # the image holds it
-        data = region.page(page)
-        for offset, run in diff_runs(record.payload):
-            data[offset : offset + len(run)] = np.frombuffer(run, dtype=np.uint8)
+        Diff.decode(record.payload).apply(region.page(page))
         region.meta[page, column] = record.interval
         own = encode(RecordKind.HOME_DIFF, record.writer, record.payload, interval=record.interval, gid=record.gid)
         rlog._append_home_local(own)  # nobody else appends while this runs (the survivors wait)

@@ -93,7 +93,7 @@ import numpy as np
 import ckpt
 from ckpt import verbs
 from ckpt.plugin import RANKS_NS
-from dsm import DsmError
+from dsm import Diff, DsmError
 
 from . import _recover
 from ._records import (
@@ -101,7 +101,6 @@ from ._records import (
     RECORD_FORMAT,
     Record,
     RecordKind,
-    diff_payload,
     encode,
     notices_payload,
     scan,
@@ -135,7 +134,7 @@ class RemoteLog:
         self.home_log = LogRing(memory.pd, 2 * ring_bytes)
         self.record_format = RECORD_FORMAT  # what the rings in this image hold (`__setstate__`)
         self.serial = 0  # records of this rank's own (NOTICES, RELEASE, BARRIER_ARRIVAL, BARRIER) so far
-        self.diffs: list[tuple[int, int, int, list[tuple[int, bytes]]]] = []  # this interval's (gid, home, i, diff)
+        self.diffs: list[tuple[int, int, int, Diff]] = []  # this interval's (gid, home, i, diff)
         self.notices: list[Any] = []  # received at the current acquire / barrier
         self.overflow: list[bytearray] = []  # async home diff log records that found it full (in the image)
         self.asked: dict[tuple[int, str], tuple[int, float]] = {}  # ring -> its head, and when, at the last ask
@@ -200,7 +199,7 @@ class RemoteLog:
         return self.replaying() or (self.replay is not None and self.replay.replayed(kind, tag, token))
 
     @ckpt.hookimpl
-    def dsm_diff_created(self, gid: int, home: int, interval: int, diff: list[tuple[int, bytes]]) -> None:
+    def dsm_diff_created(self, gid: int, home: int, interval: int, diff: Diff) -> None:
         if not self.replaying():
             self.diffs.append((gid, home, interval, diff))
 
@@ -208,7 +207,7 @@ class RemoteLog:
     def dsm_interval_closing(self, interval: int, release: int) -> None:
         records: list[tuple[int, str, bytearray]] = []
         for gid, home, i, diff in self.diffs:
-            payload = diff_payload(diff)
+            payload = diff.encode()
             records.append((self.log_home(home), LOG, encode(RecordKind.DIFF, self.rank, payload, interval=i, gid=gid)))
             if home == self.rank:
                 own = encode(RecordKind.HOME_DIFF, self.rank, payload, interval=i, gid=gid)
@@ -241,9 +240,9 @@ class RemoteLog:
         self.writer.complete()  # the interval completes: what it depends on is logged from here on
 
     @ckpt.hookimpl
-    def dsm_diff_received(self, writer: int, gid: int, interval: int, diff: list[tuple[int, bytes]]) -> None:
+    def dsm_diff_received(self, writer: int, gid: int, interval: int, diff: Diff) -> None:
         """*handler*, async: the home keeps every diff it applies."""
-        self._append_home_local(encode(RecordKind.HOME_DIFF, writer, diff_payload(diff), interval=interval, gid=gid))
+        self._append_home_local(encode(RecordKind.HOME_DIFF, writer, diff.encode(), interval=interval, gid=gid))
 
     @ckpt.hookimpl
     def dsm_write_notices_received(self, source: str, notices: list[Any]) -> None:

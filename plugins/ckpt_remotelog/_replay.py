@@ -21,10 +21,10 @@ from __future__ import annotations
 from typing import Any
 
 import dsm
+from dsm import Diff
 
-from ._records import Record, RecordKind, diff_runs, notices_of
+from ._records import Record, RecordKind, notices_of
 
-Runs = list[tuple[int, bytes]]
 Notices = list[list[Any]]
 
 
@@ -58,13 +58,13 @@ class LogReplay:
                 break  # a hole: a reservation its writer never completed, and nothing after it was observed
             self.ops.append(record)
         self.rank, self.first_serial, self.next = rank, serial, 0
-        self.diffs: list[tuple[int, int, int, Runs]] = []  # (gid, writer, interval, runs), others' writes
+        self.diffs: list[tuple[int, int, int, Diff]] = []  # (gid, writer, interval, diff), others' writes
         for record in records:
             if record.kind != RecordKind.DIFF or record.writer == rank:
                 continue
             columns = applied(record.gid)
             if columns is None or record.interval > int(columns[record.writer]):
-                self.diffs.append((record.gid, record.writer, record.interval, diff_runs(record.payload)))
+                self.diffs.append((record.gid, record.writer, record.interval, Diff.decode(record.payload)))
         self.returned = 0  # diffs before this index were all returned (the others: see `taken`)
         self.taken: set[int] = set()
         self.consumed: set[tuple[int, int, int]] = set()  # (kind, lock or epoch, token) of replayed operations
@@ -108,14 +108,14 @@ class LogReplay:
         vt, notices = notices_of(record.payload)
         return vt, as_notices(notices)
 
-    def home_diffs(self, vt: list[int]) -> list[tuple[int, Runs]]:
-        out: list[tuple[int, Runs]] = []
+    def home_diffs(self, vt: list[int]) -> list[tuple[int, Diff]]:
+        out: list[tuple[int, Diff]] = []
         for k in range(self.returned, len(self.diffs)):
             if k in self.taken:
                 continue
-            gid, writer, interval, runs = self.diffs[k]
+            gid, writer, interval, diff = self.diffs[k]
             if interval <= vt[writer]:
-                out.append((gid, runs))
+                out.append((gid, diff))
                 self.taken.add(k)
         while self.returned in self.taken:
             self.taken.discard(self.returned)

@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import ckpt
+from dsm import Diff
 
-from ._records import RecordKind, diff_payload, encode, notices_payload, seal
+from ._records import RecordKind, encode, notices_payload, seal
 
 
 class StableLog:
@@ -66,14 +67,14 @@ class StableLog:
 
     # ------------------------------------------------------------------ what is received
     @ckpt.hookimpl
-    def dsm_diff_received(self, writer: int, gid: int, interval: int, diff: list[tuple[int, bytes]]) -> None:
+    def dsm_diff_received(self, writer: int, gid: int, interval: int, diff: Diff) -> None:
         """*handler*, async."""
-        self._keep(encode(RecordKind.DIFF, writer, diff_payload(diff), interval=interval, gid=gid))
+        self._keep(encode(RecordKind.DIFF, writer, diff.encode(), interval=interval, gid=gid))
 
     @ckpt.hookimpl
-    def dsm_diff_created(self, gid: int, home: int, interval: int, diff: list[tuple[int, bytes]]) -> None:
+    def dsm_diff_created(self, gid: int, home: int, interval: int, diff: Diff) -> None:
         if self.onesided and home != self.rank:
-            self._keep(encode(RecordKind.DIFF, self.rank, diff_payload(diff), interval=interval, gid=gid))
+            self._keep(encode(RecordKind.DIFF, self.rank, diff.encode(), interval=interval, gid=gid))
 
     @ckpt.hookimpl
     def dsm_write_notices_received(self, source: str, notices: list[Any]) -> None:

@@ -27,7 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from ._records import Record, RecordKind, diff_runs, parse, scan, walk
+from dsm import Diff
+
+from ._records import Record, RecordKind, parse, scan, walk
 from ._ring import LogRing
 
 
@@ -94,10 +96,9 @@ class HomeVersions:
         with self.mutex:
             kept = self.base.get(gid)
         size = self.memory.page_size
-        data = bytearray(kept[0]) if kept is not None else bytearray(size)
+        data = np.frombuffer(kept[0], np.uint8).copy() if kept is not None else np.zeros(size, np.uint8)
         applied = kept[1] if kept is not None else np.zeros(self.memory.size, dtype=np.int64)
         for record in self.diffs_of(gid):
             if int(applied[record.writer]) < record.interval <= vt[record.writer]:
-                for offset, run in diff_runs(record.payload):
-                    data[offset : offset + len(run)] = run
-        return bytes(data)  # counted by the DSM's handler (versions_served), which asks
+                Diff.decode(record.payload).apply(data)
+        return data.tobytes()  # counted by the DSM's handler (versions_served), which asks
