@@ -59,7 +59,7 @@ from ckpt import verbs
 from ckpt.plugin import PluginCalls, Runtime
 
 from . import _fetch, _onesided, _reconnect, _replay, hookspecs
-from ._diff import EMPTY, Diff, diff_unit, make_diff
+from ._diff import Diff, diff_unit, make_diffs
 from ._errors import DsmError
 from ._handler import Handler
 from ._messages import (
@@ -357,24 +357,24 @@ class Memory(RequestClient):
         written: list[int] = []
         own: list[tuple[Region, int]] = []
         outgoing: dict[int, list[tuple[Region, int, Diff]]] = {}
+        diffs = self._diffs()
         for gid in sorted(self.dirty):
             aid, page = split_gid(gid)
             region = self.regions[aid]
             region.state[page] = VALID
             home = int(region.home[page])
+            diff = diffs.get(gid)  # None: a home page not twinned (twin_homes off)
             if home == self.rank:
-                twin = region.twins.pop(page, None)  # only while twin_homes is on
-                mine = make_diff(region.program_page(page), twin, region.unit) if twin is not None else EMPTY
-                if twin is not None and not mine:
+                if diff is not None and not diff:
                     # unchanged, as its twin shows: no notice, as for a page homed elsewhere (with remote
                     # logging, a notice without a logged diff would name an interval a rebuilt copy lacks)
                     continue
                 own.append((region, page))
                 written += [gid, home]
-                if mine:
-                    self.hook("dsm_diff_created", gid=gid, home=home, interval=interval, diff=mine)
+                if diff:
+                    self.hook("dsm_diff_created", gid=gid, home=home, interval=interval, diff=diff)
                 continue
-            diff = make_diff(region.program_page(page), region.twins.pop(page), region.unit)
+            assert diff is not None  # a page homed elsewhere is always twinned
             if not diff:
                 continue
             written += [gid, home]
@@ -402,6 +402,22 @@ class Memory(RequestClient):
         self.hook("dsm_interval_closed", interval=interval, pages=written[::2])
         if not replaying:
             self._send_again(outgoing, links, interval)
+
+    def _diffs(self) -> dict[int, Diff]:
+        """The diff of every dirty page that has a twin (each twin dropped), by gid: one `make_diffs` per region."""
+        twinned: dict[int, list[int]] = {}
+        for gid in self.dirty:
+            aid, page = split_gid(gid)
+            if page in self.regions[aid].twins:
+                twinned.setdefault(aid, []).append(page)
+        diffs: dict[int, Diff] = {}
+        for aid, pages in twinned.items():
+            region = self.regions[aid]
+            current = region.local.reshape(region.npages, region.page_size)[pages]
+            twins = np.stack([region.twins.pop(page) for page in pages])
+            for page, diff in zip(pages, make_diffs(current, twins, region.unit), strict=True):
+                diffs[gid_of(aid, page)] = diff
+        return diffs
 
     def _send_again(
         self, outgoing: dict[int, list[tuple[Region, int, Diff]]], links: dict[int, int], interval: int

@@ -10,7 +10,7 @@ from dsm_util import run_ranks
 
 import dsm
 from ckpt.testing import ThreadRuntime
-from dsm import DsmError, _onesided
+from dsm import Diff, DsmError, _onesided
 
 pytestmark = pytest.mark.timeout(60)
 WORDS = 512  # int64 per 4 KiB page
@@ -35,10 +35,10 @@ def test_a_writer_killed_mid_draw_blocks_readers_until_its_next_incarnation_draw
         mem.barrier()
         local = region.data.view(np.int64)
         runs = [(0, 8 * 4), (8 * 100, 8 * 3)]  # two runs: words 0-3 and 100-102
-        diff = [(offset, b"") for offset, _ in runs]
+        diff = Diff.of_runs((offset, b"?" * n) for offset, n in runs)  # only rank 1 DRAWs it
         if rt.rank == 1:
             local[0:4], local[100:103] = 7, 9
-            diff = [(offset, local.tobytes()[offset : offset + n]) for offset, n in runs]
+            diff = Diff.of_runs((offset, local.tobytes()[offset : offset + n]) for offset, n in runs)
             whole = mem.client.run
             monkeypatch.setattr(mem.client, "run", lambda home, wrs, seq: whole(home, wrs[:2], seq))
             _onesided.draw(mem, {0: [(region, 0, diff)]}, INTERVAL)  # the opening WRITE and the first run only

@@ -206,19 +206,22 @@ class RemoteLog:
     @ckpt.hookimpl
     def dsm_interval_closing(self, interval: int, release: int) -> None:
         records: list[tuple[int, str, bytearray]] = []
+        own: list[bytearray] = []  # the home diff log's records of this rank's own writes (async: appended here)
         for gid, home, i, diff in self.diffs:
             payload = diff.encode()
             records.append((self.log_home(home), LOG, encode(RecordKind.DIFF, self.rank, payload, interval=i, gid=gid)))
             if home == self.rank:
-                own = encode(RecordKind.HOME_DIFF, self.rank, payload, interval=i, gid=gid)
+                record = encode(RecordKind.HOME_DIFF, self.rank, payload, interval=i, gid=gid)
                 if self.onesided:
-                    records.append((self.rank, HOME, own))
+                    records.append((self.rank, HOME, record))
                 else:
-                    self._append_home_local(own)
+                    own.append(record)
                 continue
             if self.onesided:
                 records.append((home, HOME, encode(RecordKind.HOME_DIFF, self.rank, payload, interval=i, gid=gid)))
         self.diffs.clear()
+        if own:
+            self._append_home_local(*own)
         for peer, which, record in records:
             self.writer.add(peer, which, record)
         if release >= 0:
@@ -309,17 +312,18 @@ class RemoteLog:
         self.serial += 1
         return self.serial - 1
 
-    def _append_home_local(self, record: bytearray) -> None:
+    def _append_home_local(self, *records: bytearray) -> None:
         started = time.perf_counter()
         # once one record overflowed, later ones follow it there: the log's order is the order applied
-        if self.overflow or not self.home_log.append_local(record):
-            self.overflow.append(record)  # kept (and checkpointed) until the home's checkpoint: never lost
-            self.memory.account("log_full_waits")
+        appended = 0 if self.overflow else self.home_log.append_local(*records)
+        if appended < len(records):
+            self.overflow += records[appended:]  # kept (and checkpointed) until the home's checkpoint: never lost
+            self.memory.account("log_full_waits", len(records) - appended)
             self._ask_checkpoint(self.rank, HOME, self.home_log.head)
         elif self.home_log.tail - self.home_log.head > HIGH_WATER * self.home_log.capacity:
             self._ask_checkpoint(self.rank, HOME, self.home_log.head)
-        self.memory.account("log_records")
-        self.memory.account("log_bytes", len(record))
+        self.memory.account("log_records", len(records))
+        self.memory.account("log_bytes", sum(len(record) for record in records))
         self.memory.account("log_seconds", time.perf_counter() - started)
 
     def _ask_checkpoint(self, peer: int, which: str, head: int, again: bool = False) -> None:

@@ -52,11 +52,12 @@ class LogRing:
         self.capacity = capacity
         self.buf = verbs.shared_array(CONTROL + capacity, np.uint8)  # writers place records by RDMA
         self.mr = verbs.MR(pd, self.buf, REMOTE)
-        self.mutex = threading.Lock()  # local appenders only (the async home diff log: program + handler)
+        self._views()
 
-    @property
-    def control(self) -> np.ndarray:
-        return self.buf[:CONTROL].view(np.int64)
+    def _views(self) -> None:
+        self.mutex = threading.Lock()  # local appenders only (the async home diff log: program + handler)
+        self.control = self.buf[:CONTROL].view(np.int64)  # tail, head, lost
+        self.area = self.buf[CONTROL:]
 
     @property
     def tail(self) -> int:
@@ -88,7 +89,7 @@ class LogRing:
 
     def contents(self, start: int, end: int) -> bytes:
         """The bytes of positions [start, end) (at most one lap)."""
-        return circular_read(self.buf[CONTROL:], start, end)
+        return circular_read(self.area, start, end)
 
     def records(self) -> list[Any]:
         """The committed records from head on, up to the first that is not (local: no RDMA)."""
@@ -106,27 +107,34 @@ class LogRing:
         found = self.records()
         return found[-1].position + found[-1].size if found else self.head
 
-    def append_local(self, record: bytearray) -> bool:
-        """Append `record` here, by the CPU (never mixed with remote FETCH_AND_ADDs on the same ring).
+    def append_local(self, *records: bytearray) -> int:
+        """Append `records` here, in order, by the CPU (never mixed with remote FETCH_AND_ADDs on the same ring).
 
-        False, and nothing written, when it does not fit before head.
+        How many were appended: those that fit before head (the rest are not written).
         """
         with self.mutex:
-            position = self.tail
-            if position + len(record) - self.head > self.capacity:
-                return False
-            circular_write(self.buf[CONTROL:], position, seal(record, position))
-            self.control[0] = position + len(record)
-            return True
+            start = position = int(self.control[0])
+            room = int(self.control[1]) + self.capacity
+            sealed = []
+            for record in records:
+                if position + len(record) > room:
+                    break
+                sealed.append(seal(record, position))
+                position += len(record)
+            if sealed:
+                circular_write(self.area, start, b"".join(sealed))  # one copy, whatever their number
+                self.control[0] = position
+            return len(sealed)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        del state["mutex"]
+        for view in ("mutex", "control", "area"):
+            del state[view]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self.mutex = threading.Lock()
+        self._views()
 
 
 def circular_read(area: np.ndarray, start: int, end: int) -> bytes:
@@ -143,9 +151,10 @@ def circular_write(area: np.ndarray, position: int, data: bytes | bytearray) -> 
     capacity = len(area)
     lo = position % capacity
     first = min(len(data), capacity - lo)
-    area[lo : lo + first] = np.frombuffer(data[:first], dtype=np.uint8)
+    source = np.frombuffer(data, dtype=np.uint8)
+    area[lo : lo + first] = source[:first]
     if first < len(data):
-        area[: len(data) - first] = np.frombuffer(data[first:], dtype=np.uint8)
+        area[: len(data) - first] = source[first:]
 
 
 def spans(capacity: int, position: int, length: int) -> list[tuple[int, int, int]]:

@@ -303,13 +303,13 @@ class RingWriter:
             self.ask(peer, which, head)
         if tail + need - head > capacity:
             self.wait_for_room(peer, which, tail + need - capacity)
-        base, position = self.staging_mr.buf + at, tail
+        base, position, sealed = self.staging_mr.buf + at, tail, []
         for record in batch:
-            self.staging[at : at + len(record)] = np.frombuffer(seal(record, position), dtype=np.uint8)
-            at += len(record)
+            sealed.append(seal(record, position))
             position += len(record)
+        self.staging[at : at + need] = np.frombuffer(b"".join(sealed), dtype=np.uint8)  # one copy for the batch
         wrs += _spanned(_write, ring, tail, need, lambda _, data_off: base + data_off, lkey)
-        return at
+        return at + need
 
     def _post(self, peer: int, wrs: list[verbs.SendWR], ids: list[int]) -> bool:
         """Post `wrs` to `peer`, the last one signaled (its id goes to `ids`); no wait unless too many.
