@@ -392,6 +392,34 @@ def test_extra_hookspecs_join_the_same_manager(monkeypatch: pytest.MonkeyPatch) 
     assert host.call("dsm_barrier_passed", rt=RT, number=21) == [42]
 
 
+def test_an_object_registered_or_unregistered_after_a_hook_fired_is_seen_by_the_next_call() -> None:
+    """`call` keeps each hook's plan (order, argument names) between calls: a registration must renew it."""
+    host = PluginHost()
+    seen: list[str] = []
+
+    class Memory:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        @hookimpl
+        def ckpt_resume(self) -> None:
+            seen.append(self.name)
+
+    def called() -> list[str]:
+        host.call("ckpt_resume", rt=RT)
+        names = sorted(seen)
+        seen.clear()
+        return names
+
+    first, second = Memory("first"), Memory("second")
+    host.register(first, "first")
+    assert called() == ["first"]
+    host.register(second, "second")
+    assert called() == ["first", "second"]
+    host.unregister(first)
+    assert called() == ["second"]
+
+
 # ----------------------------------------------------------------- image contents
 def test_image_contents_add_and_get() -> None:
     image = ImageContents()

@@ -98,6 +98,9 @@ class PluginHost:
         self._spec_modules: list[Any] = [hookspecs]
         self._down = set(_PHASE_DOWN) | _down_hooks(hookspecs)
         self.plugins: list[PluginInfo] = []
+        #: `call`'s plan per hook, (function, argument names, plugin name) in order: a DSM hook fires per page
+        #: diffed and per lock operation.  Emptied whenever a plugin or hookspec comes or goes.
+        self._plans: dict[str, list[tuple[Any, tuple[str, ...], str]]] = {}
 
     def load(self, with_plugins: list[str], disabled: list[str]) -> PluginHost:
         entries = [(_info(name, plugin, source), plugin) for name, plugin, source in discover(with_plugins, disabled)]
@@ -119,6 +122,7 @@ class PluginHost:
             except (ValueError, pluggy.PluginValidationError) as exc:
                 raise PluginError(f"plugin {info.name!r} cannot be registered: {exc}") from None
             self.plugins.append(info)
+        self._plans.clear()
         for plugin in self.pm.get_plugins():  # a plugin may bring hookspecs of its own (the DSM's)
             specs = getattr(plugin, "CKPT_HOOKSPECS", None)
             if specs is not None:
@@ -135,9 +139,11 @@ class PluginHost:
             self._spec_modules.append(module)
             self.pm.add_hookspecs(module)
             self._down |= _down_hooks(module)
+            self._plans.clear()
 
     def register(self, plugin: object, name: str) -> None:
         """Register an object whose hookimpls implement hooks (a DSM memory); validated at once."""
+        self._plans.clear()
         try:
             self.pm.register(plugin, name=name)
             self.pm.check_pending()
@@ -147,6 +153,7 @@ class PluginHost:
             raise PluginError(f"{name!r} cannot be registered: {exc}") from None
 
     def unregister(self, plugin: object) -> None:
+        self._plans.clear()
         if self.pm.is_registered(plugin):
             self.pm.unregister(plugin)
 
@@ -170,14 +177,17 @@ class PluginHost:
     def call(self, hook: str, **kwargs: Any) -> list[Any]:
         """Run `hook` on every plugin in its direction's order; a failure names the plugin."""
         results = []
-        for impl in self.ordered_impls(hook):
-            args = {name: kwargs[name] for name in impl.argnames}
+        plan = self._plans.get(hook)
+        if plan is None:
+            plan = [(i.function, tuple(i.argnames), i.plugin_name) for i in self.ordered_impls(hook)]
+            self._plans[hook] = plan
+        for function, argnames, plugin_name in plan:
             try:
-                result = impl.function(**args)
+                result = function(**{name: kwargs[name] for name in argnames})
             except (PluginError, CheckpointAborted):
                 raise
             except Exception as exc:
-                raise PluginError(f"plugin {impl.plugin_name!r} failed in {hook}: {type(exc).__name__}: {exc}") from exc
+                raise PluginError(f"plugin {plugin_name!r} failed in {hook}: {type(exc).__name__}: {exc}") from exc
             if result is not None:
                 results.append(result)
         return results
