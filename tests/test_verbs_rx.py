@@ -53,6 +53,27 @@ def test_a_thread_that_polls_executes_the_packets_it_waits_for(ctxs: tuple[v.Con
     assert ctxs[1].statistics().packets_polled - before == ROUNDS
 
 
+def test_a_completion_on_another_cq_does_not_wake_the_thread_that_drives(
+    ctxs: tuple[v.Context, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """B's poller waits in B's engine for its receive CQ; a completion another thread queues on B's send CQ (as
+    a direct placement does) leaves it asleep, one on the receive CQ wakes it at once."""
+    _, b = connect_rc(*ctxs, endpoint_b={"separate_cqs": True})
+    engine = _hca.hca(ctxs[1].name).rx
+    wakes: list[int] = []
+    woken = engine.wake
+    monkeypatch.setattr(engine, "wake", lambda: (wakes.append(1), woken()))
+    got: list[v.WC] = []
+    poller = threading.Thread(target=lambda: got.append(poll_one(b.rcq)), daemon=True)
+    poller.start()
+    wait_for(lambda: engine.driving, what="B's poller to wait in B's engine")
+    b.scq.handle.push(v.WC(wr_id=1))
+    assert wakes == [] and not got
+    b.rcq.handle.push(v.WC(wr_id=2))
+    poller.join(WAIT)
+    assert wakes == [1] and [wc.wr_id for wc in got] == [2]
+
+
 def test_once_nobody_polls_the_reader_threads_serve_one_sided_operations(ctxs: tuple[v.Context, ...]) -> None:
     """B's thread drove B's engine, then stops polling (it computes, or is parked): within the lease B's reader
     threads take over, and an RDMA READ and an atomic on B's memory complete without B's program."""

@@ -143,8 +143,10 @@ class CQHandle(NotCheckpointable):
             hca = self.hca
             if hca.poll_waiters:
                 hca.wake_pollers()
-            if hca.rx.driving:  # (never the driver itself: it is not in epoll while it executes packets)
-                hca.rx.wake()
+            rx = hca.rx
+            # (never the driver itself: it is not in epoll while it executes packets)
+            if rx.driving and (rx.awaited is None or rx.awaited is self.entries):
+                rx.wake()
             armed = self.armed
             if armed and (armed == self.ARM_ALL or solicited or wc.status != e.IBV_WC_SUCCESS):
                 self.armed = 0

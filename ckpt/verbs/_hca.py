@@ -180,7 +180,7 @@ class Hca:
         the thread with its completion waits), and any completion on this HCA rings it.  The
         doorbell is a bare lock, the cheapest thing a thread can block on and be woken from.
         """
-        if self.rx.drive(entries.__len__, POLL_WAIT) or entries:
+        if self.rx.drive(entries.__len__, POLL_WAIT, entries) or entries:
             return
         self.poll_waiters += 1
         try:

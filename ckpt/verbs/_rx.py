@@ -145,6 +145,9 @@ class ReceiveEngine:
         self._driver = threading.Lock()  # held by the thread that drives
         #: a driver is blocked in epoll: a completion queued by another thread must wake it
         self.driving = False
+        #: the completion queue (its entries) the driver waits for: a completion queued on another one by another
+        #: thread -- a direct placement, a post completed at once -- does not wake it (None: any does)
+        self.awaited: object = None
         self.lease_until = 0.0
         self.owing: set[RxChannel] = set()  # channels with coalesced ACKs owed
         self.next_due = float("inf")  # the earliest of their deadlines (or earlier: it is only a wake-up)
@@ -155,16 +158,22 @@ class ReceiveEngine:
             threading.Thread(target=self._accept_loop, args=(listener,), name=name, daemon=True).start()
 
     # ------------------------------------------------------------------ the polling thread
-    def drive(self, ready: Callable[[], object], timeout: float) -> bool:
-        """Execute incoming packets on this thread until `ready()` or `timeout` seconds; False if another drives."""
+    def drive(self, ready: Callable[[], object], timeout: float, awaited: object = None) -> bool:
+        """Execute incoming packets on this thread until `ready()` or `timeout` seconds; False if another drives.
+
+        `awaited`: what `ready` looks at (a CQ's entries), so that only a completion queued there wakes this
+        thread out of its wait (`awaited`).
+        """
         if not ENABLED:
             return False
         driver = self._driver
         if not driver.acquire(blocking=False):
             return False
+        self.awaited = awaited
         try:
             self._run(ready, time.monotonic() + timeout)
         finally:
+            self.awaited = None
             self.lease_until = time.monotonic() + LEASE
             driver.release()
         return True
