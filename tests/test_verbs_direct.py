@@ -280,3 +280,54 @@ def test_an_atomic_with_more_than_one_sge_is_refused_at_post(start_peer: Any) ->
         ep.qp.post_send(wr)
     assert raised.value.error_code == 22
     assert peer.dump()[0][:8] == bytes(8)
+
+
+# ----------------------------------------------------------------- loopback: two QPs of one HCA
+@pytest.fixture
+def loopback() -> Iterator[tuple[Any, Any, v.MR]]:
+    """Two QPs of one simib HCA connected to each other, and shared memory registered on the second's PD."""
+    while (name := f"simib{next(_fresh)}") in _hca._hcas:
+        pass
+    ctx = v.Context(name=name)
+    try:
+        a, b = make_endpoint(ctx), make_endpoint(ctx)
+        bring_up(a.qp, b.qp.qp_num, b.lid)
+        bring_up(b.qp, a.qp.qp_num, a.lid)
+        yield a, b, v.MR(b.pd, 4096, v.IBV_ACCESS_LOCAL_WRITE | v.IBV_ACCESS_REMOTE_WRITE | v.IBV_ACCESS_REMOTE_ATOMIC)
+    finally:
+        ctx.close()
+
+
+def test_a_qp_connected_to_another_qp_of_its_own_hca_places_directly_too(loopback: Any) -> None:
+    """A loopback (a DSM rank's link to itself: it is the log home of its neighbour's pages) is served like a
+    same-host peer: at post time, no packet, PSNs consumed on both QPs."""
+    a, b, shared = loopback
+    counts = _hca.hca(a.ctx.name).counts
+    before = dict(counts)
+    a.buf[:16] = np.frombuffer(b"loopback, direct", dtype=np.uint8)
+    write = rdma_wr(v.IBV_WR_RDMA_WRITE, a.sge(0, 16), shared.rkey, shared.buf + 8)
+    write.next_wr = atomic_wr(v.IBV_WR_ATOMIC_FETCH_AND_ADD, a.sge(64, 8), shared.rkey, shared.buf, 3, wr_id=2)
+    a.qp.post_send(write)
+    assert [wc.status for wc in a.scq.poll(4)[1]] == [v.IBV_WC_SUCCESS, v.IBV_WC_SUCCESS]  # no wait
+    assert bytes(shared.read(16, 8)) == b"loopback, direct" and int.from_bytes(shared.read(8, 0), "little") == 3
+    assert counts["direct_ops"] - before["direct_ops"] == 2 and counts["packets_sent"] == before["packets_sent"]
+    assert b.qp.query(v.IBV_QP_RQ_PSN)[0].rq_psn == 2
+
+
+def test_a_loopback_holds_off_its_own_hcas_row_changes_until_its_copies_are_done(loopback: Any) -> None:
+    """Record locks do not exclude threads of one process: a loopback holds the table's own lock instead, so a
+    deregistration on another thread waits until the direct operation's copies are done."""
+    a, _, shared = loopback
+    hca = _hca.hca(a.ctx.name)
+    peer = hca.direct_peer(a.lid)
+    assert peer is not None
+    peer.hold()
+    dereg = threading.Thread(target=shared.close, daemon=True)
+    try:
+        dereg.start()
+        dereg.join(0.2)
+        assert dereg.is_alive(), "dereg_mr returned while a direct operation held the table"
+    finally:
+        peer.release()
+    dereg.join(WAIT)
+    assert not dereg.is_alive()

@@ -352,6 +352,8 @@ class Hca:
             return None
         endpoint = route[0]
         known = self._peers.get(endpoint, 0.0)
+        if endpoint == self.endpoint and known == 0.0:  # a loopback: this very HCA
+            known = self._peers[endpoint] = _shm.Loopback(self.table)
         if not isinstance(known, float):  # a peer, or None: it publishes nothing, or is over TCP
             if known is None or known.alive():
                 return known

@@ -25,6 +25,9 @@
 #   holds a shared one from its checks to the end of its copies.  So a row is
 #   never read torn, and once `dereg_mr` or a `modify` has returned no direct
 #   operation is still using what it changed, as `ibv_dereg_mr(3)` promises.
+#   A loopback (a QP connected to another QP of its own HCA) reads its own
+#   table; it holds the table's in-process lock, which every row change takes,
+#   since a record lock does not exclude a thread of the same process.
 # * PSNs.  A direct WR consumes its PSNs like a packet: the requester's
 #   `sq_psn` moves, and it adds them to the responder QP's row, which the
 #   responder takes into its expected PSN before it looks at its next packet or
@@ -324,7 +327,7 @@ class Peer:
         """Keep the peer from changing any row (a shared record lock on its table) until `release`."""
         self._lock.acquire()
         try:
-            fcntl.lockf(self._table_fd, fcntl.LOCK_SH)
+            self._share()
         except BaseException:
             self._lock.release()
             raise
@@ -335,8 +338,14 @@ class Peer:
             self._qp_rows.clear()
 
     def release(self) -> None:
-        fcntl.lockf(self._table_fd, fcntl.LOCK_UN)
+        self._unshare()
         self._lock.release()
+
+    def _share(self) -> None:
+        fcntl.lockf(self._table_fd, fcntl.LOCK_SH)
+
+    def _unshare(self) -> None:
+        fcntl.lockf(self._table_fd, fcntl.LOCK_UN)
 
     def mr(self, rkey: int) -> list[int] | None:
         """The published row of region `rkey` (MR_* fields), or None (hold the peer)."""
@@ -384,6 +393,38 @@ class Peer:
             return None
         self._fds.append(fd)
         return found
+
+
+class Loopback(Peer):
+    """This process's own HCA as a peer: a QP connected to another QP of the same HCA places its one-sided
+    operations directly too (the DSM's link to its own rank: a rank is the log home of its neighbour's pages).
+
+    A record lock does not exclude another thread of the same process, so `hold` takes the lock every change
+    of the table's rows takes in this process (`Table._changing`) instead.
+    """
+
+    def __init__(self, table: Table) -> None:
+        pid, pidfd, fd = os.getpid(), os.pidfd_open(os.getpid()), -1
+        try:
+            fd = os.dup(table.fd)
+            os.set_inheritable(fd, False)
+            mm = mmap.mmap(fd, 0)
+        except BaseException:
+            os.close(pidfd)
+            if fd >= 0:
+                os.close(fd)
+            raise
+        super().__init__(pid, pidfd, fd, mm)
+        self._table = table
+
+    def alive(self) -> bool:
+        return True
+
+    def _share(self) -> None:
+        self._table._lock.acquire()
+
+    def _unshare(self) -> None:
+        self._table._lock.release()
 
 
 def _close_all(fds: list[int]) -> None:
