@@ -70,17 +70,8 @@ class Diff:
             raise DsmError(f"malformed diff: {count} runs in {len(view)} bytes")
         offsets = np.frombuffer(view, _U32, count, _COUNT.size)
         lengths = np.frombuffer(view, _U32, count, _COUNT.size + 4 * count)
-        if count:
-            ends = offsets.astype(np.int64) + lengths
-            if (
-                int(lengths.min()) == 0
-                or int(lengths.sum(dtype=np.int64)) != len(view) - start
-                or bool(np.any(offsets[1:] < ends[:-1]))
-                or (size is not None and int(ends[-1]) > size)
-            ):
-                raise DsmError(f"malformed diff: {count} runs that do not fit {len(view) - start} bytes")
-        elif len(view) != start:
-            raise DsmError(f"malformed diff: no runs but {len(view) - start} bytes")
+        if not _fits(offsets, lengths, len(view) - start, size):
+            raise DsmError(f"malformed diff: {count} runs that do not fit {len(view) - start} bytes")
         return cls(offsets, lengths, view[start:].tobytes())
 
     def encode(self) -> bytes:
@@ -138,6 +129,25 @@ class Diff:
 EMPTY = Diff(np.zeros(0, _U32), np.zeros(0, _U32), b"")
 
 
+def _fits(offsets: np.ndarray, lengths: np.ndarray, nbytes: int, size: int | None) -> bool:
+    """Runs that are not empty, ascending and apart, end by `size` and hold `nbytes` bytes in all."""
+    count = len(offsets)
+    if count <= _FEW:  # a diff of a few runs (most of them): plain Python is cheaper than numpy's calls
+        end, total = 0, 0
+        for offset, length in zip(offsets.tolist(), lengths.tolist(), strict=True):
+            if length == 0 or offset < end:
+                return False
+            end, total = offset + length, total + length
+        return total == nbytes and (size is None or end <= size)
+    ends = offsets.astype(np.int64) + lengths
+    return not (
+        int(lengths.min()) == 0
+        or int(lengths.sum(dtype=np.int64)) != nbytes
+        or bool(np.any(offsets[1:] < ends[:-1]))
+        or (size is not None and int(ends[-1]) > size)
+    )
+
+
 def diff_unit(dtype: np.dtype[Any]) -> int:
     """The unit a shared array of `dtype` is diffed in: a plain integer or float's size if 2, 4 or 8 bytes, else 1.
 
@@ -153,7 +163,23 @@ def make_diff(page: np.ndarray, twin: np.ndarray, unit: int = 1) -> Diff:
 
     Empty (false) when nothing changed.  The page's length must be a multiple of `unit`.
     """
-    return make_diffs(page.reshape(1, -1), twin.reshape(1, -1), unit)[0]
+    return _make_one(page, twin, unit)
+
+
+def _make_one(page: np.ndarray, twin: np.ndarray, unit: int) -> Diff:
+    if unit in _WORDS:
+        words = page.view(_WORDS[unit])
+        changed = np.flatnonzero(words != twin.view(_WORDS[unit]))
+    else:
+        words, unit = page, 1
+        changed = np.flatnonzero(page != twin)
+    if changed.size == 0:
+        return EMPTY
+    breaks = np.flatnonzero(np.diff(changed) > 1)
+    firsts = np.concatenate((changed[:1], changed[breaks + 1]))
+    lasts = np.concatenate((changed[breaks], changed[-1:]))
+    # the changed units in order are the runs' bytes back to back (a copy: the page changes on)
+    return Diff((firsts * unit).astype(_U32), ((lasts - firsts + 1) * unit).astype(_U32), words[changed].tobytes())
 
 
 def make_diffs(pages: np.ndarray, twins: np.ndarray, unit: int = 1) -> list[Diff]:
@@ -163,6 +189,8 @@ def make_diffs(pages: np.ndarray, twins: np.ndarray, unit: int = 1) -> list[Diff
     an interval of SOR writes 32 pages, and a home diffs each of them while it is logged.
     """
     count, size = pages.shape
+    if count == 1:  # one page: no splitting
+        return [_make_one(pages[0], twins[0], unit)]
     if unit in _WORDS:
         words = pages.view(_WORDS[unit]).reshape(-1)
         changed = np.flatnonzero(words != twins.view(_WORDS[unit]).reshape(-1))

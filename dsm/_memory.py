@@ -59,7 +59,7 @@ from ckpt import verbs
 from ckpt.plugin import PluginCalls, Runtime
 
 from . import _fetch, _onesided, _reconnect, _replay, hookspecs
-from ._diff import Diff, diff_unit, make_diffs
+from ._diff import Diff, diff_unit, make_diff, make_diffs
 from ._errors import DsmError
 from ._handler import Handler
 from ._messages import (
@@ -413,6 +413,10 @@ class Memory(RequestClient):
         diffs: dict[int, Diff] = {}
         for aid, pages in twinned.items():
             region = self.regions[aid]
+            if len(pages) == 1:  # most intervals of a lock-based program: no copies to gather them
+                (page,) = pages
+                diffs[gid_of(aid, page)] = make_diff(region.program_page(page), region.twins.pop(page), region.unit)
+                continue
             current = region.local.reshape(region.npages, region.page_size)[pages]
             twins = np.stack([region.twins.pop(page) for page in pages])
             for page, diff in zip(pages, make_diffs(current, twins, region.unit), strict=True):

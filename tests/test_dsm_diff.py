@@ -216,6 +216,11 @@ def _encoded(offsets: list[int], lengths: list[int], data: bytes) -> bytes:
         (_encoded([PAGE - 1], [2], b"ab"), "a run past the page"),
         (b"\xff\xff\xff\x00" + b"x" * 16, "a count larger than the payload"),
         (b"\x00\x00\x00\x00x", "bytes but no runs"),
+        # and with many runs (checked by numpy rather than run by run)
+        (_encoded(list(range(0, 200, 10)), [2] * 19 + [0], b"x" * 38), "many runs, one empty"),
+        (_encoded(list(range(0, 200, 10)), [11] + [2] * 19, b"x" * 49), "many runs, two overlapping"),
+        (_encoded(list(range(0, 200, 10)), [2] * 20, b"x" * 39), "many runs, a byte short"),
+        (_encoded([*range(0, 190, 10), PAGE - 1], [2] * 20, b"x" * 40), "many runs, the last past the page"),
     ],
 )
 def test_a_malformed_diff_is_refused_in_one_clear_error(payload: bytes, why: str) -> None:
