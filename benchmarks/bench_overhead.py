@@ -60,12 +60,15 @@ _RESULT = re.compile(r"^\[rank (\d+)\] result: (\S+)$", re.M)
 class Jobs:
     """CLI processes started by the benchmark, each in its own session; `close` kills their groups."""
 
-    def __init__(self) -> None:
+    def __init__(self, command: list[str] = CKPT) -> None:
+        self.command = command  # how to run `ckpt` (another checkout's, for bench_sched --compare commit)
         self.processes: list[subprocess.Popen[str]] = []
 
     def start(self, args: list[str], out: Path) -> subprocess.Popen[str]:
         with open(out, "w") as stdout, open(out.with_suffix(".err"), "w") as stderr:
-            process = subprocess.Popen([*CKPT, *args], stdout=stdout, stderr=stderr, text=True, start_new_session=True)
+            process = subprocess.Popen(
+                [*self.command, *args], stdout=stdout, stderr=stderr, text=True, start_new_session=True
+            )
         self.processes.append(process)
         return process
 

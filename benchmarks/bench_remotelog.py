@@ -79,13 +79,20 @@ KEYS = ("lock_acquires", "barriers", "diffs", "diff_bytes", "log_records", "log_
 
 
 def run_once(
-    jobs: Jobs, directory: Path, name: str, protocol: str, mode: str, i: int, options: tuple[str, ...] = ()
+    jobs: Jobs,
+    directory: Path,
+    name: str,
+    protocol: str,
+    mode: str,
+    i: int,
+    options: tuple[str, ...] = (),
+    with_stats: Path = WITH_STATS,
 ) -> tuple[float, float]:
-    """One job (with `options` too): (mean DSM seconds over the ranks, CPU share of others); its counters go to
-    `LAST`."""
+    """One job (with `options` too; `with_stats`: another checkout's dsm_stats.py): (mean DSM seconds over the
+    ranks, CPU share of others); its counters go to `LAST`."""
     prefix = directory / f"stats-{name}-{protocol}-{mode}-{i}"
     os.environ["CKPT_BENCH_DSM_PROGRAM"], os.environ["CKPT_BENCH_DSM_STATS"] = name, str(prefix)
-    program = [*options, "--dsm-protocol", protocol, "--logging", mode, str(WITH_STATS), *BENCH_ARGS[name]]
+    program = [*options, "--dsm-protocol", protocol, "--logging", mode, str(with_stats), *BENCH_ARGS[name]]
     stdout, foreign = launch(jobs, directory, f"{name}-{protocol}-{mode}-{i}", False, RANKS, program)
     lines = set(results(stdout).values())
     if len(lines) != 1 or "numpy=match" not in next(iter(lines)):
