@@ -50,17 +50,23 @@ ROOT = Path(__file__).resolve().parent.parent
 def checkout(rev: str, directory: Path) -> tuple[Jobs, Path]:
     """Commit `rev` in a worktree under `directory`, installed in a venv of its own: (jobs running its `ckpt`, its
     dsm_stats.py).  `release` removes the worktree."""
-    tree, venv = directory / "base", directory / "base-venv"
+    tree, venv, pins = directory / "base", directory / "base-venv", directory / "pins.txt"
+    # the same versions of numpy, msgpack, ... as this checkout's environment: only ckpt's own code differs
+    frozen = subprocess.run(
+        [sys.executable, "-m", "pip", "freeze", "--exclude-editable"], capture_output=True, text=True
+    )
+    pins.write_text(frozen.stdout)
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
     for command in (
         ["git", "-C", str(ROOT), "worktree", "add", "--detach", "--quiet", str(tree), rev],
         [sys.executable, "-m", "venv", str(venv)],
-        [*pip, "-e", str(tree)],
+        [*pip, "-c", str(pins), "-e", str(tree)],
     ):
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
             raise SystemExit(f"error: cannot set up commit {rev}: {' '.join(command)}: {done.stderr.strip()[-300:]}")
-    return Jobs([str(venv / "bin" / "python"), "-m", "ckpt"]), tree / WITH_STATS.relative_to(ROOT)
+    # -P: not the current directory first on sys.path (from this checkout, `-m ckpt` would import its ckpt)
+    return Jobs([str(venv / "bin" / "python"), "-P", "-m", "ckpt"]), tree / WITH_STATS.relative_to(ROOT)
 
 
 def _resolve(rev: str) -> str:
@@ -73,6 +79,7 @@ def _resolve(rev: str) -> str:
 
 def release(directory: Path) -> None:
     subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(directory / "base")], check=False)
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "prune"], check=False)  # and any a killed run left
 
 
 def run_variant(compare: str, variant: str) -> tuple[str, ...]:
@@ -156,13 +163,15 @@ def main() -> None:
     jobs = Jobs()
     programs = {name: BENCH_ARGS[name] for name in args.only}
     based = {}
-    if args.base is not None:  # the commits compared, resolved
+    if args.base is not None:  # the commits compared, resolved; the jobs of "head" run the working tree
         based = {variant: _resolve(rev) for variant, rev in (("base", args.base), ("head", "HEAD"))}
+        status = ["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"]
+        based["head_modified"] = bool(subprocess.run(status, capture_output=True, text=True).stdout.strip())
     settings = run_settings(compare=args.compare, rounds=args.rounds, modes=args.modes, args=programs, **based)
     with tempfile.TemporaryDirectory(prefix=f"bench-{args.compare}-") as tmp:
         base = None
         try:
-            base = checkout(based["base"], Path(tmp)) if based else None
+            base = checkout(str(based["base"]), Path(tmp)) if based else None
             table = measure(jobs, Path(tmp), args, base)
         finally:
             jobs.close()

@@ -68,8 +68,9 @@ class Diff:
         start = _COUNT.size + 8 * count
         if len(view) < start:
             raise DsmError(f"malformed diff: {count} runs in {len(view)} bytes")
-        offsets = np.frombuffer(view, _U32, count, _COUNT.size)
-        lengths = np.frombuffer(view, _U32, count, _COUNT.size + 4 * count)
+        # copies: a caller's buffer may change after the check (a ring, a receive buffer)
+        offsets = np.frombuffer(view, _U32, count, _COUNT.size).copy()
+        lengths = np.frombuffer(view, _U32, count, _COUNT.size + 4 * count).copy()
         if not _fits(offsets, lengths, len(view) - start, size):
             raise DsmError(f"malformed diff: {count} runs that do not fit {len(view) - start} bytes")
         return cls(offsets, lengths, view[start:].tobytes())

@@ -364,6 +364,7 @@ class Memory(RequestClient):
             region.state[page] = VALID
             home = int(region.home[page])
             diff = diffs.get(gid)  # None: a home page not twinned (twin_homes off)
+            region.twins.pop(page, None)  # here, not in `_diffs`: a hook that fails leaves the rest twinned
             if home == self.rank:
                 if diff is not None and not diff:
                     # unchanged, as its twin shows: no notice, as for a page homed elsewhere (with remote
@@ -374,7 +375,8 @@ class Memory(RequestClient):
                 if diff:
                     self.hook("dsm_diff_created", gid=gid, home=home, interval=interval, diff=diff)
                 continue
-            assert diff is not None  # a page homed elsewhere is always twinned
+            if diff is None:
+                raise DsmError(f"page {gid:#x} of home {home} was written without a twin")
             if not diff:
                 continue
             written += [gid, home]
@@ -404,7 +406,7 @@ class Memory(RequestClient):
             self._send_again(outgoing, links, interval)
 
     def _diffs(self) -> dict[int, Diff]:
-        """The diff of every dirty page that has a twin (each twin dropped), by gid: one `make_diffs` per region."""
+        """The diff of every dirty page that has a twin, by gid: one `make_diffs` per region."""
         twinned: dict[int, list[int]] = {}
         for gid in self.dirty:
             aid, page = split_gid(gid)
@@ -415,10 +417,10 @@ class Memory(RequestClient):
             region = self.regions[aid]
             if len(pages) == 1:  # most intervals of a lock-based program: no copies to gather them
                 (page,) = pages
-                diffs[gid_of(aid, page)] = make_diff(region.program_page(page), region.twins.pop(page), region.unit)
+                diffs[gid_of(aid, page)] = make_diff(region.program_page(page), region.twins[page], region.unit)
                 continue
             current = region.local.reshape(region.npages, region.page_size)[pages]
-            twins = np.stack([region.twins.pop(page) for page in pages])
+            twins = np.stack([region.twins[page] for page in pages])
             for page, diff in zip(pages, make_diffs(current, twins, region.unit), strict=True):
                 diffs[gid_of(aid, page)] = diff
         return diffs

@@ -420,6 +420,41 @@ def test_an_object_registered_or_unregistered_after_a_hook_fired_is_seen_by_the_
     assert called() == ["second"]
 
 
+def test_a_plan_made_while_a_plugin_comes_or_goes_is_not_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hooks fire on several threads (the DSM's handler): one may make a plan from the plugins as they were while
+    another registers or unregisters one.  That plan must not outlive the change."""
+    host = PluginHost()
+    seen: list[str] = []
+
+    class Memory:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        @hookimpl
+        def ckpt_resume(self) -> None:
+            seen.append(self.name)
+
+    def during(change: Any) -> Any:
+        def changing(*args: Any, **kwargs: Any) -> Any:
+            host.call("ckpt_resume", rt=RT)  # another thread's hook, in the middle of the change
+            return change(*args, **kwargs)
+
+        return changing
+
+    first, second = Memory("first"), Memory("second")
+    host.register(first, "first")
+    monkeypatch.setattr(host.pm, "register", during(host.pm.register))
+    monkeypatch.setattr(host.pm, "unregister", during(host.pm.unregister))
+    host.register(second, "second")
+    seen.clear()
+    host.call("ckpt_resume", rt=RT)
+    assert sorted(seen) == ["first", "second"]
+    host.unregister(first)
+    seen.clear()
+    host.call("ckpt_resume", rt=RT)
+    assert seen == ["second"]
+
+
 # ----------------------------------------------------------------- image contents
 def test_image_contents_add_and_get() -> None:
     image = ImageContents()

@@ -308,7 +308,7 @@ LOGGED = [
 
 def _replay(records: list[Record], applied: dict[int, list[int]] | None = None) -> LogReplay:
     columns = applied or {5: [0, 0, 1, 0]}  # the image holds writer 2's interval 1 of page 5
-    return LogReplay(1, 5, records, lambda gid: np.array(columns[gid]) if gid in columns else None)
+    return LogReplay(1, 5, records, lambda gid: np.array(columns[gid]) if gid in columns else None, 4096)
 
 
 def test_a_replay_hands_back_the_logged_operations_in_program_order() -> None:

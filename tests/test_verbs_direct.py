@@ -30,7 +30,7 @@ from verbs_util import (
 )
 
 from ckpt import verbs as v
-from ckpt.verbs import _hca
+from ckpt.verbs import _hca, _shm
 from ckpt.verbs import fabric as fab
 
 pytestmark = pytest.mark.timeout(60)
@@ -331,3 +331,19 @@ def test_a_loopback_holds_off_its_own_hcas_row_changes_until_its_copies_are_done
         peer.release()
     dereg.join(WAIT)
     assert not dereg.is_alive()
+
+
+def test_a_loopback_whose_table_cannot_be_mapped_takes_packets(loopback: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Out of descriptors (say) when the loopback first maps its own table: the WR goes as packets, and succeeds."""
+    a, _, shared = loopback
+
+    def refuse(table: Any) -> None:
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(_shm, "Loopback", refuse)
+    counts = _hca.hca(a.ctx.name).counts
+    before = counts["direct_ops"]
+    a.buf[:8] = np.frombuffer(b"packets!", dtype=np.uint8)
+    a.qp.post_send(rdma_wr(v.IBV_WR_RDMA_WRITE, a.sge(0, 8), shared.rkey, shared.buf))
+    assert poll_one(a.scq).status == v.IBV_WC_SUCCESS
+    assert bytes(shared.read(8, 0)) == b"packets!" and counts["direct_ops"] == before

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import logging
+import threading
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -99,10 +100,24 @@ class PluginHost:
         self._down = set(_PHASE_DOWN) | _down_hooks(hookspecs)
         self.plugins: list[PluginInfo] = []
         #: `call`'s plan per hook, (function, argument names, plugin name) in order: a DSM hook fires per page
-        #: diffed and per lock operation.  Emptied whenever a plugin or hookspec comes or goes.
+        #: diffed and per lock operation.  Renewed (`_changed`) whenever a plugin or hookspec has come or gone;
+        #: a plan made from the plugins as they were before is not kept (hooks fire on several threads).
         self._plans: dict[str, list[tuple[Any, tuple[str, ...], str]]] = {}
+        self._generation = 0
+        self._changing = threading.Lock()
+
+    def _changed(self) -> None:
+        with self._changing:
+            self._generation += 1
+            self._plans = {}
 
     def load(self, with_plugins: list[str], disabled: list[str]) -> PluginHost:
+        try:
+            return self._load(with_plugins, disabled)
+        finally:
+            self._changed()
+
+    def _load(self, with_plugins: list[str], disabled: list[str]) -> PluginHost:
         entries = [(_info(name, plugin, source), plugin) for name, plugin, source in discover(with_plugins, disabled)]
         for info, plugin in sorted(entries, key=lambda e: e[0].order):  # stable: ties keep discovery order
             try:
@@ -122,7 +137,6 @@ class PluginHost:
             except (ValueError, pluggy.PluginValidationError) as exc:
                 raise PluginError(f"plugin {info.name!r} cannot be registered: {exc}") from None
             self.plugins.append(info)
-        self._plans.clear()
         for plugin in self.pm.get_plugins():  # a plugin may bring hookspecs of its own (the DSM's)
             specs = getattr(plugin, "CKPT_HOOKSPECS", None)
             if specs is not None:
@@ -139,11 +153,10 @@ class PluginHost:
             self._spec_modules.append(module)
             self.pm.add_hookspecs(module)
             self._down |= _down_hooks(module)
-            self._plans.clear()
+            self._changed()
 
     def register(self, plugin: object, name: str) -> None:
         """Register an object whose hookimpls implement hooks (a DSM memory); validated at once."""
-        self._plans.clear()
         try:
             self.pm.register(plugin, name=name)
             self.pm.check_pending()
@@ -151,11 +164,15 @@ class PluginHost:
             if self.pm.is_registered(plugin):
                 self.pm.unregister(plugin)
             raise PluginError(f"{name!r} cannot be registered: {exc}") from None
+        finally:
+            self._changed()
 
     def unregister(self, plugin: object) -> None:
-        self._plans.clear()
-        if self.pm.is_registered(plugin):
-            self.pm.unregister(plugin)
+        try:
+            if self.pm.is_registered(plugin):
+                self.pm.unregister(plugin)
+        finally:
+            self._changed()
 
     def has_impl(self, hook: str) -> bool:
         """Does any loaded plugin implement `hook`?"""
@@ -177,10 +194,14 @@ class PluginHost:
     def call(self, hook: str, **kwargs: Any) -> list[Any]:
         """Run `hook` on every plugin in its direction's order; a failure names the plugin."""
         results = []
-        plan = self._plans.get(hook)
+        plans = self._plans
+        plan = plans.get(hook)
         if plan is None:
+            generation = self._generation  # before the plugins are read: a change meanwhile moves it on
             plan = [(i.function, tuple(i.argnames), i.plugin_name) for i in self.ordered_impls(hook)]
-            self._plans[hook] = plan
+            with self._changing:
+                if generation == self._generation:
+                    plans[hook] = plan
         for function, argnames, plugin_name in plan:
             try:
                 result = function(**{name: kwargs[name] for name in argnames})

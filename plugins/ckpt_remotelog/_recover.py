@@ -57,7 +57,7 @@ def recover(rlog: RemoteLog, incarnation: int) -> LogReplay:
         _fall_back(rlog, f"its log rings at rank {home} were lost when rank {home} was recovered")
     records, _ = rlog.writer.read_ring(home, LOG, holes=True)
     own = rlog.writer.read_own(rlog.writer.own_tail)
-    replay = LogReplay(rank, rlog.serial, records + own, lambda gid: _applied(memory, gid))
+    replay = LogReplay(rank, rlog.serial, records + own, lambda gid: _applied(memory, gid), memory.page_size)
     if not replay.done:
         memory.start_replay(replay)  # the view: the image's pages, before the master moves on
     # own diffs of intervals after its last logged operation belong to the interval it may have closed unlogged:
@@ -125,7 +125,7 @@ def rebuild_master(rlog: RemoteLog, records: list[Record]) -> int:
         column = record.writer
         if record.interval <= int(region.meta[page, column]):
             continue  # the image holds it
-        Diff.decode(record.payload).apply(region.page(page))
+        Diff.decode(record.payload, region.page_size).apply(region.page(page))
         region.meta[page, column] = record.interval
         own = encode(RecordKind.HOME_DIFF, record.writer, record.payload, interval=record.interval, gid=record.gid)
         rlog._append_home_local(own)  # nobody else appends while this runs (the survivors wait)

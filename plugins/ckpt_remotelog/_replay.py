@@ -45,9 +45,10 @@ def describe(record: Record | None) -> str:
 class LogReplay:
     """`dsm.Replay` over one rank's records read back from its log home (pickleable)."""
 
-    def __init__(self, rank: int, serial: int, records: list[Record], applied: Any) -> None:
+    def __init__(self, rank: int, serial: int, records: list[Record], applied: Any, page_size: int) -> None:
         """`records`: the ring at L(rank), in ring order; `serial`: the image's next own serial;
-        `applied(gid)`: the image's applied columns of home page `gid` (None: not in the image)."""
+        `applied(gid)`: the image's applied columns of home page `gid` (None: not in the image); `page_size`:
+        what a logged diff's runs must fit (`dsm.Diff.decode`)."""
         own = sorted(
             (r for r in records if r.writer == rank and r.kind != RecordKind.DIFF and r.serial >= serial),
             key=lambda r: r.serial,
@@ -64,7 +65,7 @@ class LogReplay:
                 continue
             columns = applied(record.gid)
             if columns is None or record.interval > int(columns[record.writer]):
-                self.diffs.append((record.gid, record.writer, record.interval, Diff.decode(record.payload)))
+                self.diffs.append((record.gid, record.writer, record.interval, Diff.decode(record.payload, page_size)))
         self.returned = 0  # diffs before this index were all returned (the others: see `taken`)
         self.taken: set[int] = set()
         self.consumed: set[tuple[int, int, int]] = set()  # (kind, lock or epoch, token) of replayed operations

@@ -122,7 +122,7 @@ class LogRing:
                 sealed.append(seal(record, position))
                 position += len(record)
             if sealed:
-                circular_write(self.area, start, b"".join(sealed))  # one copy, whatever their number
+                circular_write(self.area, start, b"".join(sealed))  # one numpy copy, whatever their number
                 self.control[0] = position
             return len(sealed)
 

@@ -100,5 +100,5 @@ class HomeVersions:
         applied = kept[1] if kept is not None else np.zeros(self.memory.size, dtype=np.int64)
         for record in self.diffs_of(gid):
             if int(applied[record.writer]) < record.interval <= vt[record.writer]:
-                Diff.decode(record.payload).apply(data)
+                Diff.decode(record.payload, size).apply(data)
         return data.tobytes()  # counted by the DSM's handler (versions_served), which asks

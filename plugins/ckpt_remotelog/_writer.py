@@ -307,7 +307,7 @@ class RingWriter:
         for record in batch:
             sealed.append(seal(record, position))
             position += len(record)
-        self.staging[at : at + need] = np.frombuffer(b"".join(sealed), dtype=np.uint8)  # one copy for the batch
+        self.staging[at : at + need] = np.frombuffer(b"".join(sealed), dtype=np.uint8)  # one numpy copy for the batch
         wrs += _spanned(_write, ring, tail, need, lambda _, data_off: base + data_off, lkey)
         return at + need
 
