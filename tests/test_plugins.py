@@ -392,47 +392,40 @@ def test_extra_hookspecs_join_the_same_manager(monkeypatch: pytest.MonkeyPatch) 
     assert host.call("dsm_barrier_passed", rt=RT, number=21) == [42]
 
 
+class Resumed:
+    """A registered object (as a DSM memory is) whose ckpt_resume says who was called."""
+
+    def __init__(self, name: str, seen: list[str]) -> None:
+        self.name, self.seen = name, seen
+
+    @hookimpl
+    def ckpt_resume(self) -> None:
+        self.seen.append(self.name)
+
+
+def _resumed(host: PluginHost, seen: list[str]) -> list[str]:
+    """Who a ckpt_resume call reaches, in name order."""
+    seen.clear()
+    host.call("ckpt_resume", rt=RT)
+    return sorted(seen)
+
+
 def test_an_object_registered_or_unregistered_after_a_hook_fired_is_seen_by_the_next_call() -> None:
     """`call` keeps each hook's plan (order, argument names) between calls: a registration must renew it."""
-    host = PluginHost()
-    seen: list[str] = []
-
-    class Memory:
-        def __init__(self, name: str) -> None:
-            self.name = name
-
-        @hookimpl
-        def ckpt_resume(self) -> None:
-            seen.append(self.name)
-
-    def called() -> list[str]:
-        host.call("ckpt_resume", rt=RT)
-        names = sorted(seen)
-        seen.clear()
-        return names
-
-    first, second = Memory("first"), Memory("second")
+    host, seen = PluginHost(), list[str]()
+    first, second = Resumed("first", seen), Resumed("second", seen)
     host.register(first, "first")
-    assert called() == ["first"]
+    assert _resumed(host, seen) == ["first"]
     host.register(second, "second")
-    assert called() == ["first", "second"]
+    assert _resumed(host, seen) == ["first", "second"]
     host.unregister(first)
-    assert called() == ["second"]
+    assert _resumed(host, seen) == ["second"]
 
 
 def test_a_plan_made_while_a_plugin_comes_or_goes_is_not_kept(monkeypatch: pytest.MonkeyPatch) -> None:
     """Hooks fire on several threads (the DSM's handler): one may make a plan from the plugins as they were while
     another registers or unregisters one.  That plan must not outlive the change."""
-    host = PluginHost()
-    seen: list[str] = []
-
-    class Memory:
-        def __init__(self, name: str) -> None:
-            self.name = name
-
-        @hookimpl
-        def ckpt_resume(self) -> None:
-            seen.append(self.name)
+    host, seen = PluginHost(), list[str]()
 
     def during(change: Any) -> Any:
         def changing(*args: Any, **kwargs: Any) -> Any:
@@ -441,18 +434,14 @@ def test_a_plan_made_while_a_plugin_comes_or_goes_is_not_kept(monkeypatch: pytes
 
         return changing
 
-    first, second = Memory("first"), Memory("second")
+    first, second = Resumed("first", seen), Resumed("second", seen)
     host.register(first, "first")
     monkeypatch.setattr(host.pm, "register", during(host.pm.register))
     monkeypatch.setattr(host.pm, "unregister", during(host.pm.unregister))
     host.register(second, "second")
-    seen.clear()
-    host.call("ckpt_resume", rt=RT)
-    assert sorted(seen) == ["first", "second"]
+    assert _resumed(host, seen) == ["first", "second"]
     host.unregister(first)
-    seen.clear()
-    host.call("ckpt_resume", rt=RT)
-    assert seen == ["second"]
+    assert _resumed(host, seen) == ["second"]
 
 
 # ----------------------------------------------------------------- image contents
