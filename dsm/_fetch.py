@@ -38,7 +38,9 @@ def fetch_many(mem: Memory, region: Region, pages: list[int]) -> None:
         requests: list[tuple[int, Request, str]] = []
         for page, home in zip(pages, homes, strict=True):
             gid = gid_of(region.aid, page)
-            requests.append((home, PageRequest(mem._next_rid(), gid, region.need[page].tolist()), f"page {gid:#x}"))
+            requests.append(
+                (home, PageRequest(mem._next_rid(), gid, region.need[page].tolist()), f"page {gid:#x} from rank {home}")
+            )
         for page, reply in zip(pages, mem._request_many(requests, PageReply), strict=True):
             region.program_page(page)[:] = np.frombuffer(reply.data, dtype=np.uint8)
     else:
@@ -57,11 +59,13 @@ def fetch(mem: Memory, region: Region, page: int) -> None:
     home, gid, need = _home_of_invalid(mem, region, page), gid_of(region.aid, page), region.need[page]
     if mem.replay is not None:  # the page as this rank saw it the first time: the intervals its vt covers
         old = OldPageRequest(mem._next_rid(), gid, list(mem.vt))
-        reply = mem._request(home, old, PageReply, f"page {gid:#x} as of {mem.vt}")
+        reply = mem._request(home, old, PageReply, f"page {gid:#x} as of {mem.vt} from rank {home}")
         region.program_page(page)[:] = np.frombuffer(reply.data, dtype=np.uint8)
         mem.counters.regenerated_pages += 1
     elif mem.protocol == "async":
-        reply = mem._request(home, PageRequest(mem._next_rid(), gid, need.tolist()), PageReply, f"page {gid:#x}")
+        reply = mem._request(
+            home, PageRequest(mem._next_rid(), gid, need.tolist()), PageReply, f"page {gid:#x} from rank {home}"
+        )
         region.program_page(page)[:] = np.frombuffer(reply.data, dtype=np.uint8)
     else:
         _onesided.ardmar(mem, region, page, home, need)
