@@ -164,23 +164,7 @@ def make_diff(page: np.ndarray, twin: np.ndarray, unit: int = 1) -> Diff:
 
     Empty (false) when nothing changed.  The page's length must be a multiple of `unit`.
     """
-    return _make_one(page, twin, unit)
-
-
-def _make_one(page: np.ndarray, twin: np.ndarray, unit: int) -> Diff:
-    if unit in _WORDS:
-        words = page.view(_WORDS[unit])
-        changed = np.flatnonzero(words != twin.view(_WORDS[unit]))
-    else:
-        words, unit = page, 1
-        changed = np.flatnonzero(page != twin)
-    if changed.size == 0:
-        return EMPTY
-    breaks = np.flatnonzero(np.diff(changed) > 1)
-    firsts = np.concatenate((changed[:1], changed[breaks + 1]))
-    lasts = np.concatenate((changed[breaks], changed[-1:]))
-    # the changed units in order are the runs' bytes back to back (a copy: the page changes on)
-    return Diff((firsts * unit).astype(_U32), ((lasts - firsts + 1) * unit).astype(_U32), words[changed].tobytes())
+    return make_diffs(page.reshape(1, -1), twin.reshape(1, -1), unit)[0]
 
 
 def make_diffs(pages: np.ndarray, twins: np.ndarray, unit: int = 1) -> list[Diff]:
@@ -190,8 +174,6 @@ def make_diffs(pages: np.ndarray, twins: np.ndarray, unit: int = 1) -> list[Diff
     an interval of SOR writes 32 pages, and a home diffs each of them while it is logged.
     """
     count, size = pages.shape
-    if count == 1:  # one page: no splitting
-        return [_make_one(pages[0], twins[0], unit)]
     if unit in _WORDS:
         words = pages.view(_WORDS[unit]).reshape(-1)
         changed = np.flatnonzero(words != twins.view(_WORDS[unit]).reshape(-1))
@@ -201,15 +183,20 @@ def make_diffs(pages: np.ndarray, twins: np.ndarray, unit: int = 1) -> list[Diff
     if changed.size == 0:
         return [EMPTY] * count
     per_page = size // unit
-    # a run ends before a unit that is not the next one, or that starts a page
-    breaks = np.flatnonzero((np.diff(changed) > 1) | (changed[1:] % per_page == 0))
+    # a run ends before a unit that is not the next one, or (several pages) that starts a page
+    ends = np.diff(changed) > 1
+    if count > 1:
+        ends |= changed[1:] % per_page == 0
+    breaks = np.flatnonzero(ends)
     firsts = np.concatenate((changed[:1], changed[breaks + 1]))
     lasts = np.concatenate((changed[breaks], changed[-1:]))
-    rows = firsts // per_page
-    offsets = ((firsts - rows * per_page) * unit).astype(_U32)
-    lengths = ((lasts - firsts + 1) * unit).astype(_U32)
     # the changed units in order are the runs' bytes back to back (a copy: the pages change on)
     data = words[changed].tobytes()
+    lengths = ((lasts - firsts + 1) * unit).astype(_U32)
+    if count == 1:  # one page: nothing to split (most intervals of a lock-based program)
+        return [Diff((firsts * unit).astype(_U32), lengths, data)]
+    rows = firsts // per_page
+    offsets = ((firsts - rows * per_page) * unit).astype(_U32)
     runs = np.searchsorted(rows, np.arange(count + 1)).tolist()  # row r's runs: runs[r] to runs[r + 1]
     at = np.concatenate(([0], np.cumsum(lengths, dtype=np.int64)))[runs].tolist()  # and its bytes
     return [
