@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import struct
 import zlib
+from collections.abc import Sequence
 from enum import IntEnum
 from typing import Any, NamedTuple
 
@@ -127,6 +128,14 @@ def seal(record: bytearray, position: int) -> bytearray:
     _WORD.pack_into(record, 0, position + 1)
     _CHECK.pack_into(record, CHECK_AT, _check(record, 0, len(record)))
     return record
+
+
+def sealed(records: Sequence[bytearray], position: int) -> bytes:
+    """`records` sealed for consecutive positions from `position` on, back to back (one copy to place)."""
+    for record in records:
+        seal(record, position)
+        position += len(record)
+    return b"".join(records)
 
 
 def _check(data: bytes | bytearray | memoryview, at: int, end: int) -> int:

@@ -32,7 +32,7 @@ import numpy as np
 
 from ckpt import verbs
 
-from ._records import HEADER_SIZE, scan, seal, walk
+from ._records import HEADER_SIZE, scan, sealed, walk
 
 CONTROL = 24  # tail, head, lost (int64)
 REMOTE = (
@@ -113,18 +113,15 @@ class LogRing:
         How many were appended: those that fit before head (the rest are not written).
         """
         with self.mutex:
-            start = position = int(self.control[0])
-            room = int(self.control[1]) + self.capacity
-            sealed = []
-            for record in records:
-                if position + len(record) > room:
-                    break
-                sealed.append(seal(record, position))
-                position += len(record)
-            if sealed:
-                circular_write(self.area, start, b"".join(sealed))  # one numpy copy, whatever their number
-                self.control[0] = position
-            return len(sealed)
+            start = end = int(self.control[0])
+            room, fit = int(self.control[1]) + self.capacity, 0
+            while fit < len(records) and end + len(records[fit]) <= room:
+                end += len(records[fit])
+                fit += 1
+            if fit:
+                circular_write(self.area, start, sealed(records[:fit], start))
+                self.control[0] = end
+            return fit
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)

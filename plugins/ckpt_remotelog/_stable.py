@@ -24,7 +24,7 @@ from typing import Any
 import ckpt
 from dsm import Diff
 
-from ._records import RecordKind, encode, notices_payload, seal
+from ._records import RecordKind, encode, notices_payload, sealed
 
 
 class StableLog:
@@ -112,9 +112,7 @@ class StableLog:
         if not records:
             return
         started = time.perf_counter()
-        data = bytearray()
-        for record in records:
-            data += seal(record, self.position + len(data))
+        data = sealed(records, self.position)
         with open(self.path, "ab") as f:
             f.write(data)
             f.flush()

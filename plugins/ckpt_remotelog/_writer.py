@@ -58,7 +58,7 @@ from ckpt import verbs
 from dsm import DsmError
 from dsm._net import UP, chain
 
-from ._records import Record, commit_word, scan, seal, walk
+from ._records import Record, commit_word, scan, seal, sealed, walk
 from ._ring import CONTROL, REMOTE, circular_read, circular_write, spans
 
 log = logging.getLogger(__name__)
@@ -303,11 +303,8 @@ class RingWriter:
             self.ask(peer, which, head)
         if tail + need - head > capacity:
             self.wait_for_room(peer, which, tail + need - capacity)
-        base, position, sealed = self.staging_mr.buf + at, tail, []
-        for record in batch:
-            sealed.append(seal(record, position))
-            position += len(record)
-        self.staging[at : at + need] = np.frombuffer(b"".join(sealed), dtype=np.uint8)  # one numpy copy for the batch
+        base = self.staging_mr.buf + at
+        self.staging[at : at + need] = np.frombuffer(sealed(batch, tail), dtype=np.uint8)
         wrs += _spanned(_write, ring, tail, need, lambda _, data_off: base + data_off, lkey)
         return at + need
 
