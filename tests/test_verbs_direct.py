@@ -333,14 +333,18 @@ def test_a_loopback_holds_off_its_own_hcas_row_changes_until_its_copies_are_done
     assert not dereg.is_alive()
 
 
-def test_a_loopback_whose_table_cannot_be_mapped_takes_packets(loopback: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Out of descriptors (say) when the loopback first maps its own table: the WR goes as packets, and succeeds."""
+def test_a_loopback_whose_region_cannot_be_mapped_takes_packets(loopback: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Out of descriptors (say) when the loopback first maps the region's memfd: the WR goes as packets, and
+    succeeds."""
     a, _, shared = loopback
+    opened = _shm.os.open
 
-    def refuse(table: Any) -> None:
-        raise OSError(24, "Too many open files")
+    def refuse(path: Any, *args: Any) -> int:
+        if str(path).startswith("/proc/"):
+            raise OSError(24, "Too many open files")
+        return opened(path, *args)
 
-    monkeypatch.setattr(_shm, "Loopback", refuse)
+    monkeypatch.setattr(_shm.os, "open", refuse)
     counts = _hca.hca(a.ctx.name).counts
     before = counts["direct_ops"]
     a.buf[:8] = np.frombuffer(b"packets!", dtype=np.uint8)

@@ -353,12 +353,7 @@ class Hca:
         endpoint = route[0]
         known = self._peers.get(endpoint, 0.0)
         if endpoint == self.endpoint and known == 0.0:  # a loopback: this very HCA
-            try:
-                known = self._peers[endpoint] = _shm.Loopback(self.table)
-            except OSError as exc:  # out of descriptors or address space: packets for now, as for a peer
-                log.debug("HCA %s: its own table not mapped (%s); trying again later", self.name, exc)
-                self._peers[endpoint] = time.monotonic() + _shm.RETRY
-                return None
+            known = self._peers[endpoint] = _shm.Loopback(self.table)
         if not isinstance(known, float):  # a peer, or None: it publishes nothing, or is over TCP
             if known is None or known.alive():
                 return known

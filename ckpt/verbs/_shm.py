@@ -276,19 +276,21 @@ class Peer:
     long as the table's generation stays the same.
     """
 
-    def __init__(self, pid: int, pidfd: int, table_fd: int, mm: mmap.mmap) -> None:
+    def __init__(self, pid: int, mm: mmap.mmap, pidfd: int = -1, table_fd: int = -1) -> None:
+        """`pidfd` (readable once `pid` has exited) and `table_fd` are owned: closed when this view goes."""
         self.pid, self._table_fd, self._mm = pid, table_fd, mm
         self._header, self._mrs, self._qps = _views(mm)
         self._words = memoryview(mm).cast("q")  # plain indexing: cheaper than numpy's for one word
-        self._exited = select.poll()
-        self._exited.register(pidfd, select.POLLIN)
+        self._exited = select.poll()  # nothing registered (this process itself): never exited
+        if pidfd >= 0:
+            self._exited.register(pidfd, select.POLLIN)
         self._mr_slots: dict[int, int] = {}
         self._qp_slots: dict[int, int] = {}
         self._gen = -1
         self._mr_rows: dict[int, list[int] | None] = {}
         self._qp_rows: dict[int, tuple[int, list[int]] | None] = {}
         self._segments: dict[int, tuple[memoryview, int]] = {}  # inode -> (its bytes, our fd of it)
-        self._fds = [pidfd, table_fd]  # closed when nothing uses this view any more
+        self._fds = [fd for fd in (pidfd, table_fd) if fd >= 0]  # closed when nothing uses this view any more
         self._lock = threading.Lock()  # one chain at a time: record locks belong to the process
         weakref.finalize(self, _close_all, self._fds)
 
@@ -309,7 +311,7 @@ class Peer:
                     mm = mmap.mmap(table_fd, 0)
                     header = np.frombuffer(mm, dtype=np.int64, count=_HEADER_WORDS)
                     if header[_H_MAGIC] == MAGIC and header[_H_PID] == pid:
-                        return cls(pid, pidfd, table_fd, mm)
+                        return cls(pid, mm, pidfd, table_fd)
                 except BaseException:
                     os.close(table_fd)
                     raise
@@ -399,26 +401,14 @@ class Loopback(Peer):
     """This process's own HCA as a peer: a QP connected to another QP of the same HCA places its one-sided
     operations directly too (the DSM's link to its own rank: a rank is the log home of its neighbour's pages).
 
-    A record lock does not exclude another thread of the same process, so `hold` takes the lock every change
-    of the table's rows takes in this process (`Table._changing`) instead.
+    It reads the table through the HCA's own mapping.  A record lock does not exclude another thread of the
+    same process, so `hold` takes the lock every change of the table's rows takes in this process
+    (`Table._changing`) instead.
     """
 
     def __init__(self, table: Table) -> None:
-        pid, pidfd, fd = os.getpid(), os.pidfd_open(os.getpid()), -1
-        try:
-            fd = os.dup(table.fd)
-            os.set_inheritable(fd, False)
-            mm = mmap.mmap(fd, 0)
-        except BaseException:
-            os.close(pidfd)
-            if fd >= 0:
-                os.close(fd)
-            raise
-        super().__init__(pid, pidfd, fd, mm)
+        super().__init__(os.getpid(), table._mm)
         self._table = table
-
-    def alive(self) -> bool:
-        return True
 
     def _share(self) -> None:
         self._table._lock.acquire()
