@@ -484,6 +484,43 @@ def test_park_waits_for_a_rank_that_must_run_to_the_target() -> None:
     assert client.finished and client.finished[0]["step"] == 50
 
 
+def test_a_welcome_asking_for_the_first_image_holds_the_program_at_boundary_0() -> None:
+    """Under recover the job's first checkpoint must be at step 0 however late its request reaches this rank
+    (a loaded machine): with the welcome's `first_image` the program waits at boundary 0 for the target."""
+    stepped = threading.Event()
+
+    class Watched(_Steps):
+        def step(self, rt: Any) -> bool:
+            stepped.set()
+            return super().step(rt)
+
+    program = Watched(50)
+    engine = bare_engine(program)
+    engine.image_header = None
+    engine._hold_for_first_image({"first_image": True})
+    client: _FakeClient = engine.client  # type: ignore[assignment]
+    thread = start_program_thread(engine)
+    try:
+        # the program thread stays at boundary 0 while no target is known: the late request finds it there
+        assert not stepped.wait(0.3), "step 0 ran before the first checkpoint's target was known"
+        client.peer_reach = 0
+        engine._park(1)
+        assert engine._parked and engine.step == engine._target == 0 and program.i == 0
+    finally:
+        engine._release()
+        thread.join(WAIT)
+    assert client.finished and client.finished[0]["step"] == 50
+
+
+def test_a_welcome_without_the_first_image_lets_the_program_run() -> None:
+    program = _Steps(5)
+    engine = bare_engine(program)
+    engine.image_header = None
+    engine._hold_for_first_image({"first_image": False})
+    start_program_thread(engine).join(WAIT)
+    assert program.i == 5
+
+
 @pytest.mark.timeout(30)
 def test_a_finished_rank_is_not_checkpointed_before_its_result_is_known() -> None:
     program = _Steps(3)

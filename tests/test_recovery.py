@@ -177,6 +177,21 @@ def test_a_lost_rank_is_failed_announced_and_respawned_while_the_job_runs_on(
     )
 
 
+def test_every_welcome_before_the_first_checkpoint_asks_to_hold_at_the_first_boundary(
+    coordinator: Coordinator, join: Callable[..., Rank], pool: ThreadPoolExecutor
+) -> None:
+    """The first image is taken at step 0 however late its request reaches a rank: each welcome says to hold
+    there (`first_image`), until that checkpoint is taken -- not for a rejoin, which has an image."""
+    ranks = started(pool, join, coordinator)
+    assert [r.client.welcome["first_image"] for r in ranks] == [True, True, True]
+    lose(coordinator, ranks[1])
+    assert rejoin(coordinator, join, 1, 1).client.welcome["first_image"] is False
+
+
+def test_under_abort_no_welcome_asks_to_hold(coordinator: Coordinator, join: Callable[..., Rank]) -> None:
+    assert join(0, size=2, on_failure="abort").client.welcome["first_image"] is False
+
+
 def test_a_rank_lost_before_the_first_checkpoint_fails_the_job(
     coordinator: Coordinator, join: Callable[..., Rank], respawned: queue.SimpleQueue[tuple[int, int, int]]
 ) -> None:

@@ -205,6 +205,10 @@ class JobMembership(abc.ABC):
             "generation": self.generation,
             "size": self.size,
             "ckpt_dir": str(self.settings.ckpt_dir),
+            # under recover, the job's first checkpoint is taken at the first step boundary (`joined`): a rank
+            # holds there until it starts, however late its request reaches the rank (a rank past that boundary
+            # would move the checkpoint to step 1, and a rank lost meanwhile would fail the job)
+            "first_image": bool(self.recovery.on and self.last_checkpoint is None and not self.restarting),
         }
 
     def joined(self) -> None:

@@ -23,7 +23,8 @@
 #
 # A rank without an image cannot be recovered, so under recover the job asks for
 # a checkpoint as soon as every rank has joined (taken at the first step
-# boundary, after setup), and a rank lost before that fails the job in one line.
+# boundary, after setup: the welcome's `first_image` holds each rank there until
+# it starts), and a rank lost before that fails the job in one line.
 # Checkpoints are queued while a rank is failed or recovering: a checkpoint needs
 # every rank.  A rank whose new incarnation is lost before its RESUME
 # MAX_RECOVERY_ATTEMPTS times in a row fails the job (a crash loop, not bad luck).

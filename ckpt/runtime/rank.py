@@ -95,6 +95,7 @@ class RankEngine:
             spec["coordinator"], self.token, self._hello(), on_push=self._on_push, on_lost=self._on_lost
         )
         welcome = self.client.welcome
+        self._hold_for_first_image(welcome)
         self.rt = Runtime(
             self,
             rank=self.rank,
@@ -111,6 +112,13 @@ class RankEngine:
         self.rt.ckpt_dir = str(self.ckpt_dir)
         _set_current_runtime(self.rt)
         _vid.set_global_allocator(self.rt.allocate_global)
+
+    def _hold_for_first_image(self, welcome: dict[str, Any]) -> None:
+        """Under recover, the job's first checkpoint is taken at the first step boundary (the welcome says so):
+        hold there until it starts, however late its request comes (`_boundary` waits for its target)."""
+        if welcome.get("first_image") and self.image_header is None and not self.native:
+            with self._cv:
+                self._hold = True
 
     def _check_header(self, header: ImageHeader) -> None:
         restart = self.spec["restart"]
