@@ -105,7 +105,26 @@ class RequestClient:
                 self._resend()
             return all(rid in self.replies for rid in rids)
 
-        self.client.wait(done, what, timeout=timeout)
+        try:
+            self.client.wait(done, what, timeout=timeout)
+        except DsmError as exc:
+            raise DsmError(f"{exc} ({self._diagnosis(rids)})") from None
+
+    def _diagnosis(self, rids: list[int]) -> str:
+        """Where the requests `rids` stand, for a wait that timed out: a request dropped on a link that was not up
+        (never re-sent), or one sent on the current link whose reply never came (lost on the way, or never sent)."""
+        parts = []
+        for rid in rids:
+            if rid in self.replies:
+                continue
+            dst, _, link = self.pending.get(rid, (-1, None, -2))
+            if dst < 0:
+                parts.append(f"request {rid}: no longer pending")
+                continue
+            sent = "not sent (its link was down)" if link < 0 else f"sent on link {link}"
+            state = f"the link to rank {dst} is {self.client.state[dst]}, link {self.client.link[dst]}"
+            parts.append(f"request {rid} {sent}; {state}")
+        return "; ".join(parts) or "every reply came"
 
     def _resend(self) -> None:
         """Send again every pending request whose link was replaced since (now that it is up)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 from collections import deque
 
@@ -76,6 +77,33 @@ def test_the_lock_home_grants_a_lock_again_to_the_rank_it_believes_holds_it(prot
         mem.barrier()
 
     run_ranks(2, body, protocol)
+
+
+def test_a_request_that_times_out_says_where_it_stands() -> None:
+    """A reply that never comes: the error says whether the request left, on which link, and the link's state
+    (what tells a request dropped on a link that was down from a reply lost on the way)."""
+    holding, asked = threading.Event(), threading.Event()
+
+    def body(mem: dsm.Memory, rt: ThreadRuntime) -> str:
+        mem.lock()
+        lock1 = mem.lock()  # home: rank 1
+        if rt.rank == 1:
+            lock1.acquire()
+            holding.set()
+            assert asked.wait(30)
+            lock1.release()
+            mem.barrier()
+            return ""
+        assert holding.wait(30)
+        request = AcquireRequest(mem._next_rid(), 1, mem.vt, 1)  # queued behind rank 1: no grant for now
+        with pytest.raises(dsm.DsmError, match="no progress") as failure:
+            mem._request(1, request, Grant, "lock 1", 0.3)
+        asked.set()
+        mem.barrier()
+        return str(failure.value)
+
+    message = run_ranks(2, body, "async")[0]
+    assert re.search(r"\(request \d+ sent on link (\d+); the link to rank 1 is up, link \1\)$", message), message
 
 
 def test_the_handler_forgets_what_a_failed_rank_waited_for_and_nothing_else() -> None:
