@@ -108,6 +108,8 @@ class RequestClient:
         try:
             self.client.wait(done, what, timeout=timeout)
         except DsmError as exc:
+            if type(exc) is not DsmError:  # a ReplayDiverged (raised by `_check`) keeps its type
+                raise
             raise DsmError(f"{exc} ({self._diagnosis(rids)})") from None
 
     def _diagnosis(self, rids: list[int]) -> str:
