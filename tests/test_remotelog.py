@@ -36,6 +36,7 @@ from ckpt_remotelog._records import (
     decode_at,
     encode,
     notices_of,
+    parse,
     record_size,
     seal,
     walk,
@@ -180,10 +181,17 @@ def test_every_ring_holds_exactly_the_records_the_paper_requires(name: str, argv
     logs: list[RemoteLog] = [p.mem.extensions["remotelog"] for p in programs]
     rings = {log.rank: scan(log.ring) for log in logs}  # the log ring each rank holds
     ring_of = {rank: rings[logs[0].log_home(rank)] for rank in range(SIZE)}  # rank -> its log ring (elsewhere)
-    homes = {log.rank: scan(log.home_log) for log in logs}
+    home_rings = {log.rank: scan(log.home_log) for log in logs}
     for log in logs:  # every record is committed: the walk (what a recovery reads) sees them all
-        assert log.ring.records() == rings[log.rank] and log.home_log.records() == homes[log.rank]
-    for records in [*rings.values(), *homes.values()]:
+        assert log.ring.records() == rings[log.rank] and log.home_log.records() == home_rings[log.rank]
+        if protocol == "onesided":  # a home's own writes are kept beside its ring, by the CPU: none went in it
+            assert all(r.writer != log.rank for r in home_rings[log.rank])
+            assert [at for at, _ in log.own_diffs] == sorted(at for at, _ in log.own_diffs)
+        else:
+            assert not log.own_diffs
+    # the home diff log as its minimal versions read it: the ring, and (onesided) the home's own beside it
+    homes = {rank: records + [parse(r) for _, r in logs[rank].own_diffs] for rank, records in home_rings.items()}
+    for records in [*rings.values(), *home_rings.values()]:
         assert all(r.position < next_r.position for r, next_r in itertools.pairwise(records))
     # diffs: at the log home of the page's home (its own writes too) and in the home's diff log
     for s in seen:

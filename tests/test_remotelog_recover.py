@@ -23,7 +23,7 @@ import ckpt_remotelog
 import dsm
 from ckpt.runtime.plugins import PluginHost
 from ckpt.testing import ThreadRuntime, run_threads
-from ckpt_remotelog._records import RecordKind
+from ckpt_remotelog._records import RecordKind, parse
 
 pytestmark = pytest.mark.timeout(120)
 SIZE, R = 4, 1
@@ -68,7 +68,11 @@ def test_a_recovered_rank_rebuilds_its_home_pages_from_its_log_home_and_replays_
                 v[:] = 0.5  # R is the home of a's pages
         memory.barrier()
         rt.barrier()
-        image = (_state(memory), log.serial, log.home_log.tail, log.writer.own_tail) if rt.rank == R else None
+        image = (
+            (_state(memory), log.serial, log.home_log.tail, log.writer.own_tail, len(log.own_diffs))
+            if rt.rank == R
+            else None
+        )
         rt.barrier()
         seen: list[tuple[str, int, int, list[int]]] = []  # R's operations since the image: token, vt after it
         for step in range(5):
@@ -91,7 +95,11 @@ def test_a_recovered_rank_rebuilds_its_home_pages_from_its_log_home_and_replays_
             rt.barrier()
             return None
         live, live_serial, live_tail, live_own = _state(memory), log.serial, log.home_log.tail, log.writer.own_tail
-        state, serial, home_tail, own_tail = image  # type: ignore[misc]
+        state, serial, home_tail, own_tail, own_kept = image  # type: ignore[misc]
+        # what the lost incarnation had kept since the image: in the ring, and (onesided) its own writes beside it
+        between = [r for r in log.home_log.scan(SIZE) if home_tail <= r.position < live_tail]
+        between += [parse(record) for _, record in log.own_diffs[own_kept:]]
+        del log.own_diffs[own_kept:]  # as the image has them
         _put_back(memory, state)  # what the image restores (the rings aside: their holders are the others)
         log.serial, log.writer.own_tail = serial, own_tail
         started: list[Any] = []
@@ -120,7 +128,6 @@ def test_a_recovered_rank_rebuilds_its_home_pages_from_its_log_home_and_replays_
         memory.client.state[(R + 1) % SIZE] = up
         _put_back(memory, live)
         rt.barrier()
-        between = [r for r in log.home_log.scan(SIZE) if home_tail <= r.position < live_tail]
         return live, rebuilt, serial, live_serial, log.serial, started, held, fell, seen, appended, between, lost, asked
 
     out = run_threads(

@@ -182,7 +182,7 @@ def test_a_version_is_the_base_and_the_covered_diffs_in_log_order_overflow_last(
     try:
         memory = SimpleNamespace(rank=0, size=SIZE, page_size=64, regions=[])
         overflow: list[bytearray] = []
-        versions = HomeVersions(memory, ring, overflow)
+        versions = HomeVersions(memory, ring, overflow, [])
         gid, other = 1 << 32 | 3, 1 << 32 | 4
         versions.base = {gid: (bytes([9]) * 64, np.array([0, 1, 0, 0]))}  # holds writer 1's interval 1
 
@@ -203,6 +203,39 @@ def test_a_version_is_the_base_and_the_covered_diffs_in_log_order_overflow_last(
         copy = HomeVersions.__new__(HomeVersions)  # as unpickled from an image (its ring's MR needs ckpt_ib)
         copy.__setstate__(versions.__getstate__())  # the index is not in the state: rebuilt from the ring
         assert copy.page(gid, [0, 5, 1, 0]) == page([0, 5, 1, 0])
+    finally:
+        ctx.close()
+
+
+def test_a_homes_own_diffs_kept_beside_the_ring_go_where_the_rings_tail_put_them() -> None:
+    """Unit, onesided: a home keeps the HOME_DIFFs of its own writes beside its ring (peers reserve in the ring
+    with FETCH_AND_ADDs), each with the ring's tail when it was made, and a version applies it before the
+    ring's records from that position on.  The same bytes written by all, so a wrong order shows."""
+    ctx, ring = _ring()
+    try:
+        memory = SimpleNamespace(rank=0, size=SIZE, page_size=64, regions=[])
+        own: list[tuple[int, bytearray]] = []
+        versions = HomeVersions(memory, ring, [], own)
+        gid = 1 << 32 | 3
+
+        def home_diff(writer: int, interval: int, byte: int) -> bytearray:
+            payload = Diff.of_runs([(0, bytes([byte]) * 8)]).encode()
+            return encode(RecordKind.HOME_DIFF, writer, payload, interval=interval, gid=gid)
+
+        # peer 1's interval 1 (released before the home acquired), the home's interval 1, peer 2's interval 1
+        # (acquired after the home released), the home's interval 2
+        assert ring.append_local(home_diff(1, 1, 10))
+        own.append((ring.tail, home_diff(0, 1, 20)))
+        assert ring.append_local(home_diff(2, 1, 30))
+        own.append((ring.tail, home_diff(0, 2, 40)))
+        page = lambda vt: versions.page(gid, vt)[:8]  # noqa: E731
+        assert page([1, 1, 0, 0]) == bytes([20]) * 8  # the home's over peer 1's
+        assert page([1, 1, 1, 0]) == bytes([30]) * 8  # peer 2's over the home's
+        assert page([2, 1, 1, 0]) == bytes([40]) * 8 and page([1, 0, 0, 0]) == bytes([20]) * 8
+        assert page([0, 1, 1, 0]) == bytes([30]) * 8 and page([0, 0, 0, 0]) == bytes(8)
+        copy = HomeVersions.__new__(HomeVersions)  # as unpickled from an image
+        copy.__setstate__(versions.__getstate__())
+        assert copy.page(gid, [1, 1, 0, 0])[:8] == bytes([20]) * 8
     finally:
         ctx.close()
 

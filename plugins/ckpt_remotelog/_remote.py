@@ -17,9 +17,12 @@ one rank whose log home it is, and its own *home diff log*.  What goes where, an
 * under ``async`` the home appends every diff it receives to its own home diff log on its
   handler thread, by the CPU (the ring is never FETCH_AND_ADDed by peers under ``async``,
   so the CPU is the only appender); its own writes (homes twin their own pages while
-  logging, ``memory.twin_homes``) go there too, by the CPU under ``async`` and by RDMA
-  on the loopback QP under ``onesided`` (one appender kind per ring: CPU stores and NIC
-  atomics on one word do not mix).
+  logging, ``memory.twin_homes``) go there too, by the CPU.  Under ``onesided`` peers
+  reserve in that ring with FETCH_AND_ADDs, which CPU stores on the tail would not be
+  atomic with, so the home keeps its own writes' records beside it (``own_diffs``, by the
+  CPU, each with the ring's tail as its interval closes: that is where they go in the
+  ring's order, `_keep_own`), where they went by RDMA on the loopback QP before -- a
+  reservation and a WRITE per interval.
 * at a lock acquire, the grant's notices and the new vector timestamp -> a NOTICES record
   in the acquirer's own ring at L(acquirer), posted in ``dsm_lock_acquired``, before the
   program thread returns to the program, and complete before any diff of the next
@@ -137,6 +140,10 @@ class RemoteLog:
         self.diffs: list[tuple[int, int, int, Diff]] = []  # this interval's (gid, home, i, diff)
         self.notices: list[Any] = []  # received at the current acquire / barrier
         self.overflow: list[bytearray] = []  # async home diff log records that found it full (in the image)
+        # onesided: this home's HOME_DIFF records of its own writes since the last coordinated checkpoint, each
+        # with the home diff log's tail when it was made (`_keep_own`; in the image)
+        self.own_diffs: list[tuple[int, bytearray]] = []
+        self.own_bytes = 0  # their bytes
         self.asked: dict[tuple[int, str], tuple[int, float]] = {}  # ring -> its head, and when, at the last ask
         self.snapshot: dict[str, Any] | None = None
         self.home_flush = 0
@@ -152,7 +159,7 @@ class RemoteLog:
         self.writer = RingWriter(
             memory, self.peers, ring_bytes, self.owner, self._ask_checkpoint, own_home, self.claims
         )
-        self.versions = HomeVersions(memory, self.home_log, self.overflow)
+        self.versions = HomeVersions(memory, self.home_log, self.overflow, self.own_diffs)
         self.replay: LogReplay | None = None  # after a recovery: the log it replayed (until the next checkpoint)
         # (lock, token) of a release whose record went into its interval's batch (`dsm_interval_closing`)
         self.release_logged: tuple[int, int] | None = None
@@ -179,6 +186,9 @@ class RemoteLog:
             # its rings' records have no check (or own rings are missing): they would read as never written
             older = "this image was written by an older ckpt_remotelog (another log record format)"
             raise DsmError(f"{older}: it cannot resume")
+        if "own_diffs" not in state:  # an image from before own diffs were kept apart: its are in the ring
+            state["own_diffs"] = state["versions"].__dict__.setdefault("own_diffs", [])
+            state["own_bytes"] = 0
         self.__dict__.update(state)
         self.register()  # before the memory decides which DSM hooks fire (it is unpickled after this)
 
@@ -206,21 +216,19 @@ class RemoteLog:
     @ckpt.hookimpl
     def dsm_interval_closing(self, interval: int, release: int) -> None:
         records: list[tuple[int, str, bytearray]] = []
-        own: list[bytearray] = []  # the home diff log's records of this rank's own writes (async: appended here)
+        own: list[bytearray] = []  # the home diff log's records of this rank's own writes
         for gid, home, i, diff in self.diffs:
             payload = diff.encode()
             records.append((self.log_home(home), LOG, encode(RecordKind.DIFF, self.rank, payload, interval=i, gid=gid)))
             if home == self.rank:
-                record = encode(RecordKind.HOME_DIFF, self.rank, payload, interval=i, gid=gid)
-                if self.onesided:
-                    records.append((self.rank, HOME, record))
-                else:
-                    own.append(record)
+                own.append(encode(RecordKind.HOME_DIFF, self.rank, payload, interval=i, gid=gid))
                 continue
             if self.onesided:
                 records.append((home, HOME, encode(RecordKind.HOME_DIFF, self.rank, payload, interval=i, gid=gid)))
         self.diffs.clear()
-        if own:
+        if own and self.onesided and not self.overflow:
+            self._keep_own(own)
+        elif own:  # async; or the ring overflowed (a recovery's rebuild): behind those, by the CPU, off the ring
             self._append_home_local(*own)
         for peer, which, record in records:
             self.writer.add(peer, which, record)
@@ -326,6 +334,29 @@ class RemoteLog:
         self.memory.account("log_bytes", sum(len(record) for record in records))
         self.memory.account("log_seconds", time.perf_counter() - started)
 
+    def _keep_own(self, records: list[bytearray]) -> None:
+        """onesided: keep this home's HOME_DIFF records of its own writes by the CPU, beside the home diff log.
+
+        The ring is reserved by peers' FETCH_AND_ADDs, which a CPU store on its tail would not be atomic with;
+        going through the HCA cost a reservation and a WRITE on the loopback QP per interval.  Kept apart, each
+        record holds the ring's tail as this interval closes, which is all `HomeVersions` needs to put it in
+        the order the home's copy went through: a peer's diff that happened before this interval was reserved
+        before that peer released (below the tail read now), one that happens after it is reserved after this
+        rank releases (at or above it); concurrent ones touch other bytes.  Released with the home diff log, at
+        coordinated checkpoints; past the ring's high-water mark in bytes, one is asked for.
+        """
+        started = time.perf_counter()
+        pointer = self.home_log.tail
+        with self.versions.mutex:
+            self.own_diffs += [(pointer, record) for record in records]
+        size = sum(len(record) for record in records)
+        self.own_bytes += size
+        if self.own_bytes > HIGH_WATER * self.home_log.capacity:
+            self._ask_checkpoint(self.rank, HOME, self.home_log.head)  # once, until a coordinated one releases it
+        self.memory.account("log_records", len(records))
+        self.memory.account("log_bytes", size)
+        self.memory.account("log_seconds", time.perf_counter() - started)
+
     def _ask_checkpoint(self, peer: int, which: str, head: int, again: bool = False) -> None:
         """Ask once per ring fill (until its head moves) for the owner's checkpoint -- `again`, a writer blocked on
         the full ring, after `REASK` seconds too (a checkpoint whose discard could not pass a hole yet)."""
@@ -423,6 +454,10 @@ class RemoteLog:
             with self.home_log.mutex:
                 self.home_log.set_head(max(self.home_log.head, end))
                 del self.overflow[: snapshot["overflow"]]  # those are in the base; later ones are not
+            with self.versions.mutex:
+                kept = self.own_diffs[: snapshot["own_diffs"]]
+                del self.own_diffs[: snapshot["own_diffs"]]
+            self.own_bytes -= sum(len(record) for _, record in kept)
         return dropped
 
     @ckpt.hookimpl
@@ -434,6 +469,7 @@ class RemoteLog:
             "own_tail": self.writer.own_tail,
             "epoch": memory.epoch,
             "overflow": len(self.overflow),
+            "own_diffs": len(self.own_diffs),
             "independent": bool(independent),
             "holder": self._holder_incarnation(),
         }
@@ -470,5 +506,8 @@ class RemoteLog:
             self.writer.own_head = self.writer.own_tail
             self.home_log.set_head(self.home_log.committed_end())
             self.overflow.clear()
+            with self.versions.mutex:
+                self.own_diffs.clear()
+            self.own_bytes = 0
             self.snapshot = None
             self.replay = None

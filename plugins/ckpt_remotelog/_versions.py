@@ -12,7 +12,11 @@
 #   every page starts as zeros;
 # * its *home diff log* (HOME_DIFF records, `_remote`), kept since C: it is not released at
 #   this rank's independent checkpoints any more, only at the next coordinated one, once the
-#   new base is taken.
+#   new base is taken.  Under ``onesided`` the home's records of its own writes are kept
+#   beside the ring, by the CPU (`RemoteLog._keep_own`), each with the ring's tail when it was
+#   made: it goes before the ring's records from that position on, which is where the home's
+#   copy had it (a diff that happened before it was reserved below that tail, one that
+#   happened after it at or above).
 #
 # page(gid, vt) = base + every logged diff of gid with base applied[w] < interval <= vt[w],
 # in log order (the order the home applied them: for ordered diffs, happened-before order;
@@ -36,8 +40,10 @@ from ._ring import LogRing
 class HomeVersions:
     """`dsm.PageVersions` for one home: its base and its home diff log (set as ``memory.versions``)."""
 
-    def __init__(self, memory: Any, home_log: LogRing, overflow: list[bytearray]) -> None:
-        self.memory, self.home_log, self.overflow = memory, home_log, overflow
+    def __init__(
+        self, memory: Any, home_log: LogRing, overflow: list[bytearray], own_diffs: list[tuple[int, bytearray]]
+    ) -> None:
+        self.memory, self.home_log, self.overflow, self.own_diffs = memory, home_log, overflow, own_diffs
         self.base: dict[int, tuple[bytes, np.ndarray]] = {}  # gid -> (page, applied columns) at the last C
         self.mutex = threading.Lock()  # the handler serves pages; the program thread takes bases
         self._reset_index()
@@ -50,6 +56,7 @@ class HomeVersions:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self.__dict__.setdefault("own_diffs", [])  # an older image: the remote log shares it (its __setstate__)
         self.mutex = threading.Lock()
         self._reset_index()
 
@@ -73,7 +80,8 @@ class HomeVersions:
 
     # ------------------------------------------------------------------ versions
     def diffs_of(self, gid: int) -> list[Record]:
-        """The HOME_DIFF records of page `gid` from the home diff log's head on, in log order."""
+        """The HOME_DIFF records of page `gid` from the home diff log's head on, in log order (the home's own,
+        kept beside the ring under onesided, where their positions put them)."""
         ring = self.home_log
         with self.mutex:
             head = ring.head
@@ -88,7 +96,8 @@ class HomeVersions:
             # past the first hole (a writer still writing): not indexed, since the hole may fill in later
             rest = ring.contents(self._indexed, max(self._indexed, tail))
             found += [r for r in scan(rest, self._indexed, self.memory.size) if r.gid == gid]
-            found += [r for r in map(parse, list(self.overflow)) if r.gid == gid]
+            own = [(at, record) for at, record in self.own_diffs if _gid(record) == gid]
+            found = _merged(found, own) + [r for r in map(parse, list(self.overflow)) if r.gid == gid]
         return [r for r in found if r.kind == RecordKind.HOME_DIFF]
 
     def page(self, gid: int, vt: list[int]) -> bytes:
@@ -102,3 +111,24 @@ class HomeVersions:
             if int(applied[record.writer]) < record.interval <= vt[record.writer]:
                 Diff.decode(record.payload, size).apply(data)
         return data.tobytes()  # counted by the DSM's handler (versions_served), which asks
+
+
+def _gid(record: bytearray) -> int:
+    """The page gid of an encoded record (`_records.HEADER`: after the commit word, kind, writer, interval)."""
+    return int.from_bytes(record[24:32], "little", signed=True)
+
+
+def _merged(ring: list[Record], own: list[tuple[int, bytearray]]) -> list[Record]:
+    """`ring`'s records (ring order) with each own record put before the first whose position is at or past
+    its own, own ones in the order they were made (their positions never decrease: the tail only grows)."""
+    if not own:
+        return ring
+    out: list[Record] = []
+    k = 0
+    for record in ring:
+        while k < len(own) and own[k][0] <= record.position:
+            out.append(parse(own[k][1]))
+            k += 1
+        out.append(record)
+    out += [parse(record) for _, record in own[k:]]
+    return out
