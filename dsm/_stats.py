@@ -47,7 +47,7 @@ class Statistics:
     compute_seconds: float
     fetch_rounds: int = 0  # rounds of page fetching: one per fault, or one for all the invalid pages of one access
     # remote / stable logging (plugins/ckpt_remotelog): 0 without it
-    log_records: int = 0  # records this rank wrote into log rings (remote logging, by RDMA)
+    log_records: int = 0  # records this rank logged (remote logging: into log rings by RDMA; a home's own, by the CPU)
     log_bytes: int = 0
     log_seconds: float = 0.0  # time spent logging (remote and stable)
     log_full_waits: int = 0  # records that waited for room in a full ring

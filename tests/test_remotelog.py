@@ -378,6 +378,61 @@ def test_a_tiny_ring_asks_for_the_owners_checkpoint_waits_and_loses_nothing(prot
     assert sum(1 for r in own if r.kind == RecordKind.NOTICES) == intervals
 
 
+def test_a_homes_own_diffs_ask_for_a_coordinated_checkpoint_again_after_each_release() -> None:
+    """onesided: a home whose pages only it writes keeps its own HOME_DIFFs beside its home diff log.  Past half
+    the ring's capacity they ask for a coordinated checkpoint; the checkpoint releases them, and the next fill
+    must ask again -- the ring's head, which keys the request, never moves when nobody else writes there."""
+    asked = {"coordinated": 0, "rank": 0}
+    kept: list[int] = []
+
+    def body(rt: ThreadRuntime) -> Any:
+        memory = dsm.attach(rt, "onesided")
+        rt.at_end(memory.close)
+        log: RemoteLog = memory.extensions["remotelog"]
+        a = memory.array((512,), np.float64)  # one page, homed at rank 0
+        lock = memory.lock()  # homed at rank 0
+        if rt.rank == 0:
+            with a.write(slice(0, 512)) as v:
+                v[:] = 0
+        memory.barrier()
+        if rt.rank == 0:
+
+            def coordinated() -> int:
+                asked["coordinated"] += 1
+                return 0
+
+            def by_rank(rank: int) -> int:
+                asked["rank"] += 1
+                return 0
+
+            rt.checkpoint, rt.checkpoint_rank = coordinated, by_rank  # type: ignore[method-assign,attr-defined]
+            answered = dict(asked)
+            for i in range(150):
+                if asked != answered:  # this rank's step boundary: the checkpoint asked for
+                    independent = asked["coordinated"] == answered["coordinated"]
+                    answered = dict(asked)
+                    log.ckpt_precheckpoint(independent=independent)
+                    log.discard()
+                    if not independent:
+                        kept.append(len(log.own_diffs))
+                with lock:
+                    with a.write(slice(i % 64 * 8, i % 64 * 8 + 8)) as v:
+                        v[:] = i + 1
+                assert all(r.writer != 0 for r in log.home_log.records())  # none of its own went into the ring
+        memory.barrier()
+        return None
+
+    run_threads(
+        2,
+        body,
+        first_device=FIRST_HCA,
+        plugins=_plain_hosts,
+        options={"dsm_protocol": "onesided", "logging": "remote", "log_ring_bytes": 4096},
+    )
+    assert asked["coordinated"] >= 3, asked  # asked again after every release, not once for good
+    assert kept and all(n == 0 for n in kept), kept  # each coordinated checkpoint released them all
+
+
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_a_checkpoint_discards_what_it_covers_and_nothing_after_it(protocol: str) -> None:
     def body(rt: ThreadRuntime) -> Any:

@@ -128,7 +128,7 @@ def rebuild_master(rlog: RemoteLog, records: list[Record]) -> int:
         Diff.decode(record.payload, region.page_size).apply(region.page(page))
         region.meta[page, column] = record.interval
         own = encode(RecordKind.HOME_DIFF, record.writer, record.payload, interval=record.interval, gid=record.gid)
-        rlog._append_home_local(own)  # nobody else appends while this runs (the survivors wait)
+        rlog.log_home_diffs([own])  # nobody else appends while this runs (the survivors wait)
         applied += 1
     if missing:
         log.warning("rank %d: %d logged diff(s) of arrays made after its image are not rebuilt", rank, missing)

@@ -71,7 +71,10 @@ ring and the option to raise, rather than hang.  Without single-rank checkpoints
 (``rt.checkpoint_rank``) it fails at once: a coordinated checkpoint needs this writer
 at a step boundary, which it cannot reach while it waits.  An own record that does not
 fit its own ring fails at once too: its owner is the writer, mid-step.  A record is
-never dropped: the reservation stays, and the job stops with the error.
+never dropped: the reservation stays, and the job stops with the error.  A home's own
+HOME_DIFF records never wait: under async the home diff log keeps what does not fit in
+``overflow``, under onesided they are kept beside the ring (``own_diffs``); both are in
+memory and in the image, and bounded only by the coordinated checkpoint they ask for.
 
 Discard: at its checkpoint the owner R snapshots what its image holds (the home's
 ``applied`` columns, its record serial, its barrier epoch); once the checkpoint exists
@@ -226,10 +229,8 @@ class RemoteLog:
             if self.onesided:
                 records.append((home, HOME, encode(RecordKind.HOME_DIFF, self.rank, payload, interval=i, gid=gid)))
         self.diffs.clear()
-        if own and self.onesided and not self.overflow:
-            self._keep_own(own)
-        elif own:  # async; or the ring overflowed (a recovery's rebuild): behind those, by the CPU, off the ring
-            self._append_home_local(*own)
+        if own:
+            self.log_home_diffs(own)
         for peer, which, record in records:
             self.writer.add(peer, which, record)
         if release >= 0:
@@ -334,6 +335,14 @@ class RemoteLog:
         self.memory.account("log_bytes", sum(len(record) for record in records))
         self.memory.account("log_seconds", time.perf_counter() - started)
 
+    def log_home_diffs(self, records: list[bytearray]) -> None:
+        """This home's own HOME_DIFF records (its writes; a recovery's rebuilt ones too), by the CPU: into its
+        home diff log under async, beside it under onesided (`_keep_own`)."""
+        if self.onesided:
+            self._keep_own(records)
+        else:
+            self._append_home_local(*records)
+
     def _keep_own(self, records: list[bytearray]) -> None:
         """onesided: keep this home's HOME_DIFF records of its own writes by the CPU, beside the home diff log.
 
@@ -342,8 +351,11 @@ class RemoteLog:
         record holds the ring's tail as this interval closes, which is all `HomeVersions` needs to put it in
         the order the home's copy went through: a peer's diff that happened before this interval was reserved
         before that peer released (below the tail read now), one that happens after it is reserved after this
-        rank releases (at or above it); concurrent ones touch other bytes.  Released with the home diff log, at
-        coordinated checkpoints; past the ring's high-water mark in bytes, one is asked for.
+        rank releases (at or above it); concurrent ones touch other bytes.  A recovery's rebuild keeps the
+        records it replays here too (the peers wait meanwhile, so they go before whatever is reserved after),
+        so under onesided only the HCA appends to the ring.  Released with the home diff log, at coordinated
+        checkpoints; past the ring's high-water mark in bytes one is asked for (once per release), but a record
+        is never refused: like async's overflow, the list is bounded by that request only.
         """
         started = time.perf_counter()
         pointer = self.home_log.tail
@@ -458,6 +470,9 @@ class RemoteLog:
                 kept = self.own_diffs[: snapshot["own_diffs"]]
                 del self.own_diffs[: snapshot["own_diffs"]]
             self.own_bytes -= sum(len(record) for _, record in kept)
+            # the request past the high-water mark is answered: the next one may go (the ring's head, the key
+            # of `_ask_checkpoint`, does not move when only this rank writes its pages)
+            self.asked.pop((self.rank, HOME), None)
         return dropped
 
     @ckpt.hookimpl
