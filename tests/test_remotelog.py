@@ -35,6 +35,7 @@ from ckpt_remotelog._records import (
     RecordKind,
     decode_at,
     encode,
+    gid_of,
     notices_of,
     parse,
     record_size,
@@ -187,6 +188,7 @@ def test_every_ring_holds_exactly_the_records_the_paper_requires(name: str, argv
         if protocol == "onesided":  # a home's own writes are kept beside its ring, by the CPU: none went in it
             assert all(r.writer != log.rank for r in home_rings[log.rank])
             assert [at for at, _ in log.own_diffs] == sorted(at for at, _ in log.own_diffs)
+            assert all(gid_of(r) == parse(r).gid for _, r in log.own_diffs)
         else:
             assert not log.own_diffs
     # the home diff log as its minimal versions read it: the ring, and (onesided) the home's own beside it

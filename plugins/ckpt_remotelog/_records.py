@@ -50,6 +50,8 @@ HEADER_SIZE = HEADER.size  # 64
 CHECK_AT = HEADER_SIZE - 4  # the check is the header's last field
 _WORD = struct.Struct("<Q")
 _CHECK = struct.Struct("<I")
+_GID = struct.Struct("<q")
+_GID_AT = struct.calcsize("<QB3xiq")  # the header's fields before the gid: commit word, kind, writer, interval
 ALIGN = 8
 #: What an image's rings and writer hold (images of another are refused): 1 had no check and each commit
 #: word was a WRITE of its own; 2 had no claim words (`_writer`, "Claims"); 3 encoded a diff run by run
@@ -194,6 +196,12 @@ def scan(data: bytes | bytearray | memoryview, start: int, size: int) -> list[Re
         else:
             at += ALIGN
     return records
+
+
+def gid_of(record: bytes | bytearray) -> int:
+    """The page gid of an encoded record, read from its header alone (no payload copied, as `parse` does)."""
+    gid: int = _GID.unpack_from(record, _GID_AT)[0]
+    return gid
 
 
 def parse(record: bytes | bytearray) -> Record:

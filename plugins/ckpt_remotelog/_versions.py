@@ -33,7 +33,7 @@ import numpy as np
 
 from dsm import Diff
 
-from ._records import Record, RecordKind, parse, scan, walk
+from ._records import Record, RecordKind, gid_of, parse, scan, walk
 from ._ring import LogRing
 
 
@@ -96,7 +96,7 @@ class HomeVersions:
             # past the first hole (a writer still writing): not indexed, since the hole may fill in later
             rest = ring.contents(self._indexed, max(self._indexed, tail))
             found += [r for r in scan(rest, self._indexed, self.memory.size) if r.gid == gid]
-            own = [(at, record) for at, record in self.own_diffs if _gid(record) == gid]
+            own = [(at, record) for at, record in self.own_diffs if gid_of(record) == gid]
             found = _merged(found, own) + [r for r in map(parse, list(self.overflow)) if r.gid == gid]
         return [r for r in found if r.kind == RecordKind.HOME_DIFF]
 
@@ -111,11 +111,6 @@ class HomeVersions:
             if int(applied[record.writer]) < record.interval <= vt[record.writer]:
                 Diff.decode(record.payload, size).apply(data)
         return data.tobytes()  # counted by the DSM's handler (versions_served), which asks
-
-
-def _gid(record: bytearray) -> int:
-    """The page gid of an encoded record (`_records.HEADER`: after the commit word, kind, writer, interval)."""
-    return int.from_bytes(record[24:32], "little", signed=True)
 
 
 def _merged(ring: list[Record], own: list[tuple[int, bytearray]]) -> list[Record]:
