@@ -23,7 +23,6 @@ import socket
 import sys
 import threading
 import time
-import traceback
 from pathlib import Path
 from typing import Any, NoReturn, cast
 
@@ -38,6 +37,7 @@ from ckpt.coordinator import protocol
 from ckpt.coordinator.client import CoordinatorClient
 from ckpt.plugin import ImageContents, Phase, _vid
 from ckpt.runtime import images
+from ckpt.runtime._process import _exit, _program_traceback, configure_logging, say
 from ckpt.runtime._survivor import SurvivorHooks, incarnation
 from ckpt.runtime.plugins import PluginHost
 
@@ -551,38 +551,6 @@ class RankEngine:
             "incarnation": self.incarnation,
             "coll_seq": self._coll_seq,  # how far the coordinator's record of collectives must reach back
         }
-
-
-def _program_traceback(exc: BaseException) -> str:
-    """The program's own traceback (its frames, not ckpt's), so its author sees where it failed."""
-    package = str(Path(__file__).resolve().parent.parent) + os.sep
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(package):
-        tb = tb.tb_next
-    return "".join(traceback.format_exception(type(exc), exc, tb))
-
-
-def say(line: str) -> None:
-    """One line (or a block ending in one) on stderr in a single write: ranks share the launcher's stderr,
-    and a print() of text and newline in two writes interleaves with another rank's."""
-    sys.stderr.flush()
-    os.write(sys.stderr.fileno(), (line + "\n").encode(errors="replace"))
-
-
-def _exit(code: int) -> NoReturn:
-    try:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    finally:
-        os._exit(code)
-
-
-def configure_logging(rank: int, level: str) -> None:
-    logging.basicConfig(
-        stream=sys.stderr,
-        level=getattr(logging, level.upper(), logging.WARNING),
-        format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s",
-    )
 
 
 def main(spec: dict[str, Any] | None = None) -> NoReturn:
