@@ -34,10 +34,12 @@ from ckpt_remotelog._records import (
     Record,
     RecordKind,
     decode_at,
+    diff_record,
     encode,
-    gid_of,
+    gids_of,
     notices_of,
     parse,
+    per_page,
     record_size,
     seal,
     walk,
@@ -188,13 +190,24 @@ def test_every_ring_holds_exactly_the_records_the_paper_requires(name: str, argv
         if protocol == "onesided":  # a home's own writes are kept beside its ring, by the CPU: none went in it
             assert all(r.writer != log.rank for r in home_rings[log.rank])
             assert [at for at, _ in log.own_diffs] == sorted(at for at, _ in log.own_diffs)
-            assert all(gid_of(r) == parse(r).gid for _, r in log.own_diffs)
+            assert all(gids_of(r) == parse(r).gids for _, r in log.own_diffs)
         else:
             assert not log.own_diffs
     # the home diff log as its minimal versions read it: the ring, and (onesided) the home's own beside it
     homes = {rank: records + [parse(r) for _, r in logs[rank].own_diffs] for rank, records in home_rings.items()}
     for records in [*rings.values(), *home_rings.values()]:
         assert all(r.position < next_r.position for r, next_r in itertools.pairwise(records))
+    # one DIFF record per (writer, interval, home) and one HOME_DIFF in the home's diff log: an interval's diffs
+    # for the pages of one home travel together (`_records.diff_record`)
+    intervals = {(s.rank, interval, home) for s in seen for _, home, interval, _ in s.diffs}
+    for home in range(SIZE):
+        diffs = [(r.writer, r.interval, home) for r in ring_of[home] if r.kind == RecordKind.DIFF]
+        assert sorted(diffs) == sorted(key for key in intervals if key[2] == home)
+        # ... the home's own under async too (its handler logs a received diff as it applies it: one page each)
+        kept = [(r.writer, r.interval, home) for r in homes[home] if protocol == "onesided" or r.writer == home]
+        assert sorted(kept) == sorted(key for key in diffs if protocol == "onesided" or key[0] == home)
+    paged = {rank: [one for r in records for one in per_page(r)] for rank, records in ring_of.items()}
+    homes = {rank: [one for r in records for one in per_page(r)] for rank, records in homes.items()}
     # diffs: at the log home of the page's home (its own writes too) and in the home's diff log
     for s in seen:
         for gid, home, interval, runs in s.diffs:
@@ -202,12 +215,12 @@ def test_every_ring_holds_exactly_the_records_the_paper_requires(name: str, argv
             in_home_log = [r for r in homes[home] if (r.writer, r.gid, r.interval) == key]
             assert len(in_home_log) == 1, (key, home)
             assert _runs(in_home_log[0]) == runs
-            logged = [r for r in ring_of[home] if r.kind == RecordKind.DIFF and (r.writer, r.gid, r.interval) == key]
+            logged = [r for r in paged[home] if r.kind == RecordKind.DIFF and (r.writer, r.gid, r.interval) == key]
             assert len(logged) == 1, (key, home)
             assert _runs(logged[0]) == runs
     made = Counter(h for s in seen for _, h, _, _ in s.diffs)
     for home in range(SIZE):
-        assert sum(1 for r in ring_of[home] if r.kind == RecordKind.DIFF) == made[home]
+        assert sum(1 for r in paged[home] if r.kind == RecordKind.DIFF) == made[home]
         assert len(homes[home]) == made[home]
     # notices: one record per acquire and per barrier, in order, holding what the rank received
     for s, program in zip(seen, programs, strict=True):
@@ -632,6 +645,24 @@ def test_a_record_with_any_byte_changed_is_not_committed() -> None:
         bent[k] ^= 0x10
         assert decode_at(bent, 0, 64) is None, k
     assert decode_at(seal(bytearray(record), 72), 0, 64) is None
+
+
+def test_a_diff_record_holds_an_intervals_diffs_of_several_pages_and_reads_back_one_per_page() -> None:
+    """One DIFF (or HOME_DIFF) record per interval and ring: `per_page` gives each page's diff, in the order
+    written, with the record's position and header; a payload that is not one is refused in one line."""
+    diffs = [(1 << 32 | 3, Diff.of_runs([(8, b"a" * 8)])), (7, Diff.of_runs([(0, b"b"), (40, b"cc")]))]
+    record = diff_record(RecordKind.DIFF, 2, 9, [(gid, diff.encode()) for gid, diff in diffs])
+    found = decode_at(seal(record, 128), 0, 128)
+    assert found is not None and found.gid == diffs[0][0] and found.gids == (diffs[0][0], 7)
+    assert gids_of(record) == found.gids
+    pages = per_page(found)
+    assert [(r.position, r.kind, r.writer, r.interval, r.gid) for r in pages] == [
+        (128, RecordKind.DIFF, 2, 9, gid) for gid, _ in diffs
+    ]
+    assert [list(Diff.decode(r.payload)) for r in pages] == [list(diff) for _, diff in diffs]
+    for payload in (b"", b"\0\0\0\0", found.payload[:-1], found.payload + b"x", b"\xff" * 16):
+        with pytest.raises(dsm.DsmError, match=r"^malformed diff record: "):
+            per_page(found._replace(payload=payload))
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)

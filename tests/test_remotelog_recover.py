@@ -23,7 +23,7 @@ import ckpt_remotelog
 import dsm
 from ckpt.runtime.plugins import PluginHost
 from ckpt.testing import ThreadRuntime, run_threads
-from ckpt_remotelog._records import RecordKind, parse
+from ckpt_remotelog._records import RecordKind, parse, per_page
 
 pytestmark = pytest.mark.timeout(120)
 SIZE, R = 4, 1
@@ -99,6 +99,7 @@ def test_a_recovered_rank_rebuilds_its_home_pages_from_its_log_home_and_replays_
         # what the lost incarnation had kept since the image: in the ring, and (onesided) its own writes beside it
         between = [r for r in log.home_log.scan(SIZE) if home_tail <= r.position < live_tail]
         between += [parse(record) for _, record in log.own_diffs[own_kept:]]
+        between = [one for r in between for one in per_page(r)]
         del log.own_diffs[own_kept:]  # as the image has them
         _put_back(memory, state)  # what the image restores (the rings aside: their holders are the others)
         log.serial, log.writer.own_tail = serial, own_tail
@@ -115,6 +116,7 @@ def test_a_recovered_rank_rebuilds_its_home_pages_from_its_log_home_and_replays_
         if protocol == "onesided":  # beside the ring, by the CPU: only the HCA appends to a onesided ring
             assert not appended
             appended = [parse(record) for _, record in log.own_diffs[own_kept:]]
+        appended = [one for r in appended for one in per_page(r)]
         lost, asked = (log.ring.lost, log.own_ring.lost), list(rt.rank_checkpoints_requested)
         # the next own record goes right after the last replayed one: where the live run's next would go
         assert log.writer.own_tail == live_own

@@ -31,6 +31,7 @@ from ckpt_remotelog._records import (
     HEADER_SIZE,
     Record,
     RecordKind,
+    diff_record,
     encode,
     notices_payload,
     seal,
@@ -186,11 +187,12 @@ def test_a_version_is_the_base_and_the_covered_diffs_in_log_order_overflow_last(
         gid, other = 1 << 32 | 3, 1 << 32 | 4
         versions.base = {gid: (bytes([9]) * 64, np.array([0, 1, 0, 0]))}  # holds writer 1's interval 1
 
-        def home_diff(writer: int, interval: int, byte: int, page: int = gid) -> bytearray:
+        def home_diff(writer: int, interval: int, byte: int, *pages: int) -> bytearray:
             payload = Diff.of_runs([(0, bytes([byte]) * 8), (32, bytes([byte]))]).encode()
-            return encode(RecordKind.HOME_DIFF, writer, payload, interval=interval, gid=page)
+            return diff_record(RecordKind.HOME_DIFF, writer, interval, [(page, payload) for page in pages or [gid]])
 
-        for record in (home_diff(1, 1, 50), home_diff(2, 1, 1), home_diff(1, 2, 2), home_diff(2, 1, 77, other)):
+        # writer 2's interval 1 wrote both pages: one record holds both diffs
+        for record in (home_diff(1, 1, 50), home_diff(2, 1, 1, other, gid), home_diff(1, 2, 2)):
             assert ring.append_local(record)
         overflow += [home_diff(3, 1, 3), home_diff(2, 2, 4)]
         page = lambda vt: versions.page(gid, vt)  # noqa: E731
@@ -199,7 +201,7 @@ def test_a_version_is_the_base_and_the_covered_diffs_in_log_order_overflow_last(
         assert page([0, 1, 1, 0])[:8] == bytes([1]) * 8
         assert page([0, 9, 9, 9])[:8] == bytes([4]) * 8 and page([0, 9, 9, 9])[32] == 4  # the overflow, last
         assert page([0, 9, 1, 9])[:8] == bytes([3]) * 8
-        assert versions.page(other, [0, 0, 1, 0])[:8] == bytes([77]) * 8 and versions.page(other, [0] * 4) == bytes(64)
+        assert versions.page(other, [0, 0, 1, 0])[:8] == bytes([1]) * 8 and versions.page(other, [0] * 4) == bytes(64)
         copy = HomeVersions.__new__(HomeVersions)  # as unpickled from an image (its ring's MR needs ckpt_ib)
         copy.__setstate__(versions.__getstate__())  # the index is not in the state: rebuilt from the ring
         assert copy.page(gid, [0, 5, 1, 0]) == page([0, 5, 1, 0])
@@ -220,7 +222,7 @@ def test_a_homes_own_diffs_kept_beside_the_ring_go_where_the_rings_tail_put_them
 
         def home_diff(writer: int, interval: int, byte: int) -> bytearray:
             payload = Diff.of_runs([(0, bytes([byte]) * 8)]).encode()
-            return encode(RecordKind.HOME_DIFF, writer, payload, interval=interval, gid=gid)
+            return diff_record(RecordKind.HOME_DIFF, writer, interval, [(gid, payload)])
 
         # peer 1's interval 1 (released before the home acquired), the home's interval 1, peer 2's interval 1
         # (acquired after the home released), the home's interval 2
@@ -282,9 +284,7 @@ def test_a_walk_stops_at_a_hole_and_a_scan_finds_every_record_past_it() -> None:
         bogus[HEADER_SIZE] ^= 1  # ... one byte of which did not land: its check fails, not a record
         area = ring.buf[24:]
         area[hole + 64 : hole + 64 + len(bogus)] = np.frombuffer(bytes(bogus), dtype=np.uint8)
-        later = [
-            encode(RecordKind.DIFF, w, Diff.of_runs([(8, b"x" * w)]).encode(), interval=w, gid=7) for w in (0, 2, 3)
-        ]
+        later = [diff_record(RecordKind.DIFF, w, w, [(7, Diff.of_runs([(8, b"x" * w)]).encode())]) for w in (0, 2, 3)]
         for record in later:
             assert ring.append_local(record)
         assert [r.serial for r in ring.records()] == [0]  # what discard reads: up to the hole
@@ -315,12 +315,8 @@ def _own(kind: RecordKind, tag: int, serial: int, token: int = 0, vt: list[int] 
 
 
 def _diff(writer: int, interval: int, gid: int = 5) -> bytearray:
-    return encode(
-        RecordKind.DIFF,
-        writer,
-        Diff.of_runs([(8 * interval, bytes([writer]) * 8)]).encode(),
-        interval=interval,
-        gid=gid,
+    return diff_record(
+        RecordKind.DIFF, writer, interval, [(gid, Diff.of_runs([(8 * interval, bytes([writer]) * 8)]).encode())]
     )
 
 

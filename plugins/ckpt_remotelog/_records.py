@@ -23,8 +23,12 @@
 # each commit word was a WRITE of its own behind the bodies, k + 1 work requests for k
 # records; the log homes' NIC executed one packet per record.)
 #
-# Payloads: a diff (DIFF, HOME_DIFF) is its encoding as the DSM sends it (`dsm.Diff.encode`: run count,
-# offsets, lengths, the runs' bytes);
+# Payloads: DIFF and HOME_DIFF records carry the diffs of *every page of one interval* that go to one
+# ring -- ``<u32 count> <count i64 gids> <count u32 sizes>`` then each page's diff as the DSM encodes it
+# (`dsm.Diff.encode`: run count, offsets, lengths, the runs' bytes), back to back; the header's gid is
+# the first page's.  `per_page` reads one back as one `Record` per page.  (Format 4 had a record per
+# page: SOR's homes wrote 64 a barrier, and their headers, copies and checks were a quarter of its
+# logging's CPU.)
 # NOTICES, BARRIER and BARRIER_ARRIVAL carry msgpack ``[vector timestamp, notices]``
 # (notices as the DSM carries them: ``[writer, interval, [gid, home, ...]]``); RELEASE none.
 #
@@ -45,25 +49,28 @@ from typing import Any, NamedTuple
 
 import msgpack
 
+from dsm import DsmError
+
 HEADER = struct.Struct("<QB3xiqqqqqII")
 HEADER_SIZE = HEADER.size  # 64
 CHECK_AT = HEADER_SIZE - 4  # the check is the header's last field
 _WORD = struct.Struct("<Q")
 _CHECK = struct.Struct("<I")
-_GID = struct.Struct("<q")
-_GID_AT = struct.calcsize("<QB3xiq")  # the header's fields before the gid: commit word, kind, writer, interval
+_COUNT = struct.Struct("<I")
+_LENGTH = struct.Struct("<I")
+_LENGTH_AT = CHECK_AT - 4  # the payload length is the field before the check
 ALIGN = 8
 #: What an image's rings and writer hold (images of another are refused): 1 had no check and each commit
 #: word was a WRITE of its own; 2 had no claim words (`_writer`, "Claims"); 3 encoded a diff run by run
-#: (``<offset u32, length u32, bytes>`` each).
-RECORD_FORMAT = 4
+#: (``<offset u32, length u32, bytes>`` each); 4 had one DIFF or HOME_DIFF record per page.
+RECORD_FORMAT = 5
 
 
 class RecordKind(IntEnum):
     """What a record logs (FT-KDSM §4.2, §4.3)."""
 
-    DIFF = 1  # a writer's diff for a page, at the log home of the page's home (its own home pages too)
-    HOME_DIFF = 2  # a diff a home applied (or made, of its own writes), in the home's own diff log
+    DIFF = 1  # a writer's diffs of one interval for pages of one home, at that home's log home (its own too)
+    HOME_DIFF = 2  # diffs a home applied (or made, of its own writes), in the home's own diff log
     NOTICES = 3  # write notices an acquirer received with a lock grant (tag lock, interval token), at its log home
     BARRIER_ARRIVAL = 4  # barrier phase 1: a rank's arrival notices (tag epoch), at its own log home
     BARRIER = 5  # barrier phase 2: the merged notices a rank received (tag epoch), at its own log home
@@ -91,6 +98,11 @@ class Record(NamedTuple):
     @property
     def size(self) -> int:
         return record_size(len(self.payload))
+
+    @property
+    def gids(self) -> tuple[int, ...]:
+        """The pages a DIFF or HOME_DIFF record holds diffs of (`per_page`)."""
+        return _pages_head(self.payload)[0]
 
 
 def padded(n: int) -> int:
@@ -198,10 +210,42 @@ def scan(data: bytes | bytearray | memoryview, start: int, size: int) -> list[Re
     return records
 
 
-def gid_of(record: bytes | bytearray) -> int:
-    """The page gid of an encoded record, read from its header alone (no payload copied, as `parse` does)."""
-    gid: int = _GID.unpack_from(record, _GID_AT)[0]
-    return gid
+def diff_record(kind: RecordKind, writer: int, interval: int, pages: Sequence[tuple[int, bytes]]) -> bytearray:
+    """A DIFF or HOME_DIFF record of `writer`'s interval `interval`: `pages` are (gid, the page's encoded diff)."""
+    count = len(pages)
+    sizes = [len(diff) for _, diff in pages]
+    head = struct.pack(f"<I{count}q{count}I", count, *(gid for gid, _ in pages), *sizes)
+    return encode(kind, writer, b"".join([head, *(diff for _, diff in pages)]), interval=interval, gid=pages[0][0])
+
+
+def _pages_head(payload: bytes | bytearray | memoryview) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    """(gids, sizes, where the first diff starts) of a DIFF or HOME_DIFF payload; DsmError if it is not one."""
+    count = _COUNT.unpack_from(payload)[0] if len(payload) >= _COUNT.size else -1
+    start = _COUNT.size + 12 * count
+    if count < 1 or len(payload) < start:
+        raise DsmError(f"malformed diff record: {count} pages in {len(payload)} bytes")
+    gids = struct.unpack_from(f"<{count}q", payload, _COUNT.size)
+    sizes = struct.unpack_from(f"<{count}I", payload, _COUNT.size + 8 * count)
+    if start + sum(sizes) != len(payload):
+        raise DsmError(f"malformed diff record: {count} pages of {sum(sizes)} bytes in {len(payload) - start}")
+    return gids, sizes, start
+
+
+def per_page(record: Record) -> list[Record]:
+    """A DIFF or HOME_DIFF record as one record per page (its position and the rest of its header; the page's
+    gid and encoded diff), in the order written; DsmError if its payload is not such a record's."""
+    gids, sizes, at = _pages_head(record.payload)
+    out = []
+    for gid, size in zip(gids, sizes, strict=True):
+        out.append(record._replace(gid=gid, payload=record.payload[at : at + size]))
+        at += size
+    return out
+
+
+def gids_of(record: bytes | bytearray) -> tuple[int, ...]:
+    """The page gids of an encoded DIFF or HOME_DIFF record (no diff copied, as `parse` does)."""
+    length = _LENGTH.unpack_from(record, _LENGTH_AT)[0]
+    return _pages_head(memoryview(record)[HEADER_SIZE : HEADER_SIZE + length])[0]
 
 
 def parse(record: bytes | bytearray) -> Record:

@@ -36,7 +36,7 @@ import numpy as np
 from ckpt import CoordinatorError
 from dsm import Diff, DsmError
 
-from ._records import Record, RecordKind, encode
+from ._records import Record, RecordKind, diff_record, per_page
 from ._replay import LogReplay
 from ._writer import LOG, OWN
 
@@ -114,22 +114,25 @@ def rebuild_master(rlog: RemoteLog, records: list[Record]) -> int:
     for record in records:
         if record.kind != RecordKind.DIFF:
             continue
-        aid, page = record.gid >> 32, record.gid & 0xFFFFFFFF
-        if aid >= len(memory.regions):
-            missing += 1  # its array was made after the image: not built yet (see docs/remotelog.md)
-            continue
-        region = memory.regions[aid]
-        region.home[page] = rank
-        if region.default_home(page) == rank and region.table[page] == 0:
-            region.table[page] = rank + 1
-        column = record.writer
-        if record.interval <= int(region.meta[page, column]):
-            continue  # the image holds it
-        Diff.decode(record.payload, region.page_size).apply(region.page(page))
-        region.meta[page, column] = record.interval
-        own = encode(RecordKind.HOME_DIFF, record.writer, record.payload, interval=record.interval, gid=record.gid)
-        rlog.log_home_diffs([own])  # nobody else appends while this runs (the survivors wait)
-        applied += 1
+        rebuilt: list[tuple[int, bytes]] = []
+        for one in per_page(record):
+            aid, page = one.gid >> 32, one.gid & 0xFFFFFFFF
+            if aid >= len(memory.regions):
+                missing += 1  # its array was made after the image: not built yet (see docs/remotelog.md)
+                continue
+            region = memory.regions[aid]
+            region.home[page] = rank
+            if region.default_home(page) == rank and region.table[page] == 0:
+                region.table[page] = rank + 1
+            column = one.writer
+            if one.interval <= int(region.meta[page, column]):
+                continue  # the image holds it
+            Diff.decode(one.payload, region.page_size).apply(region.page(page))
+            region.meta[page, column] = one.interval
+            rebuilt.append((one.gid, one.payload))
+        if rebuilt:  # nobody else appends while this runs (the survivors wait)
+            rlog.log_home_diffs([diff_record(RecordKind.HOME_DIFF, record.writer, record.interval, rebuilt)])
+            applied += len(rebuilt)
     if missing:
         log.warning("rank %d: %d logged diff(s) of arrays made after its image are not rebuilt", rank, missing)
     return applied

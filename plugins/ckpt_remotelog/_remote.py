@@ -107,6 +107,7 @@ from ._records import (
     RECORD_FORMAT,
     Record,
     RecordKind,
+    diff_record,
     encode,
     notices_payload,
     scan,
@@ -218,21 +219,17 @@ class RemoteLog:
 
     @ckpt.hookimpl
     def dsm_interval_closing(self, interval: int, release: int) -> None:
-        records: list[tuple[int, str, bytearray]] = []
-        own: list[bytearray] = []  # the home diff log's records of this rank's own writes
+        # one record per ring: the interval's diffs of the pages of one home (`_records.diff_record`)
+        by_home: dict[tuple[int, int], list[tuple[int, bytes]]] = {}
         for gid, home, i, diff in self.diffs:
-            payload = diff.encode()
-            records.append((self.log_home(home), LOG, encode(RecordKind.DIFF, self.rank, payload, interval=i, gid=gid)))
-            if home == self.rank:
-                own.append(encode(RecordKind.HOME_DIFF, self.rank, payload, interval=i, gid=gid))
-                continue
-            if self.onesided:
-                records.append((home, HOME, encode(RecordKind.HOME_DIFF, self.rank, payload, interval=i, gid=gid)))
+            by_home.setdefault((home, i), []).append((gid, diff.encode()))
         self.diffs.clear()
-        if own:
-            self.log_home_diffs(own)
-        for peer, which, record in records:
-            self.writer.add(peer, which, record)
+        for (home, i), pages in by_home.items():
+            self.writer.add(self.log_home(home), LOG, diff_record(RecordKind.DIFF, self.rank, i, pages))
+            if home == self.rank:
+                self.log_home_diffs([diff_record(RecordKind.HOME_DIFF, self.rank, i, pages)])
+            elif self.onesided:
+                self.writer.add(home, HOME, diff_record(RecordKind.HOME_DIFF, self.rank, i, pages))
         if release >= 0:
             token = int(self.memory.tokens.get(release, 0))
             if not self.replayed(RecordKind.RELEASE, release, token):
@@ -254,7 +251,7 @@ class RemoteLog:
     @ckpt.hookimpl
     def dsm_diff_received(self, writer: int, gid: int, interval: int, diff: Diff) -> None:
         """*handler*, async: the home keeps every diff it applies."""
-        self._append_home_local(encode(RecordKind.HOME_DIFF, writer, diff.encode(), interval=interval, gid=gid))
+        self._append_home_local(diff_record(RecordKind.HOME_DIFF, writer, interval, [(gid, diff.encode())]))
 
     @ckpt.hookimpl
     def dsm_write_notices_received(self, source: str, notices: list[Any]) -> None:
@@ -394,9 +391,12 @@ class RemoteLog:
         """Does this rank's checkpoint (its `snapshot`) hold what `record` logs?"""
         if record.kind != RecordKind.DIFF:
             return False  # a log ring holds DIFF records only (own records: the own ring, `discard`)
-        aid, page = record.gid >> 32, record.gid & 0xFFFFFFFF
         applied = snapshot["applied"]
-        return aid < len(applied) and bool(applied[aid][page, record.writer] >= record.interval)
+        for gid in record.gids:
+            aid, page = gid >> 32, gid & 0xFFFFFFFF
+            if aid >= len(applied) or applied[aid][page, record.writer] < record.interval:
+                return False
+        return True
 
     def _covered_prefix(self, snapshot: dict[str, Any]) -> tuple[list[Record], int]:
         """The records of this rank's log ring its checkpoint covers, from the head on, and the position after them.

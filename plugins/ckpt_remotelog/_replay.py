@@ -23,7 +23,7 @@ from typing import Any
 import dsm
 from dsm import Diff
 
-from ._records import Record, RecordKind, notices_of
+from ._records import Record, RecordKind, notices_of, per_page
 
 Notices = list[list[Any]]
 
@@ -63,9 +63,10 @@ class LogReplay:
         for record in records:
             if record.kind != RecordKind.DIFF or record.writer == rank:
                 continue
-            columns = applied(record.gid)
-            if columns is None or record.interval > int(columns[record.writer]):
-                self.diffs.append((record.gid, record.writer, record.interval, Diff.decode(record.payload, page_size)))
+            for one in per_page(record):
+                columns = applied(one.gid)
+                if columns is None or one.interval > int(columns[one.writer]):
+                    self.diffs.append((one.gid, one.writer, one.interval, Diff.decode(one.payload, page_size)))
         self.returned = 0  # diffs before this index were all returned (the others: see `taken`)
         self.taken: set[int] = set()
         self.consumed: set[tuple[int, int, int]] = set()  # (kind, lock or epoch, token) of replayed operations

@@ -24,7 +24,7 @@ from typing import Any
 import ckpt
 from dsm import Diff
 
-from ._records import RecordKind, encode, notices_payload, sealed
+from ._records import RecordKind, diff_record, encode, notices_payload, sealed
 
 
 class StableLog:
@@ -69,12 +69,12 @@ class StableLog:
     @ckpt.hookimpl
     def dsm_diff_received(self, writer: int, gid: int, interval: int, diff: Diff) -> None:
         """*handler*, async."""
-        self._keep(encode(RecordKind.DIFF, writer, diff.encode(), interval=interval, gid=gid))
+        self._keep(diff_record(RecordKind.DIFF, writer, interval, [(gid, diff.encode())]))
 
     @ckpt.hookimpl
     def dsm_diff_created(self, gid: int, home: int, interval: int, diff: Diff) -> None:
         if self.onesided and home != self.rank:
-            self._keep(encode(RecordKind.DIFF, self.rank, diff.encode(), interval=interval, gid=gid))
+            self._keep(diff_record(RecordKind.DIFF, self.rank, interval, [(gid, diff.encode())]))
 
     @ckpt.hookimpl
     def dsm_write_notices_received(self, source: str, notices: list[Any]) -> None:

@@ -27,13 +27,14 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 
 from dsm import Diff
 
-from ._records import Record, RecordKind, gid_of, parse, scan, walk
+from ._records import Record, RecordKind, gids_of, parse, per_page, scan, walk
 from ._ring import LogRing
 
 
@@ -90,15 +91,16 @@ class HomeVersions:
             tail = ring.tail
             for record in walk(ring.contents(self._indexed, max(self._indexed, tail)), self._indexed):
                 if record.kind == RecordKind.HOME_DIFF:
-                    self._index.setdefault(record.gid, []).append(record)
+                    for one in per_page(record):
+                        self._index.setdefault(one.gid, []).append(one)
                 self._indexed = record.position + record.size
             found = list(self._index.get(gid, []))
             # past the first hole (a writer still writing): not indexed, since the hole may fill in later
             rest = ring.contents(self._indexed, max(self._indexed, tail))
-            found += [r for r in scan(rest, self._indexed, self.memory.size) if r.gid == gid]
-            own = [(at, record) for at, record in self.own_diffs if gid_of(record) == gid]
-            found = _merged(found, own) + [r for r in map(parse, list(self.overflow)) if r.gid == gid]
-        return [r for r in found if r.kind == RecordKind.HOME_DIFF]
+            found += _of_page(scan(rest, self._indexed, self.memory.size), gid)
+            own = [(at, record) for at, record in self.own_diffs if gid in gids_of(record)]
+            found = _merged(found, own, gid) + _of_page(map(parse, list(self.overflow)), gid)
+        return found
 
     def page(self, gid: int, vt: list[int]) -> bytes:
         """Page `gid` holding the intervals (q, i) with i <= vt[q] (`dsm.PageVersions`)."""
@@ -113,17 +115,24 @@ class HomeVersions:
         return data.tobytes()  # counted by the DSM's handler (versions_served), which asks
 
 
-def _merged(ring: list[Record], own: list[tuple[int, bytearray]]) -> list[Record]:
-    """`ring`'s records (ring order) with each own record put before the first whose position is at or past
-    its own, own ones in the order they were made (their positions never decrease: the tail only grows)."""
+def _of_page(records: Iterable[Record], gid: int) -> list[Record]:
+    """The diffs of page `gid` in `records`' HOME_DIFF records, one record each (`per_page`), in order."""
+    return [one for r in records if r.kind == RecordKind.HOME_DIFF for one in per_page(r) if one.gid == gid]
+
+
+def _merged(ring: list[Record], own: list[tuple[int, bytearray]], gid: int) -> list[Record]:
+    """`ring`'s records of page `gid` (ring order) with each own record's diff of it put before the first whose
+    position is at or past its own, own ones in the order they were made (their positions never decrease: the
+    tail only grows)."""
     if not own:
         return ring
     out: list[Record] = []
     k = 0
     for record in ring:
         while k < len(own) and own[k][0] <= record.position:
-            out.append(parse(own[k][1]))
+            out += _of_page([parse(own[k][1])], gid)
             k += 1
         out.append(record)
-    out += [parse(record) for _, record in own[k:]]
+    for _, kept in own[k:]:
+        out += _of_page([parse(kept)], gid)
     return out
