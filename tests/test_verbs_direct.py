@@ -160,6 +160,27 @@ def test_private_memory_and_bad_keys_take_the_packet_path_with_its_errors(start_
     assert peer.ep.qp.qp_state == v.IBV_QPS_ERR
 
 
+def test_a_region_known_to_be_private_is_not_held_again_until_the_peers_rows_change(
+    start_peer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Holding a peer and asking whether it lives are system calls on every post: once its rows were read and
+    the region was not among them, a WR to it takes the packet path at once, until the rows change."""
+    peer = start_peer()
+    assert _write(peer, b"private!", private=True).status == v.IBV_WC_SUCCESS  # the rows read once
+    held: list[int] = []
+    hold = _shm.Peer.hold
+    monkeypatch.setattr(_shm.Peer, "hold", lambda self: (held.append(1), hold(self))[1])
+    monkeypatch.setattr(_shm.Peer, "alive", lambda self: held.append(2) or True)
+    for k in range(3):
+        assert _write(peer, b"again!!%d" % k, private=True).status == v.IBV_WC_SUCCESS
+    assert held == [] and peer.dump()[1][:8] == b"again!!2"
+    assert _write(peer, b"shared!!").status == v.IBV_WC_SUCCESS and held == [2, 1]  # placed directly
+    assert peer.ask("dereg") == "done"  # a row changes: what was read of them is stale
+    del held[:]
+    assert _write(peer, b"private?", private=True).status == v.IBV_WC_SUCCESS and held == [2, 1]
+    assert _write(peer, b"private.", private=True).status == v.IBV_WC_SUCCESS and held == [2, 1]
+
+
 def test_a_wrong_rkey_gets_rem_access_err(start_peer: Any) -> None:
     peer = start_peer()
     assert _write(peer, b"y" * 8, rkey=peer.remote["rkey"] ^ 0x5A5A).status == v.IBV_WC_REM_ACCESS_ERR

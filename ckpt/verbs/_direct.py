@@ -39,7 +39,7 @@ def execute(qp: Any, entries: list[SendEntry]) -> bool:
     if qp.qp_type != _RC or qp.mig_announce or hca.latency or hca.bandwidth:
         return False
     port, dlid = qp.port_num, qp.ah.dlid
-    peer = hca.direct_peer(dlid)  # (alive: checked there)
+    peer = hca.direct_peer(dlid, entries)  # (alive: checked there)
     if peer is None or not hca.path_ok(port, dlid):
         return False
     peer.hold()  # the peer changes no row (no dereg, no modify) until the copies are done

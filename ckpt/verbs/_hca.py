@@ -24,7 +24,7 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -345,8 +345,10 @@ class Hca:
                 self._conns[endpoint] = conn
         return conn if conn.alive else None
 
-    def direct_peer(self, dlid: int) -> _shm.Peer | None:
-        """The same-host HCA owning `dlid` if one-sided operations can be placed in its memory directly (`_shm`)."""
+    def direct_peer(self, dlid: int, entries: Sequence[Any] = ()) -> _shm.Peer | None:
+        """The same-host HCA owning `dlid` if one-sided operations (`entries`) can be placed in its memory
+        directly (`_shm`); None at once, with no system call, if one of them targets a region it is known not
+        to publish."""
         route = self._routes.get(dlid) or self._resolve(dlid)
         if route is None or self.table is None:
             return None
@@ -355,7 +357,9 @@ class Hca:
         if endpoint == self.endpoint and known == 0.0:  # a loopback: this very HCA
             known = self._peers[endpoint] = _shm.Loopback(self.table)
         if not isinstance(known, float):  # a peer, or None: it publishes nothing, or is over TCP
-            if known is None or known.alive():
+            if known is None or known.refuses(entries):
+                return None
+            if known.alive():
                 return known
             self._peers[endpoint] = None  # that process is gone (a restarted peer has another endpoint)
             return None

@@ -51,7 +51,7 @@ import os
 import select
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, Final
 
 import numpy as np
@@ -324,6 +324,16 @@ class Peer:
 
     def alive(self) -> bool:
         return not self._exited.poll(0)
+
+    def refuses(self, entries: Iterable[Any]) -> bool:
+        """Does a WR of `entries` target a region this peer does not publish (private memory), as its rows were
+        when last read and its generation still is?  Known without holding the peer (no system call): such a
+        chain takes the packet path.  A change under way is missed at worst, and the packet path is always
+        right."""
+        if self._words[_H_GEN] != self._gen:
+            return False
+        rows = self._mr_rows
+        return any(rows.get(entry.rkey, 0) is None for entry in entries)
 
     def hold(self) -> None:
         """Keep the peer from changing any row (a shared record lock on its table) until `release`."""
