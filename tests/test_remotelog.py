@@ -190,7 +190,8 @@ def test_every_ring_holds_exactly_the_records_the_paper_requires(name: str, argv
         if protocol == "onesided":  # a home's own writes are kept beside its ring, by the CPU: none went in it
             assert all(r.writer != log.rank for r in home_rings[log.rank])
             assert [at for at, _ in log.own_diffs] == sorted(at for at, _ in log.own_diffs)
-            assert all(gids_of(r) == parse(r).gids for _, r in log.own_diffs)
+            homed = {r.aid << 32 | int(page) for r in log.memory.regions for page in np.flatnonzero(r.home == log.rank)}
+            assert {gid for _, r in log.own_diffs for gid in gids_of(r)} <= homed  # its own pages only
         else:
             assert not log.own_diffs
     # the home diff log as its minimal versions read it: the ring, and (onesided) the home's own beside it
@@ -660,9 +661,31 @@ def test_a_diff_record_holds_an_intervals_diffs_of_several_pages_and_reads_back_
         (128, RecordKind.DIFF, 2, 9, gid) for gid, _ in diffs
     ]
     assert [list(Diff.decode(r.payload)) for r in pages] == [list(diff) for _, diff in diffs]
-    for payload in (b"", b"\0\0\0\0", found.payload[:-1], found.payload + b"x", b"\xff" * 16):
+    zero_sized = diff_record(RecordKind.DIFF, 2, 9, [(5, b""), (6, diffs[0][1].encode())])
+    for payload in (
+        b"",
+        b"\0\0\0\0",
+        found.payload[:-1],
+        found.payload + b"x",
+        b"\xff" * 16,
+        parse(zero_sized).payload,
+    ):
         with pytest.raises(dsm.DsmError, match=r"^malformed diff record: "):
             per_page(found._replace(payload=payload))
+
+
+def test_a_checkpoint_covers_a_diff_record_only_when_its_image_holds_every_page_of_it() -> None:
+    """The discard's test (`RemoteLog.covered`): a record of several pages, one of which the image does not hold
+    yet (a diff still arriving there when it was taken), keeps the ring's head before it."""
+    applied = [np.zeros((4, SIZE), dtype=np.int64), np.zeros((2, SIZE), dtype=np.int64)]
+    record = parse(diff_record(RecordKind.DIFF, 1, 3, [(0 << 32 | 2, b"a"), (1 << 32 | 1, b"b")]))
+    covered = lambda arrays: RemoteLog.covered(RemoteLog.__new__(RemoteLog), record, {"applied": arrays})  # noqa: E731
+    assert not covered(applied)
+    applied[0][2, 1] = 3  # the first page holds writer 1's interval 3 ...
+    assert not covered(applied)  # ... the second does not
+    applied[1][1, 1] = 4
+    assert covered(applied)
+    assert not covered(applied[:1])  # the second page's array was made after the image
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)

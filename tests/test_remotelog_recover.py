@@ -12,6 +12,7 @@ is marked lost with its owner asked to checkpoint, and a lost log ring makes it 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -21,9 +22,13 @@ from dsm_util import FIRST_HCA
 
 import ckpt_remotelog
 import dsm
+from ckpt import verbs
 from ckpt.runtime.plugins import PluginHost
 from ckpt.testing import ThreadRuntime, run_threads
-from ckpt_remotelog._records import RecordKind, parse, per_page
+from ckpt_remotelog._records import RecordKind, diff_record, parse, per_page
+from ckpt_remotelog._recover import rebuild_master
+from dsm import Diff
+from dsm._region import Region
 
 pytestmark = pytest.mark.timeout(120)
 SIZE, R = 4, 1
@@ -173,3 +178,28 @@ def test_a_recovered_rank_rebuilds_its_home_pages_from_its_log_home_and_replays_
     assert replay.done
     # f: the rings R holds (rank 0's) came back from the image: lost, and rank 0 asked to checkpoint
     assert all(lost) and asked == [(R - 1) % SIZE]
+
+
+def test_a_rebuild_applies_nothing_of_a_record_one_of_whose_pages_is_malformed() -> None:
+    """`rebuild_master` decodes every page of a DIFF record before it applies any: a record whose second page
+    is not a diff fails in one line and leaves the first page's copy and applied column as they were."""
+    ctx = verbs.Context(name=f"simib{FIRST_HCA}")
+    try:
+        region = Region(verbs.PD(ctx), 0, 2 * 4096, 8, 4096, 0, SIZE)
+        kept: list[Any] = []
+        rlog = SimpleNamespace(memory=SimpleNamespace(regions=[region]), rank=0, log_home_diffs=kept.append)
+        good = Diff.of_runs([(0, b"\x07" * 8)]).encode()
+        bad = parse(diff_record(RecordKind.DIFF, 1, 1, [(0, good), (1, b"\xff" * 12)]))
+        with pytest.raises(dsm.DsmError, match="malformed diff"):
+            rebuild_master(rlog, [bad])  # type: ignore[arg-type]
+        assert not region.page(0).any() and not region.meta.any() and kept == []
+        fine = parse(diff_record(RecordKind.DIFF, 1, 1, [(0, good), (1, good)]))
+        assert rebuild_master(rlog, [fine]) == 2  # type: ignore[arg-type]
+        assert bytes(region.page(1)[:8]) == b"\x07" * 8 and region.meta[:, 1].tolist() == [1, 1]
+        (relogged,) = kept[0]  # the HOME_DIFF of what it applied, in the home diff log
+        assert [(r.kind, r.gid) for r in per_page(parse(relogged))] == [
+            (RecordKind.HOME_DIFF, 0),
+            (RecordKind.HOME_DIFF, 1),
+        ]
+    finally:
+        ctx.close()

@@ -345,9 +345,9 @@ class Peer:
             raise
         gen = self._words[_H_GEN]
         if gen != self._gen:  # something changed: read rows afresh
-            self._gen = gen
-            self._mr_rows.clear()
+            self._mr_rows.clear()  # before the generation: `refuses` must not pair the new one with old rows
             self._qp_rows.clear()
+            self._gen = gen
 
     def release(self) -> None:
         self._unshare()

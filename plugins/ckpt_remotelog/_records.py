@@ -220,13 +220,15 @@ def diff_record(kind: RecordKind, writer: int, interval: int, pages: Sequence[tu
 
 def _pages_head(payload: bytes | bytearray | memoryview) -> tuple[tuple[int, ...], tuple[int, ...], int]:
     """(gids, sizes, where the first diff starts) of a DIFF or HOME_DIFF payload; DsmError if it is not one."""
-    count = _COUNT.unpack_from(payload)[0] if len(payload) >= _COUNT.size else -1
+    if len(payload) < _COUNT.size:
+        raise DsmError(f"malformed diff record: a payload of {len(payload)} bytes has no page count")
+    count = _COUNT.unpack_from(payload)[0]
     start = _COUNT.size + 12 * count
     if count < 1 or len(payload) < start:
         raise DsmError(f"malformed diff record: {count} pages in {len(payload)} bytes")
     gids = struct.unpack_from(f"<{count}q", payload, _COUNT.size)
     sizes = struct.unpack_from(f"<{count}I", payload, _COUNT.size + 8 * count)
-    if start + sum(sizes) != len(payload):
+    if start + sum(sizes) != len(payload) or 0 in sizes:
         raise DsmError(f"malformed diff record: {count} pages of {sum(sizes)} bytes in {len(payload) - start}")
     return gids, sizes, start
 

@@ -114,21 +114,22 @@ def rebuild_master(rlog: RemoteLog, records: list[Record]) -> int:
     for record in records:
         if record.kind != RecordKind.DIFF:
             continue
-        rebuilt: list[tuple[int, bytes]] = []
-        for one in per_page(record):
+        pages = []
+        for one in per_page(record):  # every page decoded before any is applied: a malformed one changes nothing
             aid, page = one.gid >> 32, one.gid & 0xFFFFFFFF
             if aid >= len(memory.regions):
                 missing += 1  # its array was made after the image: not built yet (see docs/remotelog.md)
                 continue
-            region = memory.regions[aid]
+            pages.append((one, memory.regions[aid], page, Diff.decode(one.payload, memory.regions[aid].page_size)))
+        rebuilt: list[tuple[int, bytes]] = []
+        for one, region, page, diff in pages:
             region.home[page] = rank
             if region.default_home(page) == rank and region.table[page] == 0:
                 region.table[page] = rank + 1
-            column = one.writer
-            if one.interval <= int(region.meta[page, column]):
+            if one.interval <= int(region.meta[page, one.writer]):
                 continue  # the image holds it
-            Diff.decode(one.payload, region.page_size).apply(region.page(page))
-            region.meta[page, column] = one.interval
+            diff.apply(region.page(page))
+            region.meta[page, one.writer] = one.interval
             rebuilt.append((one.gid, one.payload))
         if rebuilt:  # nobody else appends while this runs (the survivors wait)
             rlog.log_home_diffs([diff_record(RecordKind.HOME_DIFF, record.writer, record.interval, rebuilt)])

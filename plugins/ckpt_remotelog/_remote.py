@@ -4,16 +4,18 @@ Rationale.  Rank R's *log home* is L(R) = (R + offset) mod N.  Every rank holds 
 rings in registered memory (`_ring.LogRing`): the *log ring* and the *own ring* of the
 one rank whose log home it is, and its own *home diff log*.  What goes where, and when:
 
-* a diff of a page homed at H -> a DIFF record in H's log ring at L(H) (H's own writes to
-  its pages too: so H's ring holds every change to its home pages since its image, in
-  application order, which is what a recovery of H rebuilds its home copies from); if
-  H != writer,
-  under ``onesided`` (where H's CPU never sees the diff), a HOME_DIFF record in H's home
-  diff log by RDMA too.  Both are written in ``dsm_interval_closing``, i.e. before the
-  diff itself leaves: "the page writer can complete an interval only after the diffs are
-  successfully sent to the page home and then to its log home" (§4.2), made stronger --
-  the log is complete before the home can apply the diff, so whatever a home applied is
-  logged (Figure 1, case i); a writer that dies before that never released (case ii).
+* an interval's diffs of the pages homed at H -> one DIFF record in H's log ring at L(H)
+  (H's own writes to its pages too: so H's ring holds every change to its home pages since
+  its image, in application order, which is what a recovery of H rebuilds its home copies
+  from); if H != writer, under ``onesided`` (where H's CPU never sees the diff), one
+  HOME_DIFF record in H's home diff log by RDMA too.  Both are reserved in
+  ``dsm_interval_closing``, while the diffs go home, and written and complete before the
+  interval completes (``dsm_interval_closed``): "the page writer can complete an interval
+  only after the diffs are successfully sent to the page home and then to its log home"
+  (§4.2).  So whatever a home applied is logged by the time anyone can observe the
+  interval (Figure 1, case i); a writer that dies before that never released (case ii); a
+  home that applied a diff and failed before its record landed gets the diff again from
+  its writer (``dsm.Memory._send_again``).
 * under ``async`` the home appends every diff it receives to its own home diff log on its
   handler thread, by the CPU (the ring is never FETCH_AND_ADDed by peers under ``async``,
   so the CPU is the only appender); its own writes (homes twin their own pages while
