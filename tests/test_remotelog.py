@@ -33,6 +33,7 @@ from ckpt_remotelog._records import (
     OWN_KINDS,
     Record,
     RecordKind,
+    as_kind,
     decode_at,
     diff_record,
     encode,
@@ -656,6 +657,8 @@ def test_a_diff_record_holds_an_intervals_diffs_of_several_pages_and_reads_back_
     found = decode_at(seal(record, 128), 0, 128)
     assert found is not None and found.gid == diffs[0][0] and found.gids == (diffs[0][0], 7)
     assert gids_of(record) == found.gids
+    home = parse(as_kind(record, RecordKind.HOME_DIFF))  # the same diffs in the home's diff log, built once
+    assert home == parse(record)._replace(kind=RecordKind.HOME_DIFF) and parse(record).kind == RecordKind.DIFF
     pages = per_page(found)
     assert [(r.position, r.kind, r.writer, r.interval, r.gid) for r in pages] == [
         (128, RecordKind.DIFF, 2, 9, gid) for gid, _ in diffs

@@ -56,9 +56,9 @@ HEADER_SIZE = HEADER.size  # 64
 CHECK_AT = HEADER_SIZE - 4  # the check is the header's last field
 _WORD = struct.Struct("<Q")
 _CHECK = struct.Struct("<I")
-_COUNT = struct.Struct("<I")
-_LENGTH = struct.Struct("<I")
+_U32 = struct.Struct("<I")  # a diff record's page count; the header's payload length
 _LENGTH_AT = CHECK_AT - 4  # the payload length is the field before the check
+_KIND_AT = _WORD.size  # the kind follows the commit word
 ALIGN = 8
 #: What an image's rings and writer hold (images of another are refused): 1 had no check and each commit
 #: word was a WRITE of its own; 2 had no claim words (`_writer`, "Claims"); 3 encoded a diff run by run
@@ -218,16 +218,24 @@ def diff_record(kind: RecordKind, writer: int, interval: int, pages: Sequence[tu
     return encode(kind, writer, b"".join([head, *(diff for _, diff in pages)]), interval=interval, gid=pages[0][0])
 
 
+def as_kind(record: bytearray, kind: RecordKind) -> bytearray:
+    """A copy of an unsealed `record` as a record of `kind`: a home's DIFF and HOME_DIFF of its own writes
+    hold the same diffs, built once."""
+    out = bytearray(record)
+    out[_KIND_AT] = int(kind)
+    return out
+
+
 def _pages_head(payload: bytes | bytearray | memoryview) -> tuple[tuple[int, ...], tuple[int, ...], int]:
     """(gids, sizes, where the first diff starts) of a DIFF or HOME_DIFF payload; DsmError if it is not one."""
-    if len(payload) < _COUNT.size:
+    if len(payload) < _U32.size:
         raise DsmError(f"malformed diff record: a payload of {len(payload)} bytes has no page count")
-    count = _COUNT.unpack_from(payload)[0]
-    start = _COUNT.size + 12 * count
+    count = _U32.unpack_from(payload)[0]
+    start = _U32.size + 12 * count
     if count < 1 or len(payload) < start:
         raise DsmError(f"malformed diff record: {count} pages in {len(payload)} bytes")
-    gids = struct.unpack_from(f"<{count}q", payload, _COUNT.size)
-    sizes = struct.unpack_from(f"<{count}I", payload, _COUNT.size + 8 * count)
+    gids = struct.unpack_from(f"<{count}q", payload, _U32.size)
+    sizes = struct.unpack_from(f"<{count}I", payload, _U32.size + 8 * count)
     if start + sum(sizes) != len(payload) or 0 in sizes:
         raise DsmError(f"malformed diff record: {count} pages of {sum(sizes)} bytes in {len(payload) - start}")
     return gids, sizes, start
@@ -246,7 +254,7 @@ def per_page(record: Record) -> list[Record]:
 
 def gids_of(record: bytes | bytearray) -> tuple[int, ...]:
     """The page gids of an encoded DIFF or HOME_DIFF record (no diff copied, as `parse` does)."""
-    length = _LENGTH.unpack_from(record, _LENGTH_AT)[0]
+    length = _U32.unpack_from(record, _LENGTH_AT)[0]
     return _pages_head(memoryview(record)[HEADER_SIZE : HEADER_SIZE + length])[0]
 
 

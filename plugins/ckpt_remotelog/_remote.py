@@ -94,6 +94,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -109,6 +110,7 @@ from ._records import (
     RECORD_FORMAT,
     Record,
     RecordKind,
+    as_kind,
     diff_record,
     encode,
     notices_payload,
@@ -192,9 +194,6 @@ class RemoteLog:
             # its rings' records have no check (or own rings are missing): they would read as never written
             older = "this image was written by an older ckpt_remotelog (another log record format)"
             raise DsmError(f"{older}: it cannot resume")
-        if "own_diffs" not in state:  # an image from before own diffs were kept apart: its are in the ring
-            state["own_diffs"] = state["versions"].__dict__.setdefault("own_diffs", [])
-            state["own_bytes"] = 0
         self.__dict__.update(state)
         self.register()  # before the memory decides which DSM hooks fire (it is unpickled after this)
 
@@ -227,11 +226,12 @@ class RemoteLog:
             by_home.setdefault((home, i), []).append((gid, diff.encode()))
         self.diffs.clear()
         for (home, i), pages in by_home.items():
-            self.writer.add(self.log_home(home), LOG, diff_record(RecordKind.DIFF, self.rank, i, pages))
+            record = diff_record(RecordKind.DIFF, self.rank, i, pages)
             if home == self.rank:
-                self.log_home_diffs([diff_record(RecordKind.HOME_DIFF, self.rank, i, pages)])
+                self.log_home_diffs([as_kind(record, RecordKind.HOME_DIFF)])
             elif self.onesided:
-                self.writer.add(home, HOME, diff_record(RecordKind.HOME_DIFF, self.rank, i, pages))
+                self.writer.add(home, HOME, as_kind(record, RecordKind.HOME_DIFF))
+            self.writer.add(self.log_home(home), LOG, record)
         if release >= 0:
             token = int(self.memory.tokens.get(release, 0))
             if not self.replayed(RecordKind.RELEASE, release, token):
@@ -330,6 +330,9 @@ class RemoteLog:
             self._ask_checkpoint(self.rank, HOME, self.home_log.head)
         elif self.home_log.tail - self.home_log.head > HIGH_WATER * self.home_log.capacity:
             self._ask_checkpoint(self.rank, HOME, self.home_log.head)
+        self._logged_by_cpu(records, started)
+
+    def _logged_by_cpu(self, records: Sequence[bytearray], started: float) -> None:
         self.memory.account("log_records", len(records))
         self.memory.account("log_bytes", sum(len(record) for record in records))
         self.memory.account("log_seconds", time.perf_counter() - started)
@@ -360,13 +363,10 @@ class RemoteLog:
         pointer = self.home_log.tail
         with self.versions.mutex:
             self.own_diffs += [(pointer, record) for record in records]
-        size = sum(len(record) for record in records)
-        self.own_bytes += size
+        self.own_bytes += sum(len(record) for record in records)
         if self.own_bytes > HIGH_WATER * self.home_log.capacity:
             self._ask_checkpoint(self.rank, HOME, self.home_log.head)  # once, until a coordinated one releases it
-        self.memory.account("log_records", len(records))
-        self.memory.account("log_bytes", size)
-        self.memory.account("log_seconds", time.perf_counter() - started)
+        self._logged_by_cpu(records, started)
 
     def _ask_checkpoint(self, peer: int, which: str, head: int, again: bool = False) -> None:
         """Ask once per ring fill (until its head moves) for the owner's checkpoint -- `again`, a writer blocked on

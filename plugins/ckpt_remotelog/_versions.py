@@ -57,7 +57,6 @@ class HomeVersions:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self.__dict__.setdefault("own_diffs", [])  # an older image: the remote log shares it (its __setstate__)
         self.mutex = threading.Lock()
         self._reset_index()
 
@@ -98,8 +97,13 @@ class HomeVersions:
             # past the first hole (a writer still writing): not indexed, since the hole may fill in later
             rest = ring.contents(self._indexed, max(self._indexed, tail))
             found += _of_page(scan(rest, self._indexed, self.memory.size), gid)
-            own = [(at, record) for at, record in self.own_diffs if gid in gids_of(record)]
-            found = _merged(found, own, gid) + _of_page(map(parse, list(self.overflow)), gid)
+            own = [
+                (at, one)
+                for at, record in self.own_diffs
+                if gid in gids_of(record)
+                for one in _of_page([parse(record)], gid)
+            ]
+            found = _merged(found, own) + _of_page(map(parse, list(self.overflow)), gid)
         return found
 
     def page(self, gid: int, vt: list[int]) -> bytes:
@@ -120,19 +124,16 @@ def _of_page(records: Iterable[Record], gid: int) -> list[Record]:
     return [one for r in records if r.kind == RecordKind.HOME_DIFF for one in per_page(r) if one.gid == gid]
 
 
-def _merged(ring: list[Record], own: list[tuple[int, bytearray]], gid: int) -> list[Record]:
-    """`ring`'s records of page `gid` (ring order) with each own record's diff of it put before the first whose
-    position is at or past its own, own ones in the order they were made (their positions never decrease: the
-    tail only grows)."""
+def _merged(ring: list[Record], own: list[tuple[int, Record]]) -> list[Record]:
+    """`ring`'s records (ring order) with each own one put before the first whose position is at or past the
+    ring's tail it was kept with, own ones in the order they were made (those tails never decrease)."""
     if not own:
         return ring
     out: list[Record] = []
     k = 0
     for record in ring:
         while k < len(own) and own[k][0] <= record.position:
-            out += _of_page([parse(own[k][1])], gid)
+            out.append(own[k][1])
             k += 1
         out.append(record)
-    for _, kept in own[k:]:
-        out += _of_page([parse(kept)], gid)
-    return out
+    return out + [record for _, record in own[k:]]
