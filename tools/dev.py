@@ -47,6 +47,19 @@ def ensure_venv() -> None:
     stamp.write_text(digest)
 
 
+def compile_bytecode() -> None:
+    """Write the bytecode of the project's own modules ahead of time.
+
+    With PYTHONDONTWRITEBYTECODE set (as on CI's machines), Python never caches it, and every process a
+    job starts -- coordinator, fabric, each rank, each `ckpt` command -- compiled ckpt, its plugins and
+    the DSM from source again: ~0.13 s of CPU per process, a quarter of a rank's start-up, thousands of
+    times over a test run. py_compile writes the files regardless of that setting; a file edited later
+    is still read from its source (the cached copy records its source's mtime and size).
+    """
+    dirs = [str(ROOT / name) for name in ("ckpt", "plugins", "dsm", "examples", "tests", "benchmarks")]
+    subprocess.run([str(BIN / "python"), "-m", "compileall", "-q", "-j", "0", *dirs], check=True, capture_output=True)
+
+
 def ckpt(*args: str, **kwargs: object) -> subprocess.CompletedProcess[str]:
     return subprocess.run([str(BIN / "ckpt"), *args], text=True, capture_output=True, **kwargs)  # type: ignore[call-overload]
 
@@ -121,6 +134,7 @@ def main() -> int:
         print("usage: python3 tools/dev.py demo | test [pytest args]", file=sys.stderr)
         return 2
     ensure_venv()
+    compile_bytecode()
     return demo() if sys.argv[1] == "demo" else test(sys.argv[2:])
 
 
