@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ckpt.testing import run
 from ckpt_simib import FABRIC_FILE
 
@@ -21,6 +23,24 @@ EXAMPLES = ROOT / "examples"
 PROGRAMS = Path(__file__).resolve().parent / "programs"
 #: This suite's own plugins (--with-plugin ckpt_faults, ...): on every ckpt command's PYTHONPATH (conftest.py).
 TEST_PLUGINS = PROGRAMS / "plugins"
+
+
+def heat_results(ranks: int, steps: int, cells: int = 1000) -> dict[int, str]:
+    """What examples/heat.py prints on `ranks` ranks (its WORK_MS changes nothing), computed here: the same
+    float64 operations on the same values in the same order, so the same bits. An uninterrupted run of
+    20000 steps through the CLI costs a test worker ~45 s; this costs ~1 s. test_e2e_checkpoint checks
+    it against an uninterrupted run."""
+    slices = [np.random.default_rng(rank).random(cells) for rank in range(ranks)]
+    for _ in range(steps):
+        edges = [(float(u[0]), float(u[-1])) for u in slices]  # what the allgather carries
+        new = []
+        for rank, u in enumerate(slices):
+            left = edges[rank - 1][1] if rank > 0 else u[0]
+            right = edges[rank + 1][0] if rank + 1 < ranks else u[-1]
+            padded = np.concatenate(([left], u, [right]))
+            new.append(u + 0.25 * (padded[:-2] - 2 * u + padded[2:]))
+        slices = new
+    return {rank: f"{float(u.sum()):.12f}" for rank, u in enumerate(slices)}
 
 
 def start_fabric(directory: Path, *args: str) -> tuple[dict[str, Any], str]:

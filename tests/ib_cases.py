@@ -89,15 +89,20 @@ class Case:
     steps: int  # an uninterrupted run steps for 2-5 s
     checkpoint_at: int  # a step every rank is past when the test checkpoints
 
+    @property
+    def short(self) -> int:
+        """The steps of a run with no checkpoint in it."""
+        return self.steps // 3
+
     def argv(self, steps: int) -> tuple[str, ...]:
         return (str(self.program), str(steps), *self.options)
 
 
 # The checkpointing tests hold the job (HOLD_ENV) until their last checkpoint is taken, so a fast run
-# cannot end before it; they run LONGER times as many steps and checkpoint early so that the
-# checkpoints fall mid-run.  ib_ring.py is examples/ring.py with its step held; the ring's option adds
-# 0.5 ms of CPU work per step, which does not change its result.
-LONGER = 2
+# cannot end before it, and checkpoint early (`checkpoint_at`) so that the checkpoints fall mid-run.
+# Runs with no checkpoint take a third of the steps (`short`): nothing has to fall mid-run there.
+# ib_ring.py is examples/ring.py with its step held; the ring's option adds 0.5 ms of CPU work per
+# step, which does not change its result.
 CASES = [
     Case("ring", PROGRAMS / "ib_ring.py", ("500",), lambda n: expected_ring(RANKS, n), 1500, 20),
     Case("pingpong", PROGRAMS / "ib_pingpong.py", ("8",), lambda n: expected_pingpong(RANKS, n, 8), 500, 10),

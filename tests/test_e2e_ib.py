@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 from ib_cases import (
     BY_NAME,
-    LONGER,
     RANKS,
     TRACE_ENV,
     Case,
@@ -40,7 +39,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 # ------------------------------------------------------------------ runs that need no checkpoint
 @BY_NAME
 def test_uninterrupted_and_native_runs_give_the_plain_python_answer(case: Case, tmp_path: Path) -> None:
-    argv, expected = case.argv(case.steps), case.expect(case.steps)
+    argv, expected = case.argv(case.short), case.expect(case.short)
     launched = run(*launch_args(tmp_path / "ckpt", argv), timeout=120)
     assert launched.returncode == 0, launched.stderr
     assert results(launched.stdout) == expected
@@ -71,7 +70,7 @@ def test_variants_run_uninterrupted_and_native(argv: tuple[str, ...], expected: 
 def test_checkpoint_then_resume_gives_the_uninterrupted_result(
     case: Case, start_job: Callable[..., Job], tmp_path: Path
 ) -> None:
-    ckpt_dir, steps, hold = tmp_path / "ckpt", case.steps * LONGER, Hold(tmp_path)
+    ckpt_dir, steps, hold = tmp_path / "ckpt", case.steps, Hold(tmp_path)
     job = start_job(*launch_args(ckpt_dir, case.argv(steps)), ckpt_dir=ckpt_dir, extra_env=hold.env)
     job.wait_step(case.checkpoint_at)
     take(ckpt_dir, "--wait")
@@ -85,7 +84,7 @@ def test_checkpoint_then_resume_gives_the_uninterrupted_result(
 def test_kill_then_restart_gives_the_uninterrupted_result_with_new_real_ids(
     case: Case, start_job: Callable[..., Job], tmp_path: Path
 ) -> None:
-    ckpt_dir, trace, steps = tmp_path / "ckpt", tmp_path / "trace", case.steps * LONGER
+    ckpt_dir, trace, steps = tmp_path / "ckpt", tmp_path / "trace", case.steps
     trace.mkdir()
     hold = Hold(tmp_path)
     env = {TRACE_ENV: str(trace), **hold.env}

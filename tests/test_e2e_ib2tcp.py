@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from ib_cases import BY_NAME, CASES, LONGER, RANKS, TRACE_ENV, Case, Hold, expected_seq, launch_args, take, traced
+from ib_cases import BY_NAME, CASES, RANKS, TRACE_ENV, Case, Hold, expected_seq, launch_args, take, traced
 
 from ckpt.testing import Job, results, run
 from harness import PROGRAMS
@@ -29,10 +29,10 @@ def test_a_run_on_tcp_gives_the_plain_python_answer(tmp_path: Path) -> None:
     case = next(c for c in CASES if c.name == "ring")
     trace = tmp_path / "trace"
     trace.mkdir()
-    argv = case.argv(case.steps)
+    argv = case.argv(case.short)
     done = run(*launch_args(tmp_path / "ckpt", argv, "--transport", "tcp"), extra_env={TRACE_ENV: str(trace)})
     assert done.returncode == 0, done.stderr
-    assert results(done.stdout) == case.expect(case.steps)
+    assert results(done.stdout) == case.expect(case.short)
     assert _providers(trace, 0) == {"tcp"}
     assert not (tmp_path / "ckpt" / "fabric.json").exists(), "a tcp job needs no subnet manager"
 
@@ -41,7 +41,7 @@ def _switch(
     start_job: Callable[..., Job], tmp_path: Path, case: Case, transports: list[str], *, explicit: bool = True
 ) -> None:
     """Launch on transports[0], then for each next one: checkpoint --kill, restart on it; the last run ends."""
-    ckpt_dir, trace, steps, hold = tmp_path / "ckpt", tmp_path / "trace", case.steps * LONGER, Hold(tmp_path)
+    ckpt_dir, trace, steps, hold = tmp_path / "ckpt", tmp_path / "trace", case.steps, Hold(tmp_path)
     trace.mkdir()
     env = {TRACE_ENV: str(trace), **hold.env}
     job = start_job(
@@ -90,7 +90,7 @@ def test_a_restart_keeps_the_transport_of_its_checkpoint(start_job: Callable[...
 def test_restart_one_rank_under_pdb_over_tcp(start_job: Callable[..., Job], tmp_path: Path) -> None:
     """The docs/ib2tcp.md walkthrough: checkpointed on simib, restarted over TCP with rank 2 in pdb."""
     case = next(c for c in CASES if c.name == "ring")
-    ckpt_dir, steps, hold = tmp_path / "ckpt", case.steps * LONGER, Hold(tmp_path)
+    ckpt_dir, steps, hold = tmp_path / "ckpt", case.steps, Hold(tmp_path)
     job = start_job(*launch_args(ckpt_dir, case.argv(steps)), ckpt_dir=ckpt_dir, extra_env=hold.env)
     job.wait_step(case.checkpoint_at)
     take(ckpt_dir, "--kill")
