@@ -16,10 +16,10 @@ from harness import EXAMPLES, PROGRAMS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
-HEAT = [str(EXAMPLES / "heat.py"), "300", "500", "2"]
+HEAT = [str(EXAMPLES / "heat.py"), "300", "500", "2", "sleep"]
 # the jobs checkpointed with --kill: 10 ms a step, so the ~3 s left after the step the test waits for outlast a
 # `ckpt checkpoint` started on a loaded machine (at 2 ms, CI saw the job end first: "has ended (finished)")
-HEAT_KILLED = [str(EXAMPLES / "heat.py"), "300", "500", "10"]
+HEAT_KILLED = [str(EXAMPLES / "heat.py"), "300", "500", "10", "sleep"]
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from harness import EXAMPLES, PROGRAMS, heat_results
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
-HEAT = [str(EXAMPLES / "heat.py"), "700", "2000", "3"]
+HEAT = [str(EXAMPLES / "heat.py"), "700", "2000", "3", "sleep"]
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +81,7 @@ def test_restart_cycles_chain_from_the_previous_restart(
 ) -> None:
     ckpt_dir = tmp_path / "ckpt"
     steps = str(350 + 150 * cycles)  # the last kill 300 steps before the end at least
-    program = [str(EXAMPLES / "heat.py"), steps, "500", "3"]  # 3 ms of work a step: the kills land mid-run
+    program = [str(EXAMPLES / "heat.py"), steps, "500", "3", "sleep"]  # 3 ms a step: the kills land mid-run
     plain = run("launch", "-n", "4", "--ckpt-dir", str(tmp_path / "plain"), *program[:3], "0", timeout=120)
     assert plain.returncode == 0, plain.stderr
     job = start_job("launch", "-n", "4", "--ckpt-dir", str(ckpt_dir), *program)

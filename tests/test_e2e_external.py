@@ -24,7 +24,7 @@ from harness import EXAMPLES
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
-HEAT = [str(EXAMPLES / "heat.py"), "1500", "500", "2"]
+HEAT = [str(EXAMPLES / "heat.py"), "1500", "500", "2", "sleep"]
 RANK_VARIABLES = [("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
                   ("SLURM_PROCID", "SLURM_NTASKS")]  # fmt: skip
 

@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
 HEAT = str(EXAMPLES / "heat.py")
 LONG = [HEAT, "100000", "200"]  # runs until killed
-SHORT = [HEAT, "400", "200", "1"]
+SHORT = [HEAT, "400", "200", "1", "sleep"]
 
 
 def _checkpoint_and_kill(job: Job, ckpt_dir: Path, step: int = 5) -> None:

@@ -19,7 +19,7 @@ from harness import EXAMPLES, PROGRAMS
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
 INSTALLED = PROGRAMS / "installed"
-HEAT = [str(EXAMPLES / "heat.py"), "600", "500", "2"]
+HEAT = [str(EXAMPLES / "heat.py"), "600", "500", "2", "sleep"]
 RANKS = 3
 
 

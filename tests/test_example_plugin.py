@@ -21,7 +21,7 @@ from harness import EXAMPLES
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
 PLUGIN_DIR = EXAMPLES / "plugins"
-HEAT = [str(EXAMPLES / "heat.py"), "1000", "500", "4"]
+HEAT = [str(EXAMPLES / "heat.py"), "1000", "500", "4", "sleep"]
 RANKS = 3
 PHASES = ("presuspend", "drain", "checkpoint")
 
