@@ -52,6 +52,7 @@ class Statistics:
     log_seconds: float = 0.0  # time spent logging (remote and stable)
     log_full_waits: int = 0  # records that waited for room in a full ring
     log_full_checkpoints: int = 0  # checkpoints asked for because a ring crossed its high-water mark
+    log_discard_retries: int = 0  # tries to pass the hole a discard of this rank's log ring stopped at
     stable_records: int = 0  # records appended to this rank's stable log file
     stable_bytes: int = 0
     stable_fsyncs: int = 0
@@ -97,6 +98,7 @@ class Counters:
     log_seconds: float = 0.0
     log_full_waits: int = 0
     log_full_checkpoints: int = 0
+    log_discard_retries: int = 0
     stable_records: int = 0
     stable_bytes: int = 0
     stable_fsyncs: int = 0

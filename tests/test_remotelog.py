@@ -936,7 +936,8 @@ def test_a_discard_passes_a_hole_no_live_rank_claims_and_never_one_that_a_live_r
         if rt.rank == 1:  # (set after work(4.0): its own batch ends by clearing rank 1's claims)
             job.claim(holes[2])  # the second one is reserved and not written yet: a live rank's hole
         claimed = checkpoint()
-        job.work(5.0)
+        # no interval here: rank 0 would retry its discard (`retry_discard`) once rank 1's next batch cleared its
+        # claims, and pass the holes this checkpoint must find undecided
         if rt.rank == 2:
             job.claim(IN_FLIGHT)  # a reservation whose answer is not back yet
         if rt.rank == 1:
@@ -965,6 +966,51 @@ def test_a_discard_passes_a_hole_no_live_rank_claims_and_never_one_that_a_live_r
     assert passed[0] < hole < live < claimed[1] and claimed[0] == live  # past the dead one, up to the live one
     assert in_flight[0] == live  # nothing passed while an answer may still reserve below the tail
     assert freed[0] == late[0] < freed[1]  # all of it released, up to what was reserved after the tail was read
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_a_discard_stopped_at_a_hole_passes_it_at_a_later_interval_close_with_no_checkpoint(protocol: str) -> None:
+    """A discard that cannot yet tell a dead writer's hole (here: a claim's answer in flight) stops there.  It
+    must not wait for this rank's next checkpoint, which may never come (the writer that would ask for it can
+    be blocked on the full ring while this rank waits for it at a barrier): the owner's next interval close
+    tries again with the same checkpoint's coverage and passes the hole once it is known dead."""
+    from ckpt_remotelog._writer import IDLE, IN_FLIGHT, LOG
+
+    def body(rt: ThreadRuntime) -> Any:
+        job = _Holes(rt, protocol, LOG)
+        writer, home = job.writer, job.peer
+
+        def head() -> int:
+            return writer.read_word(home, LOG, 8)
+
+        job.work(1.0)
+        dead = job.reserve() if rt.rank == 1 else -1  # rank 1 "died" right after its reservation: no claim
+        rt.barrier()
+        job.work(2.0)
+        if rt.rank == 2:
+            job.claim(IN_FLIGHT)  # a reservation whose answer is not back yet: rank 0 cannot tell the hole
+        job.checkpoint()
+        stuck, pending = head(), job.log.pending is not None
+        rt.barrier()
+        if rt.rank == 2:
+            job.claim(IDLE)
+        rt.barrier()
+        if rt.rank == 0:  # an interval of rank 0 alone, no checkpoint: nobody reserves meanwhile
+            with job.lock:
+                with job.array.write(slice(0, 512)) as v:
+                    v[0] = 3.0
+        rt.barrier()
+        passed, done = head(), job.log.pending is None
+        retries = job.memory.statistics().log_discard_retries
+        rt.barrier()
+        return dead, stuck, pending, passed, done, retries
+
+    out = _Holes.run(protocol, body)
+    dead = out[1][0]
+    _, stuck, pending, passed, done, retries = out[0]
+    assert dead >= 0 and stuck <= dead and pending  # stopped before the hole, and said so
+    assert passed > dead and done and retries >= 1  # passed at the interval's close, no checkpoint between
+    assert all(not o[2] and o[5] == 0 for o in out[1:])  # the other rings' discards stopped at no hole
 
 
 def test_a_writer_claims_what_it_reserved_until_it_is_written() -> None:

@@ -123,6 +123,7 @@ from ._writer import CLAIMS, HIGH_WATER, HOME, IDLE, LOG, OWN, RingWriter
 
 log = logging.getLogger(__name__)
 UNDECIDED_WAIT = 1.0  # seconds a discard polls the claims while it cannot tell whether a hole is dead
+RETRY_EVERY = 0.05  # seconds between the retries of a discard that stopped at a hole (`retry_discard`)
 REASK = 5.0  # seconds after which a writer blocked on a full ring asks its owner's checkpoint again
 
 
@@ -154,6 +155,9 @@ class RemoteLog:
         self.own_bytes = 0  # their bytes
         self.asked: dict[tuple[int, str], tuple[int, float]] = {}  # ring -> its head, and when, at the last ask
         self.snapshot: dict[str, Any] | None = None
+        # the snapshot of the last discard, while that discard stopped at a hole (`retry_discard`), and when next
+        self.pending: dict[str, Any] | None = None
+        self.retry_at = 0.0
         self.home_flush = 0
         # this rank's claim words, one per ring it may reserve in (`_writer`, "Claims"), read by the rings' owners
         self.claims = verbs.shared_array(2 * size, np.int64)  # read by RDMA
@@ -187,6 +191,7 @@ class RemoteLog:
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["asked"] = {}  # times of this process's clock
+        state["pending"] = None  # a discard of this process's (a process from the image discards at its checkpoint)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -194,7 +199,7 @@ class RemoteLog:
             # its rings' records have no check (or own rings are missing): they would read as never written
             older = "this image was written by an older ckpt_remotelog (another log record format)"
             raise DsmError(f"{older}: it cannot resume")
-        self.__dict__.update(state)
+        self.__dict__.update({"pending": None, "retry_at": 0.0, **state})  # (images from before the retries)
         self.register()  # before the memory decides which DSM hooks fire (it is unpickled after this)
 
     def log_home(self, rank: int) -> int:
@@ -249,6 +254,8 @@ class RemoteLog:
     @ckpt.hookimpl(tryfirst=True)
     def dsm_interval_closed(self) -> None:
         self.writer.complete()  # the interval completes: what it depends on is logged from here on
+        if self.pending is not None:
+            self.retry_discard()
 
     @ckpt.hookimpl
     def dsm_diff_received(self, writer: int, gid: int, interval: int, diff: Diff) -> None:
@@ -400,17 +407,19 @@ class RemoteLog:
                 return False
         return True
 
-    def _covered_prefix(self, snapshot: dict[str, Any]) -> tuple[list[Record], int]:
-        """The records of this rank's log ring its checkpoint covers, from the head on, and the position after them.
+    def _covered_prefix(self, snapshot: dict[str, Any], wait: float) -> tuple[list[Record], int, bool]:
+        """The records of this rank's log ring its checkpoint covers, from the head on, the position after them,
+        and whether it stopped at a hole (before records the checkpoint may cover: `retry_discard`).
 
         Past a hole only when no live rank can still write there: the ring's tail is read first, then every
         rank's claim on the ring (`_writer`, "Claims"), then the ring.  Space below that tail and below every
         claim was reserved by a rank that died before writing it (a live one claims what it reserved until it
         is written); what a live rank reserves after the tail was read lies above it.  Both bounds are
-        reservation boundaries, so the head may stop at either, inside a run of reservations.
+        reservation boundaries, so the head may stop at either, inside a run of reservations.  While that
+        cannot be told (a claim's answer in flight, a rank not up), the claims are polled for `wait` seconds.
         """
         writer, home = self.writer, self.log_home(self.rank)
-        deadline, pause = time.monotonic() + UNDECIDED_WAIT, 1e-3
+        deadline, pause = time.monotonic() + wait, 1e-3
         while True:
             dead = writer.dead_below(home, LOG, writer.read_word(home, LOG, 0))  # written or dead below it
             records, head = writer.read_ring(home, LOG, holes=True)
@@ -420,16 +429,40 @@ class RemoteLog:
                     head = max(head, dead)  # ... from `dead` on: what lies before is dead (a reservation's start)
                     break
                 if not self.covered(record, snapshot):
-                    return dropped, head
+                    return dropped, head, False
                 dropped.append(record)
                 head = record.position + record.size
             else:
-                return dropped, max(head, dead)  # the dead space after the last record too
+                return dropped, max(head, dead), False  # the dead space after the last record too
             if dead >= 0 or time.monotonic() > deadline:
-                return dropped, head
+                return dropped, head, True
             # undecided (an answer in flight is one round trip; a rank not up, its recovery): a while, not for good
             time.sleep(pause)  # polling remote words, as `RingWriter.wait_for_room` does: nothing signals here
             pause = min(2 * pause, 0.05)
+
+    def retry_discard(self) -> None:
+        """Pass the hole the last discard stopped at, once it can (program thread, at an interval's close).
+
+        A discard stops at a hole that a live rank may still fill, or that it cannot yet tell from a dead
+        writer's (a rank recovering, a claim's answer in flight).  It used to stay there until this rank's
+        next checkpoint.  But that checkpoint is asked for only once the ring's head has moved since the last
+        ask, or by a writer already blocked on the full ring.  That writer may be one this rank waits for at a
+        barrier: then no step boundary comes, and the writer fails after 60 s (docs/remotelog.md).  So
+        the same checkpoint's coverage is applied again, one try at most every `RETRY_EVERY` seconds (reading
+        the ring's tail, every rank's claim and the ring), until the discard passes the hole.  What that
+        checkpoint covers, every later image covers too.
+        """
+        if self.pending is None or time.monotonic() < self.retry_at:
+            return
+        self.retry_at = time.monotonic() + RETRY_EVERY
+        home = self.log_home(self.rank)
+        before = self.writer.read_word(home, LOG, 8)
+        _, head, stopped = self._covered_prefix(self.pending, 0.0)
+        if head > before:
+            self.writer.write_word(home, LOG, 8, head)
+        if not stopped:
+            self.pending = None
+        self.memory.account("log_discard_retries")
 
     def _home_release_end(self, seen: tuple[int, dict[int, int]]) -> int:
         """How far a coordinated checkpoint releases the home diff log under onesided: past every record its
@@ -453,8 +486,9 @@ class RemoteLog:
             return []
         snapshot, self.snapshot = self.snapshot, None
         self.writer.own_head = int(snapshot["own_tail"])  # the own records before the image: no recovery needs them
-        dropped, head = self._covered_prefix(snapshot)
+        dropped, head, stopped = self._covered_prefix(snapshot, UNDECIDED_WAIT)
         self.writer.write_word(self.log_home(self.rank), LOG, 8, head)
+        self.pending, self.retry_at = (snapshot, 0.0) if stopped else (None, 0.0)
         if self._holder_incarnation() == snapshot["holder"]:
             # the holder was not recovered since the image was taken: whatever it lost, this image covers (after
             # head: the ring holds what it should); else a checkpoint after its recovery clears the mark
