@@ -67,7 +67,7 @@ def test_a_ring_gives_the_uninterrupted_answer_across_a_link_failure_at_a_random
     index: int, start_job: Callable[..., Job], tmp_path: Path
 ) -> None:
     rng = random.Random(SEED + index)
-    ckpt_dir, steps = tmp_path / "ckpt", RING.steps * 2
+    ckpt_dir, steps = tmp_path / "ckpt", RING.steps
     victim, at = rng.randint(0, RANKS - 1), rng.randint(5, steps // 4)  # early: traffic goes on long after it
     label = f"seed {SEED + index} (CKPT_TEST_SEED={SEED}): rank {victim}'s port 1 failed after step {at}"
     # the job pauses at step `at` while the test looks up the LIDs, and the link fails as the traffic resumes
@@ -121,8 +121,8 @@ def _second_fault_seen(ckpt_dir: Path, victim: int) -> None:
 
 def test_a_second_link_failure_after_the_re_arm_is_survived_too(start_job: Callable[..., Job], tmp_path: Path) -> None:
     """The ring across two faults of rank 1 (`_fail_twice`)."""
-    ckpt_dir, steps, hold = tmp_path / "ckpt", RING.steps * 3, Hold(tmp_path)
-    first, second = 20, RING.steps
+    ckpt_dir, steps, hold = tmp_path / "ckpt", RING.steps, Hold(tmp_path)
+    first, second = 20, RING.steps // 3  # each fault at a gate: two thirds of the ring still to run after the second
     pauses = Pauses(tmp_path, first, second)
     job = _launch(start_job, ckpt_dir, steps, env={**hold.env, **pauses.env})
     _fail_twice(ckpt_dir, job, 1, pauses, first, second)
@@ -165,7 +165,7 @@ def test_a_restart_after_migrations_gives_the_uninterrupted_answer(
     """The image holds QPs moved off their first path -- by the HCA on a fault (`auto`), or by the plugin's
     manual migrations (`balance`, every 0.2 s) -- and ckpt_ib tracked where they are; the restart rebuilds them
     there, on a new fabric -- or on tcp, where APM says it is a no-op."""
-    ckpt_dir, steps, hold = tmp_path / "ckpt", RING.steps * 2, Hold(tmp_path)
+    ckpt_dir, steps, hold = tmp_path / "ckpt", RING.steps, Hold(tmp_path)
     # the fault strikes at a gate, before the traffic that finds it; the checkpoint is taken at a second gate,
     # where every rank idles at the same step of the ring (a rank idling at a gate takes steps its neighbours do
     # not, so a checkpoint between gates could park a rank before the message its neighbour waits for)
@@ -201,7 +201,7 @@ def test_a_restart_with_a_link_still_down_gives_the_uninterrupted_answer(
     restart onto the same fabric gets rank 2's node back with that cable still cut (same LIDs, port 1 DOWN):
     ckpt_ib rebuilds the QPs on their recorded paths, the dead one included, with the alternate re-armed, and
     their first traffic migrates them again."""
-    fabric_dir, ckpt_dir, steps, hold = tmp_path / "fabric", tmp_path / "ckpt", RING.steps * 2, Hold(tmp_path)
+    fabric_dir, ckpt_dir, steps, hold = tmp_path / "fabric", tmp_path / "ckpt", RING.steps, Hold(tmp_path)
     record, _ = start_fabric(fabric_dir)
     try:
         taken, fault = RING.checkpoint_at, RING.checkpoint_at + 200
