@@ -995,6 +995,7 @@ def test_a_discard_stopped_at_a_hole_passes_it_at_a_later_interval_close_with_no
         if rt.rank == 2:
             job.claim(IDLE)
         rt.barrier()
+        first_uncovered = writer.read_word(home, LOG, 0)  # the tail: the next record is rank 0's, after the image
         if rt.rank == 0:  # an interval of rank 0 alone, no checkpoint: nobody reserves meanwhile
             with job.lock:
                 with job.array.write(slice(0, 512)) as v:
@@ -1003,14 +1004,64 @@ def test_a_discard_stopped_at_a_hole_passes_it_at_a_later_interval_close_with_no
         passed, done = head(), job.log.pending is None
         retries = job.memory.statistics().log_discard_retries
         rt.barrier()
-        return dead, stuck, pending, passed, done, retries
+        return dead, stuck, pending, passed, done, retries, first_uncovered
 
     out = _Holes.run(protocol, body)
     dead = out[1][0]
-    _, stuck, pending, passed, done, retries = out[0]
+    _, stuck, pending, passed, done, retries, first_uncovered = out[0]
     assert dead >= 0 and stuck <= dead and pending  # stopped before the hole, and said so
     assert passed > dead and done and retries >= 1  # passed at the interval's close, no checkpoint between
+    assert passed == first_uncovered  # ... and every record that checkpoint covers, up to the first it does not
     assert all(not o[2] and o[5] == 0 for o in out[1:])  # the other rings' discards stopped at no hole
+
+
+def test_strict_operations_never_wait_for_a_failed_peer_nor_go_on_with_its_next_incarnation() -> None:
+    """`RingWriter.strict`: a read of a peer that is not up, or whose link was replaced since the block began,
+    raises LinkMoved at once -- nothing posted, nothing waited for -- where `Endpoint.run` would wait for the
+    peer's next incarnation and read that one.  Outside the block the same read goes through `run`."""
+    from ckpt import verbs
+    from ckpt_remotelog._writer import LOG, OWN, LinkMoved
+    from dsm._net import FAILED, UP
+
+    ctx = verbs.Context(name=f"simib{FIRST_HCA}")
+    try:
+        pd = verbs.PD(ctx)
+        rings = [LogRing(pd, 512), LogRing(pd, 512)]
+        peers = [{LOG: r.address(), OWN: LogRing(pd, 512).address()} for r in rings]
+        nic, writer = _loop_writer(pd, peers, 512)
+        rings[1].control[0] = 96
+        with writer.strict():
+            assert writer.read_word(1, LOG, 0) == 96
+            nic.events.clear()
+            nic.state[1] = FAILED
+            with pytest.raises(LinkMoved):
+                writer.read_word(1, LOG, 0)
+            nic.state[1] = UP
+            nic.link[1] += 1  # replaced by its next incarnation since the block began
+            with pytest.raises(LinkMoved):
+                writer.read_word(1, LOG, 0)
+            assert nic.events == []
+        assert writer.links is None and writer.read_word(1, LOG, 0) == 96
+    finally:
+        ctx.close()
+
+
+def test_a_retry_does_nothing_while_a_rank_is_not_up_and_is_dropped_once_the_rings_holder_was_replaced() -> None:
+    """`RemoteLog.retry_discard`'s guards, before any operation: a rank not up (its claims cannot be read, and
+    nothing may wait for it) keeps the try for later; a holder replaced since the discard (its ring came back
+    from an image, marked lost) ends it."""
+    from dsm._net import FAILED, UP
+
+    log = RemoteLog.__new__(RemoteLog)
+    client = SimpleNamespace(link=[0, 0, 0], state=[UP, UP, FAILED])
+    log.memory, log.offset, log.size, log.rank = SimpleNamespace(client=client), 1, 3, 0
+    log.writer = None  # any operation would fail the test
+    log.pending, log.pending_head, log.pending_link, log.retry_at = {"applied": []}, 64, 0, 0.0
+    log.retry_discard(throttle=False)
+    assert log.pending is not None
+    client.link[1] = 1  # rank 0's log home, rank 1, was replaced
+    log.retry_discard(throttle=False)
+    assert log.pending is None
 
 
 def test_a_writer_claims_what_it_reserved_until_it_is_written() -> None:

@@ -103,6 +103,7 @@ import ckpt
 from ckpt import verbs
 from ckpt.plugin import RANKS_NS
 from dsm import Diff, DsmError
+from dsm._net import UP
 
 from . import _recover
 from ._records import (
@@ -117,9 +118,9 @@ from ._records import (
     scan,
 )
 from ._replay import LogReplay
-from ._ring import REMOTE, LogRing
+from ._ring import CONTROL, REMOTE, LogRing
 from ._versions import HomeVersions
-from ._writer import CLAIMS, HIGH_WATER, HOME, IDLE, LOG, OWN, RingWriter
+from ._writer import CLAIMS, HIGH_WATER, HOME, IDLE, LOG, OWN, LinkMoved, RingWriter
 
 log = logging.getLogger(__name__)
 UNDECIDED_WAIT = 1.0  # seconds a discard polls the claims while it cannot tell whether a hole is dead
@@ -155,9 +156,10 @@ class RemoteLog:
         self.own_bytes = 0  # their bytes
         self.asked: dict[tuple[int, str], tuple[int, float]] = {}  # ring -> its head, and when, at the last ask
         self.snapshot: dict[str, Any] | None = None
-        # the snapshot of the last discard, while that discard stopped at a hole (`retry_discard`), and when next
+        # the snapshot of the last discard, while that discard stopped at a hole (`retry_discard`); the head it
+        # wrote, and the link to the ring's holder it wrote it on; when to try next
         self.pending: dict[str, Any] | None = None
-        self.retry_at = 0.0
+        self.pending_head, self.pending_link, self.retry_at = 0, 0, 0.0
         self.home_flush = 0
         # this rank's claim words, one per ring it may reserve in (`_writer`, "Claims"), read by the rings' owners
         self.claims = verbs.shared_array(2 * size, np.int64)  # read by RDMA
@@ -191,7 +193,7 @@ class RemoteLog:
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["asked"] = {}  # times of this process's clock
-        state["pending"] = None  # a discard of this process's (a process from the image discards at its checkpoint)
+        state.update(pending=None, retry_at=0.0)  # a discard of this process's (one from the image: at its checkpoint)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -199,7 +201,7 @@ class RemoteLog:
             # its rings' records have no check (or own rings are missing): they would read as never written
             older = "this image was written by an older ckpt_remotelog (another log record format)"
             raise DsmError(f"{older}: it cannot resume")
-        self.__dict__.update({"pending": None, "retry_at": 0.0, **state})  # (images from before the retries)
+        self.__dict__.update({"pending": None, "retry_at": 0.0, **state})  # (images from before `retry_discard`)
         self.register()  # before the memory decides which DSM hooks fire (it is unpickled after this)
 
     def log_home(self, rank: int) -> int:
@@ -255,7 +257,7 @@ class RemoteLog:
     def dsm_interval_closed(self) -> None:
         self.writer.complete()  # the interval completes: what it depends on is logged from here on
         if self.pending is not None:
-            self.retry_discard()
+            self.retry_discard(throttle=True)
 
     @ckpt.hookimpl
     def dsm_diff_received(self, writer: int, gid: int, interval: int, diff: Diff) -> None:
@@ -296,6 +298,8 @@ class RemoteLog:
             return
         self._own(RecordKind.BARRIER_ARRIVAL, notices_payload(list(self.memory.vt), notices), epoch)
         self.writer.flush()  # the manager can observe the arrival: logged before it leaves
+        if self.pending is not None:
+            self.retry_discard(throttle=False)  # a writer this barrier waits for may wait for room in the ring
 
     @ckpt.hookimpl
     def dsm_barrier_passed(self, epoch: int) -> None:
@@ -440,29 +444,46 @@ class RemoteLog:
             time.sleep(pause)  # polling remote words, as `RingWriter.wait_for_room` does: nothing signals here
             pause = min(2 * pause, 0.05)
 
-    def retry_discard(self) -> None:
-        """Pass the hole the last discard stopped at, once it can (program thread, at an interval's close).
+    def retry_discard(self, throttle: bool) -> None:
+        """Pass the hole the last discard stopped at, once it can (program thread: at an interval's close, at most
+        every `RETRY_EVERY` seconds, and as it arrives at a barrier).
 
         A discard stops at a hole that a live rank may still fill, or that it cannot yet tell from a dead
         writer's (a rank recovering, a claim's answer in flight).  It used to stay there until this rank's
         next checkpoint.  But that checkpoint is asked for only once the ring's head has moved since the last
         ask, or by a writer already blocked on the full ring.  That writer may be one this rank waits for at a
-        barrier: then no step boundary comes, and the writer fails after 60 s (docs/remotelog.md).  So
-        the same checkpoint's coverage is applied again, one try at most every `RETRY_EVERY` seconds (reading
-        the ring's tail, every rank's claim and the ring), until the discard passes the hole.  What that
-        checkpoint covers, every later image covers too.
+        barrier: then no step boundary comes, and the writer fails after 60 s (docs/remotelog.md).  So the
+        same checkpoint's coverage is applied again until the discard passes the hole.  What that checkpoint
+        covers, every later image of this process covers too (a process restored from an image has nothing
+        pending).  A try reads first whether it can move at all -- a committed record where the hole was, or
+        the hole now known dead -- and only then the ring.  It never waits for a failed rank, nor mixes two
+        incarnations of one (`RingWriter.strict`): while some rank is not up it does nothing, and once the
+        ring's holder was replaced the try is dropped (the holder's recovery marked the ring lost, with head =
+        tail; the next checkpoint's discard goes on from there).
         """
-        if self.pending is None or time.monotonic() < self.retry_at:
+        if self.pending is None or (throttle and time.monotonic() < self.retry_at):
             return
         self.retry_at = time.monotonic() + RETRY_EVERY
-        home = self.log_home(self.rank)
-        before = self.writer.read_word(home, LOG, 8)
-        _, head, stopped = self._covered_prefix(self.pending, 0.0)
-        if head > before:
-            self.writer.write_word(home, LOG, 8, head)
+        client, writer, home, before = self.memory.client, self.writer, self.log_home(self.rank), self.pending_head
+        if client.link[home] != self.pending_link:
+            self.pending = None
+            return
+        if any(state != UP for state in client.state):
+            return  # its claims cannot be read, and nothing here may wait for it
+        try:
+            with writer.strict():
+                filled = writer.read_word(home, LOG, CONTROL + before % self.ring.capacity) == before + 1
+                if not filled and writer.dead_below(home, LOG, writer.read_word(home, LOG, 0)) <= before:
+                    return  # still a hole that may be live, or that cannot be told yet
+                self.memory.account("log_discard_retries")
+                _, head, stopped = self._covered_prefix(self.pending, 0.0)
+                if head > before:
+                    writer.write_word(home, LOG, 8, head)
+                    self.pending_head = head
+        except LinkMoved:
+            return  # a rank failed meanwhile: again once it is back
         if not stopped:
             self.pending = None
-        self.memory.account("log_discard_retries")
 
     def _home_release_end(self, seen: tuple[int, dict[int, int]]) -> int:
         """How far a coordinated checkpoint releases the home diff log under onesided: past every record its
@@ -486,9 +507,12 @@ class RemoteLog:
             return []
         snapshot, self.snapshot = self.snapshot, None
         self.writer.own_head = int(snapshot["own_tail"])  # the own records before the image: no recovery needs them
+        link = self.memory.client.link[self.log_home(self.rank)]
         dropped, head, stopped = self._covered_prefix(snapshot, UNDECIDED_WAIT)
         self.writer.write_word(self.log_home(self.rank), LOG, 8, head)
-        self.pending, self.retry_at = (snapshot, 0.0) if stopped else (None, 0.0)
+        # (a holder replaced meanwhile marked its ring lost: nothing to retry there, `retry_discard`)
+        self.pending = snapshot if stopped and self.memory.client.link[self.log_home(self.rank)] == link else None
+        self.pending_head, self.pending_link, self.retry_at = head, link, 0.0
         if self._holder_incarnation() == snapshot["holder"]:
             # the holder was not recovered since the image was taken: whatever it lost, this image covers (after
             # head: the ring holds what it should); else a checkpoint after its recovery clears the mark
@@ -560,5 +584,5 @@ class RemoteLog:
             with self.versions.mutex:
                 self.own_diffs.clear()
             self.own_bytes = 0
-            self.snapshot = None
+            self.snapshot = self.pending = None
             self.replay = None

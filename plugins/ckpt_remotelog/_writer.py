@@ -47,9 +47,10 @@ large for the send queue is run chunk by chunk (``Endpoint.run``), waiting as it
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -71,6 +72,10 @@ OWN_READ = 64 << 10  # bytes of the own ring a recovery reads first (`RingWriter
 CLAIMS = "claims"  # the peers' entry of the claim words
 IDLE, IN_FLIGHT = -2, -1  # claims: nothing reserved and unwritten; a FETCH_AND_ADD whose answer is not back
 NO_CLAIM = 1 << 62  # `lowest_claim` when no live rank claims anything
+
+
+class LinkMoved(Exception):
+    """Under `RingWriter.strict`: the peer of an operation failed, or its link was replaced, before it completed."""
 
 
 class RingWriter:
@@ -107,19 +112,20 @@ class RingWriter:
         self.writing: list[int] = []  # ids of the signaled WRITEs not yet seen complete
         self.last: list[verbs.SendWR] = []  # WRITEs of a `last` own record, posted once `writing` is done
         self.sent: dict[int, tuple[int, int]] = {}  # signaled WR id -> (peer, its link number when posted)
+        self.links: list[int] | None = None  # under `strict`: every peer's link number when it began
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         # an image is a point every record before it is covered by (ckpt_restart starts over from it): what is
         # queued, reserved or being written belongs to this process only
-        state.update(queue=[], reserved=None, writing=[], sent={}, last=[], claim_links={})
+        state.update(queue=[], reserved=None, writing=[], sent={}, last=[], claim_links={}, links=None)
         # ... and every own record before it too: the discard after the checkpoint moves the head there, but only
         # in this process, after the image -- a rank recovered from the image must not count them as live
         state["own_head"] = self.own_tail
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
+        self.__dict__.update({"links": None, **state})  # (images from before `strict`)
         if "claims" in state:  # else an older image, which `RemoteLog.__setstate__` refuses
             self.claims[:] = IDLE  # in place (the array is registered): a new process has nothing in flight
 
@@ -376,9 +382,30 @@ class RingWriter:
             pause = min(pause * 2, 0.05)
 
     # ------------------------------------------------------------------ single words, whole rings (synchronous)
+    @contextlib.contextmanager
+    def strict(self) -> Iterator[None]:
+        """`read_word`, `write_word`, `read_ring` and `lowest_claim` in here never wait for a failed peer, nor go on
+        with its next incarnation (as `Endpoint.run` does): they raise `LinkMoved` instead.  For work that may be
+        left for later (`RemoteLog.retry_discard`), and whose reads must all come from one incarnation per peer."""
+        self.links = list(self.memory.client.link)
+        try:
+            yield
+        finally:
+            self.links = None
+
+    def _run(self, peer: int, wrs: list[verbs.SendWR]) -> None:
+        """Run `wrs` on `peer` and wait for them (see `strict`)."""
+        client = self.memory.client
+        if self.links is None:
+            client.run(peer, wrs, self.memory.seq)
+            return
+        ids: list[int] = []
+        if client.link[peer] != self.links[peer] or not self._post(peer, wrs, ids) or self._wait(ids, "a read"):
+            raise LinkMoved(peer)
+
     def read_word(self, peer: int, which: str, offset: int) -> int:
         ring, slot = self.peers[peer][which], len(self.landing) - 2
-        self.memory.client.run(peer, [_read(self._land(slot), ring["rkey"], ring["addr"] + offset)], self.memory.seq)
+        self._run(peer, [_read(self._land(slot), ring["rkey"], ring["addr"] + offset)])
         self.memory.counters.count("log_read", 8)
         return int(self.landing[slot])
 
@@ -411,7 +438,7 @@ class RingWriter:
     def write_word(self, peer: int, which: str, offset: int, value: int) -> None:
         ring, slot = self.peers[peer][which], len(self.landing) - 1
         self.landing[slot] = value
-        self.memory.client.run(peer, [_write(self._land(slot), ring["rkey"], ring["addr"] + offset)], self.memory.seq)
+        self._run(peer, [_write(self._land(slot), ring["rkey"], ring["addr"] + offset)])
 
     def read_ring(self, peer: int, which: str, holes: bool = False) -> tuple[list[Record], int]:
         """The committed records of a ring from its head (RDMA READ), and that head.
@@ -424,7 +451,7 @@ class RingWriter:
         nbytes = min(tail - head, ring["capacity"])
         wrs = _spanned(_read, ring, head, nbytes, lambda _, data_off: base + data_off, self.staging_mr.lkey)
         if nbytes:
-            self.memory.client.run(peer, wrs, self.memory.seq)
+            self._run(peer, wrs)
             self.memory.counters.count("log_read", nbytes)
         data = self.staging[:nbytes].tobytes()
         return (scan(data, head, len(self.peers)) if holes else walk(data, head)), head
