@@ -23,10 +23,12 @@ VENV = ROOT / ".venv"
 BIN = VENV / "bin"
 
 #: What `test` passes to pytest before the caller's arguments (a later -n wins: `-n 0` runs serially).
-#: 3 pytest-xdist workers: chosen by measuring 2, 3 and 4 on CI's 2 cores. worksteal: an idle worker
+#: 4 pytest-xdist workers on CI's 2 cores: most end-to-end tests wait (for a step, a checkpoint, a held
+#: job), and since their jobs stopped spinning to be slow (examples/heat.py ... sleep) 4 beat 3: 462 s
+#: against 590 s for the whole suite, 2026-11-28 (3 had beaten 2 and 4 before). worksteal: an idle worker
 #: takes tests queued on a busy one (with the default "load", the end-to-end tests, which are collected
 #: next to each other, could end up queued on one worker). The 15 slowest tests are printed.
-PYTEST_DEFAULTS = ["-n", "3", "--dist", "worksteal", "--durations=15"]
+PYTEST_DEFAULTS = ["-n", "4", "--dist", "worksteal", "--durations=15"]
 
 
 def ensure_venv() -> None:
