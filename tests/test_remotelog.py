@@ -1056,12 +1056,41 @@ def test_a_retry_does_nothing_while_a_rank_is_not_up_and_is_dropped_once_the_rin
     client = SimpleNamespace(link=[0, 0, 0], state=[UP, UP, FAILED])
     log.memory, log.offset, log.size, log.rank = SimpleNamespace(client=client), 1, 3, 0
     log.writer = None  # any operation would fail the test
-    log.pending, log.pending_head, log.pending_link, log.retry_at = {"applied": []}, 64, 0, 0.0
+    log.pending, log.pending_link, log.retry_at = {"applied": []}, 0, 0.0
     log.retry_discard(throttle=False)
     assert log.pending is not None
     client.link[1] = 1  # rank 0's log home, rank 1, was replaced
     log.retry_discard(throttle=False)
     assert log.pending is None
+
+
+@pytest.mark.parametrize("who", ["the ring's holder", "another rank"])
+def test_a_discard_interrupted_by_a_failure_writes_nothing_and_leaves_the_rest_to_a_retry(who: str) -> None:
+    """A rank fails or comes back while a discard reads (`RingWriter.strict` raises LinkMoved): no head is
+    written.  If it was the ring's holder, its recovery marked the ring lost and nothing computed on the old
+    incarnation may land in the new one: nothing is left to retry.  Another rank: the retry takes it up."""
+    import contextlib
+
+    from ckpt_remotelog._writer import LinkMoved
+    from dsm._net import UP
+
+    client = SimpleNamespace(link=[0, 0, 0], state=[UP] * 3)
+    writes: list[tuple[Any, ...]] = []
+    log = RemoteLog.__new__(RemoteLog)
+    log.memory, log.offset, log.size, log.rank, log.replay = SimpleNamespace(client=client), 1, 3, 0, None
+    log.writer = SimpleNamespace(own_head=0, strict=contextlib.nullcontext, write_word=lambda *a: writes.append(a))
+    snapshot = {"own_tail": 0, "independent": True, "holder": 0}
+    log.snapshot, log.pending = snapshot, None
+
+    def interrupted(snap: Any, wait: float) -> Any:
+        client.link[1 if who == "the ring's holder" else 2] += 1  # rank 0's log ring is held by rank 1
+        raise LinkMoved(1)
+
+    log._covered_prefix = interrupted  # type: ignore[method-assign]
+    log._holder_incarnation = lambda: 1  # type: ignore[method-assign]  # (recovered since: no lost words to clear)
+    assert log.discard() == []
+    assert writes == []
+    assert (log.pending is None) == (who == "the ring's holder")
 
 
 def test_a_writer_claims_what_it_reserved_until_it_is_written() -> None:

@@ -92,6 +92,7 @@ is taken.  Recovery from the logs: `_recover`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -156,10 +157,10 @@ class RemoteLog:
         self.own_bytes = 0  # their bytes
         self.asked: dict[tuple[int, str], tuple[int, float]] = {}  # ring -> its head, and when, at the last ask
         self.snapshot: dict[str, Any] | None = None
-        # the snapshot of the last discard, while that discard stopped at a hole (`retry_discard`); the head it
-        # wrote, and the link to the ring's holder it wrote it on; when to try next
+        # the snapshot of the last discard, while that discard stopped at a hole (`retry_discard`); the link to
+        # the ring's holder it was made on; when to try next
         self.pending: dict[str, Any] | None = None
-        self.pending_head, self.pending_link, self.retry_at = 0, 0, 0.0
+        self.pending_link, self.retry_at = 0, 0.0
         self.home_flush = 0
         # this rank's claim words, one per ring it may reserve in (`_writer`, "Claims"), read by the rings' owners
         self.claims = verbs.shared_array(2 * size, np.int64)  # read by RDMA
@@ -464,7 +465,7 @@ class RemoteLog:
         if self.pending is None or (throttle and time.monotonic() < self.retry_at):
             return
         self.retry_at = time.monotonic() + RETRY_EVERY
-        client, writer, home, before = self.memory.client, self.writer, self.log_home(self.rank), self.pending_head
+        client, writer, home = self.memory.client, self.writer, self.log_home(self.rank)
         if client.link[home] != self.pending_link:
             self.pending = None
             return
@@ -472,6 +473,7 @@ class RemoteLog:
             return  # its claims cannot be read, and nothing here may wait for it
         try:
             with writer.strict():
+                before = writer.read_word(home, LOG, 8)
                 filled = writer.read_word(home, LOG, CONTROL + before % self.ring.capacity) == before + 1
                 if not filled and writer.dead_below(home, LOG, writer.read_word(home, LOG, 0)) <= before:
                     return  # still a hole that may be live, or that cannot be told yet
@@ -479,7 +481,6 @@ class RemoteLog:
                 _, head, stopped = self._covered_prefix(self.pending, 0.0)
                 if head > before:
                     writer.write_word(home, LOG, 8, head)
-                    self.pending_head = head
         except LinkMoved:
             return  # a rank failed meanwhile: again once it is back
         if not stopped:
@@ -507,17 +508,24 @@ class RemoteLog:
             return []
         snapshot, self.snapshot = self.snapshot, None
         self.writer.own_head = int(snapshot["own_tail"])  # the own records before the image: no recovery needs them
-        link = self.memory.client.link[self.log_home(self.rank)]
-        dropped, head, stopped = self._covered_prefix(snapshot, UNDECIDED_WAIT)
-        self.writer.write_word(self.log_home(self.rank), LOG, 8, head)
-        # (a holder replaced meanwhile marked its ring lost: nothing to retry there, `retry_discard`)
-        self.pending = snapshot if stopped and self.memory.client.link[self.log_home(self.rank)] == link else None
-        self.pending_head, self.pending_link, self.retry_at = head, link, 0.0
+        # Strict (`RingWriter.strict`): a rank that fails meanwhile is not waited for, and nothing computed on the
+        # holder's ring is written into its next incarnation, whose recovery marked the ring lost (head = tail)
+        client, home = self.memory.client, self.log_home(self.rank)
+        link, dropped = client.link[home], list[Record]()
+        try:
+            with self.writer.strict():
+                dropped, head, stopped = self._covered_prefix(snapshot, UNDECIDED_WAIT)
+                self.writer.write_word(home, LOG, 8, head)
+        except LinkMoved:
+            stopped = True  # a rank failed or came back meanwhile: the retry goes on once every rank is up
+        self.pending = snapshot if stopped and client.link[home] == link else None  # (a replaced holder's is lost)
+        self.pending_link, self.retry_at = link, 0.0
         if self._holder_incarnation() == snapshot["holder"]:
             # the holder was not recovered since the image was taken: whatever it lost, this image covers (after
             # head: the ring holds what it should); else a checkpoint after its recovery clears the mark
-            self.writer.write_word(self.log_home(self.rank), LOG, 16, 0)
-            self.writer.write_word(self.log_home(self.rank), OWN, 16, 0)
+            with contextlib.suppress(LinkMoved), self.writer.strict():
+                self.writer.write_word(home, LOG, 16, 0)
+                self.writer.write_word(home, OWN, 16, 0)
         self.replay = None  # the image is past every replayed operation
         if not snapshot["independent"]:
             # the new base holds what the home diff log held: kept since the last coordinated checkpoint
