@@ -511,7 +511,8 @@ class RemoteLog:
         # Strict (`RingWriter.strict`): a rank that fails meanwhile is not waited for, and nothing computed on the
         # holder's ring is written into its next incarnation, whose recovery marked the ring lost (head = tail)
         client, home = self.memory.client, self.log_home(self.rank)
-        link, dropped = client.link[home], list[Record]()
+        link = client.link[home]
+        dropped: list[Record] = []
         try:
             with self.writer.strict():
                 dropped, head, stopped = self._covered_prefix(snapshot, UNDECIDED_WAIT)

@@ -400,7 +400,7 @@ class RingWriter:
             client.run(peer, wrs, self.memory.seq)
             return
         ids: list[int] = []
-        if client.link[peer] != self.links[peer] or not self._post(peer, wrs, ids) or self._wait(ids, "a read"):
+        if client.link[peer] != self.links[peer] or not self._post(peer, wrs, ids) or self._wait(ids, "log words"):
             raise LinkMoved(peer)
 
     def read_word(self, peer: int, which: str, offset: int) -> int:
