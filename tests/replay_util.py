@@ -79,7 +79,9 @@ CASES = {
             {
                 **dict.fromkeys(_BARRIERS, 50),
                 **dict.fromkeys(_LOCKS, 45),
-                "dsm_diff_sent": 90,
+                # 128 molecules are one page per array, homed by whichever rank touched it first: a rank home
+                # of the forces sends only its energy diffs, one a step to rank 0 (60-300 per rank over runs)
+                "dsm_diff_sent": 25,
                 "dsm_interval_closing": 60,
             },
             all_read_remote=False,

@@ -4,7 +4,8 @@
 
 Molecules (one Lennard-Jones site each, on a jittered cubic lattice, reduced
 units) keep their positions and velocities in shared arrays; each rank owns
-(is the home of) a band of molecules.  One step is one time step.  Each rank
+a band of molecules (and is the home of its pages, first touch: where a page
+holds several bands, whoever touches it first).  One step is one time step.  Each rank
 computes the force of every pair (i, j > i) with i in its band, within a
 cut-off, and the pair's energy, rounded to multiples of 2**-20 as int64 (so
 sums are exact and independent of order), into a private buffer; then, block
@@ -110,7 +111,7 @@ class Water(ckpt.Program):
         rows = (slice(lo, hi), slice(None))
         for shared, value in ((self.pos, pos[lo:hi]), (self.vel, vel[lo:hi]), (self.force, 0)):
             if lo < hi:
-                with shared.write(rows) as v:  # each rank first-touches its molecules: their home
+                with shared.write(rows) as v:  # first touch: this rank is home of its band's pages
                     v[:] = value
         if rt.rank == 0:
             with self.energy.write(...) as v:
