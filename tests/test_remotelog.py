@@ -1015,6 +1015,50 @@ def test_a_discard_stopped_at_a_hole_passes_it_at_a_later_interval_close_with_no
     assert all(not o[2] and o[5] == 0 for o in out[1:])  # the other rings' discards stopped at no hole
 
 
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_a_discard_that_ends_at_reserved_space_nobody_wrote_yet_retries_it_too(protocol: str) -> None:
+    """Space reserved after the ring's last committed record is a hole as well: its writer may still write a
+    record the checkpoint covers, or die first.  The discard stops there and says so, and a later interval
+    close passes the space once its writer is known dead, up to the first record not covered (right after the
+    dead space) -- before, the discard ended there as if done, and it stopped before a dead hole that only an
+    uncovered record followed: only the owner's next checkpoints could pass it."""
+    from ckpt_remotelog._writer import IDLE, LOG
+
+    def body(rt: ThreadRuntime) -> Any:
+        job = _Holes(rt, protocol, LOG)
+        writer, home = job.writer, job.peer
+
+        def head() -> int:
+            return writer.read_word(home, LOG, 8)
+
+        job.work(1.0)
+        live = job.reserve() if rt.rank == 1 else -1  # reserved and not written yet: rank 1 claims it
+        if rt.rank == 1:
+            job.claim(live)
+        rt.barrier()
+        job.checkpoint()
+        stuck, pending = head(), job.log.pending is not None
+        rt.barrier()
+        if rt.rank == 1:
+            job.claim(IDLE)  # rank 1 died after all: nobody writes there
+        rt.barrier()
+        first_uncovered = writer.read_word(home, LOG, 0)
+        if rt.rank == 0:  # an interval of rank 0 alone, no checkpoint
+            with job.lock:
+                with job.array.write(slice(0, 512)) as v:
+                    v[0] = 3.0
+        rt.barrier()
+        passed, done = head(), job.log.pending is None
+        rt.barrier()
+        return live, stuck, pending, passed, done, first_uncovered
+
+    out = _Holes.run(protocol, body)
+    live = out[1][0]
+    _, stuck, pending, passed, done, first_uncovered = out[0]
+    assert live >= 0 and stuck == live and pending  # up to the reserved space, and stopped there
+    assert passed == first_uncovered > live and done  # passed once dead, up to the first record not covered
+
+
 def test_strict_operations_never_wait_for_a_failed_peer_nor_go_on_with_its_next_incarnation() -> None:
     """`RingWriter.strict`: a read of a peer that is not up, or whose link was replaced since the block began,
     raises LinkMoved at once -- nothing posted, nothing waited for -- where `Endpoint.run` would wait for the

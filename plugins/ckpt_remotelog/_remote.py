@@ -414,7 +414,8 @@ class RemoteLog:
 
     def _covered_prefix(self, snapshot: dict[str, Any], wait: float) -> tuple[list[Record], int, bool]:
         """The records of this rank's log ring its checkpoint covers, from the head on, the position after them,
-        and whether it stopped at a hole (before records the checkpoint may cover: `retry_discard`).
+        and whether it stopped at a hole (before records the checkpoint may cover, or at reserved space after
+        the last committed record: `retry_discard`).
 
         Past a hole only when no live rank can still write there: the ring's tail is read first, then every
         rank's claim on the ring (`_writer`, "Claims"), then the ring.  Space below that tail and below every
@@ -426,7 +427,8 @@ class RemoteLog:
         writer, home = self.writer, self.log_home(self.rank)
         deadline, pause = time.monotonic() + wait, 1e-3
         while True:
-            dead = writer.dead_below(home, LOG, writer.read_word(home, LOG, 0))  # written or dead below it
+            tail = writer.read_word(home, LOG, 0)
+            dead = writer.dead_below(home, LOG, tail)  # written or dead below it
             records, head = writer.read_ring(home, LOG, holes=True)
             dropped: list[Record] = []
             for record in records:
@@ -434,11 +436,15 @@ class RemoteLog:
                     head = max(head, dead)  # ... from `dead` on: what lies before is dead (a reservation's start)
                     break
                 if not self.covered(record, snapshot):
-                    return dropped, head, False
+                    return dropped, max(head, record.position), False  # past a dead hole right before it too
                 dropped.append(record)
                 head = record.position + record.size
             else:
-                return dropped, max(head, dead), False  # the dead space after the last record too
+                # past the dead space after the last record too; space reserved after that and not written yet
+                # may still get a record this checkpoint covers (a diff applied before it, logged after it) or
+                # turn out dead: a hole as well, for `retry_discard` (no wait here: it is usually a live writer's)
+                head = max(head, dead)
+                return dropped, head, head < tail
             if dead >= 0 or time.monotonic() > deadline:
                 return dropped, head, True
             # undecided (an answer in flight is one round trip; a rank not up, its recovery): a while, not for good
