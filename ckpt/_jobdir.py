@@ -75,8 +75,11 @@ class DirectoryClaim:
     def note(self, **fields: Any) -> None:
         """Record who holds the claim (pid, job id) in the lock file, for clients and error messages."""
         data = json.dumps({"pid": os.getpid(), "claim": self.id, **fields}).encode() + b"\n"
-        os.ftruncate(self.fd, 0)
-        os.pwrite(self.fd, data, 0)
+        try:
+            os.ftruncate(self.fd, 0)
+            os.pwrite(self.fd, data, 0)
+        except OSError as exc:  # a full disk
+            raise CkptError(f"cannot write {self.directory / LOCK_FILE}: {exc.strerror or exc}") from None
 
     def release(self) -> None:
         if self.fd >= 0:
@@ -114,7 +117,11 @@ def claim(ckpt_dir: Path, *, job: str = "", create: bool = True) -> DirectoryCla
             os.close(fd)
             raise DirectoryBusy(_busy_message(directory, holder)) from None
     held = DirectoryClaim(directory, fd)
-    held.note(job=job)
+    try:
+        held.note(job=job)
+    except CkptError:
+        held.release()
+        raise
     return held
 
 
@@ -229,6 +236,11 @@ def write_private(path: Path, data: bytes) -> None:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        if exc.filename is None:  # a write's error (a full disk) names no file: this one
+            raise OSError(exc.errno, exc.strerror, str(path)) from None
+        raise
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

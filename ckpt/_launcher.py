@@ -34,7 +34,7 @@ from ckpt import _manifest as manifests
 from ckpt import _wire as wire
 from ckpt._cli_plugins import JobServices, check_single_rank_recovery, launcher_host
 from ckpt._errors import CkptError, CoordinatorError, ImageError, ProtocolError
-from ckpt._jobdir import read_job_file, write_job_file
+from ckpt._jobdir import JOB_FILE, read_job_file, write_job_file
 from ckpt._schemas import Manifest, RankEntry, to_dict
 from ckpt.coordinator.server import Coordinator
 from ckpt.plugin import JobInfo
@@ -472,9 +472,20 @@ class _Job:
         )
 
     def record_end(self) -> None:
-        """Write the job's final status into coordinator.json, where `ckpt status` finds it from now on."""
-        if self.coordinator is not None:
+        """Write the job's final status into coordinator.json, where `ckpt status` finds it from now on.
+
+        A directory that cannot take it (a full disk) costs that record only: the job's ranks are still reaped
+        and its outcome reported."""
+        if self.coordinator is None:
+            return
+        try:
             self._write_job_file(ended=self.coordinator.status())
+        except OSError as exc:
+            print(
+                f"ckpt: warning: the job's end could not be recorded in {self.opts.ckpt_dir / JOB_FILE}: "
+                f"{exc.strerror or exc}; ckpt status will not show how it ended",
+                file=sys.stderr,
+            )
 
     def terminate(self) -> None:
         for process in self.processes:

@@ -155,6 +155,10 @@ def main() -> None:
     except CkptError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(1)
+    except OSError as exc:  # the machine refused (a full disk, a directory not ours): what and where, in one line
+        where = f": {exc.filename}" if exc.filename else ""
+        click.echo(f"error: {exc.strerror or exc}{where}", err=True)
+        sys.exit(1)
     sys.exit(code if isinstance(code, int) else 0)
 
 

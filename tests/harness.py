@@ -7,13 +7,17 @@ Running `ckpt` as a user would, and reaping what it started, is `ckpt.testing`'s
 from __future__ import annotations
 
 import json
+import os
 import select
+import shutil
 import socket
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 from ckpt.testing import run
 from ckpt_simib import FABRIC_FILE
@@ -41,6 +45,25 @@ def heat_results(ranks: int, steps: int, cells: int = 1000) -> dict[int, str]:
             new.append(u + 0.25 * (padded[:-2] - 2 * u + padded[2:]))
         slices = new
     return {rank: f"{float(u.sum()):.12f}" for rank, u in enumerate(slices)}
+
+
+def small_disk(mountpoint: Path, size: str, full: bool = False, fill_once: Path | None = None) -> list[str]:
+    """A command prefix (`ckpt.testing.run(..., prefix=...)`): the command runs in a private mount namespace
+    with a tmpfs of `size` at `mountpoint` -- a real disk, gone with the command -- filled up first (`full`),
+    or as soon as file `fill_once` exists.  Skips the test where the machine does not allow it (root and
+    unshare(1) are needed)."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("a small disk needs root and unshare(1) (a tmpfs in a private mount namespace)")
+    mountpoint.mkdir(parents=True, exist_ok=True)
+    probe = ["unshare", "--mount", "mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mountpoint)]
+    tried = subprocess.run(probe, capture_output=True, text=True, timeout=30)
+    if tried.returncode:
+        pytest.skip(f"this machine does not let the test mount a tmpfs: {tried.stderr.strip()}")
+    fill = 'head -c 1G /dev/zero > "$0/fill" 2>/dev/null; ' if full else ""
+    if fill_once is not None:  # a background loop of the shell's, polling for the file: it has no other signal
+        fill += f'(while [ ! -e "{fill_once}" ]; do sleep 0.02; done; head -c 1G /dev/zero > "$0/fill") 2>/dev/null & '
+    script = f'mount -t tmpfs -o size={size} tmpfs "$0" || exit 99; {fill}exec "$@"'
+    return ["unshare", "--mount", "sh", "-c", script, str(mountpoint)]
 
 
 def start_fabric(directory: Path, *args: str) -> tuple[dict[str, Any], str]:

@@ -15,7 +15,7 @@ import pytest
 
 from ckpt import _jobdir as jobdir
 from ckpt.testing import Job, one_error_line, results, run, wait_for
-from harness import EXAMPLES, PROGRAMS
+from harness import EXAMPLES, PROGRAMS, heat_results, small_disk
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -293,3 +293,36 @@ def test_a_launch_that_cannot_start_leaves_the_previous_jobs_end(tmp_path: Path)
     one_error_line(run("launch", "--ckpt-dir", str(ckpt_dir), "--fabric", "127.0.0.1:9", *SHORT), "CKPT_FABRIC_TOKEN")
     state = json.loads(run("status", "--json", "--ckpt-dir", str(ckpt_dir)).stdout)
     assert state["state"] == "finished", state
+
+
+def test_a_launch_on_a_full_disk_is_refused_in_one_line_naming_the_file(tmp_path: Path) -> None:
+    disk = tmp_path / "disk"
+    full = small_disk(disk, "256k", full=True)
+    done = run("launch", "-n", "2", "--ckpt-dir", str(disk / "ckpt"), *SHORT, prefix=full)
+    assert done.returncode != 99, done.stderr  # (the tmpfs was mounted)
+    one_error_line(done, f"cannot write {disk / 'ckpt'}", "No space left on device")
+
+
+def test_a_job_end_a_full_disk_cannot_record_is_still_reported_and_reaped(tmp_path: Path) -> None:
+    """The job runs to its end; then its directory's disk is full (here: filled once the job has started).
+    The end record is lost, and said so; the results, the exit status and the reaping are not."""
+    disk = tmp_path / "disk"
+    ckpt_dir = disk / "ckpt"
+    prefix = small_disk(disk, "512k", fill_once=ckpt_dir / jobdir.JOB_FILE)
+    done = run("launch", "-n", "2", "--ckpt-dir", str(ckpt_dir), *SHORT, prefix=prefix, timeout=120)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    assert results(done.stdout) == heat_results(2, int(SHORT[1]), int(SHORT[2])), done.stdout
+    assert "the job's end could not be recorded" in done.stderr and "No space left on device" in done.stderr
+    assert not _processes_mentioning(str(ckpt_dir))
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    """The processes whose environment mentions `text` (a job's ranks carry its directory in theirs)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and text.encode() in (entry / "environ").read_bytes():
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found

@@ -17,8 +17,8 @@ from dsm_cases import CASES, DsmCase
 from ib_cases import Hold, launch_args, take
 from test_e2e_dsm import PROGRAM_ENV, Pauses, uninterrupted
 
-from ckpt.testing import Job, results, run
-from harness import PROGRAMS
+from ckpt.testing import Job, one_error_line, results, run
+from harness import PROGRAMS, small_disk
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 BY_NAME = {case.name: case for case in CASES}
@@ -69,6 +69,19 @@ def test_a_logged_job_gives_the_uninterrupted_answer(
         assert sorted(p.name for p in ckpt_dir.glob("remotelog-stable-*.log")) == [
             f"remotelog-stable-{rank}.log" for rank in range(4)
         ]
+
+
+def test_stable_logging_on_a_disk_that_fills_stops_the_job_in_one_line_naming_the_log(tmp_path: Path) -> None:
+    """A release must not leave unlogged: the rank whose flush the full disk refuses stops, and the job with it
+    (--on-failure abort), in one line -- not a traceback, not a job that goes on without its log."""
+    disk = tmp_path / "disk"
+    argv = [str(Path(__file__).parent.parent / "dsm" / "programs" / "isort.py"), *BY_NAME["isort"].long]
+    done = run(
+        "launch", "-n", "4", "--ckpt-dir", str(tmp_path / "ckpt"), "--logging", "stable", "--log-dir", str(disk),
+        *argv, prefix=small_disk(disk, "128k"), timeout=240,
+    )  # fmt: skip
+    one_error_line(done, "ckpt_remotelog: stable logging cannot write", str(disk), "No space left on device")
+    assert not results(done.stdout)
 
 
 def test_an_unknown_logging_mode_is_refused_in_one_line(tmp_path: Path) -> None:

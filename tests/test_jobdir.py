@@ -90,6 +90,38 @@ def test_the_job_file_is_private(tmp_path: Path) -> None:
     }
 
 
+def test_a_job_file_a_full_disk_refuses_names_itself_and_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write's ENOSPC carries no file name: the error names the job file (the CLI prints it in one line)."""
+    real = os.fdopen
+
+    def full(fd: int, mode: str) -> object:
+        f = real(fd, mode)
+        f.write = _no_space  # type: ignore[method-assign]
+        return f
+
+    monkeypatch.setattr(os, "fdopen", full)
+    with pytest.raises(OSError, match="No space left") as caught:
+        jobdir.write_job_file(tmp_path, address="127.0.0.1:1", token="t", job="j", pid=1)
+    assert caught.value.filename == str(tmp_path / jobdir.JOB_FILE)
+    assert list(tmp_path.iterdir()) == []  # no .tmp left behind
+
+
+def test_a_claim_a_full_disk_refuses_is_one_error_naming_the_lock_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(os, "pwrite", lambda *_: _no_space())
+    with pytest.raises(CkptError, match=r"cannot write .*job.lock: No space left on device"):
+        jobdir.claim(tmp_path / "ckpt")
+    monkeypatch.undo()
+    jobdir.claim(tmp_path / "ckpt").release()  # the failed claim let go of the directory
+
+
+def _no_space(*_: object) -> int:
+    raise OSError(28, "No space left on device")
+
+
 def test_what_a_client_sees(tmp_path: Path) -> None:
     assert jobdir.find_job(tmp_path).state == "none"
     # a job that ended and said so

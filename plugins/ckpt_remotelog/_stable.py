@@ -10,7 +10,9 @@ have the remote log's format (`_records`), committed by position in the file.
 
 Under ``onesided`` a home's CPU never sees the diffs written into its pages, so there
 the writer logs the diffs it wrote (sender-based) -- the only place they are seen.
-Recovery from these files (replay) is not built yet, as for remote logging.
+Nothing reads these files back: stable logging is the failure-free cost baseline only
+(recovery by replay reads the remote logs, docs/remotelog.md).  A flush that cannot
+write (a full disk) stops the rank with one line naming the file.
 """
 
 from __future__ import annotations
@@ -113,10 +115,14 @@ class StableLog:
             return
         started = time.perf_counter()
         data = sealed(records, self.position)
-        with open(self.path, "ab") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(self.path, "ab") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as exc:  # a full disk: the release or arrival must not leave unlogged, so the rank stops
+            why = exc.strerror or exc
+            raise ckpt.PluginError(f"ckpt_remotelog: stable logging cannot write {self.path}: {why}") from None
         self.position += len(data)
         memory = self.memory
         memory.account("stable_records", len(records))

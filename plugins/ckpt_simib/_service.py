@@ -44,11 +44,15 @@ def write_fabric_file(directory: Path | str, sm: SubnetManager, *, job: str | No
         "bandwidth": sm.link_model.bandwidth,
         "job": job,
     }
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(record, f)
-        f.write("\n")
-    os.replace(tmp, path)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(record, f)
+            f.write("\n")
+        os.replace(tmp, path)
+    except OSError as exc:  # a full disk
+        tmp.unlink(missing_ok=True)
+        raise CkptError(f"cannot write {path}: {exc.strerror or exc}") from None
     return path
 
 
