@@ -346,6 +346,24 @@ def test_a_plugin_error_from_a_hook_passes_through(
         host.call("ckpt_presuspend", rt=RT)
 
 
+class _Registered:
+    """An object a library registers at run time (as the DSM and ckpt_remotelog register theirs)."""
+
+    @hookimpl
+    def ckpt_presuspend(self, rt: object) -> None:
+        raise RuntimeError("boom")
+
+
+def test_an_object_registered_under_a_name_made_unique_by_its_id_is_named_by_its_package() -> None:
+    """`remotelog-140477407254992` means nothing to a user: the failure names the package (here this test
+    module's); a name chosen without the id is kept as it is."""
+    for name, shown in [("{id}", "test_plugins"), ("recorder", "recorder")]:
+        host, thing = PluginHost(), _Registered()
+        host.register(thing, name.format(id=f"library-{id(thing)}"))
+        with pytest.raises(PluginError, match=rf"^plugin '{shown}' failed in ckpt_presuspend: RuntimeError: boom$"):
+            host.call("ckpt_presuspend", rt=RT)
+
+
 def test_a_wrapper_hookimpl_is_run_or_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[str] = []
     module = types.ModuleType("wrapplug")

@@ -198,7 +198,7 @@ class PluginHost:
         plan = plans.get(hook)
         if plan is None:
             generation = self._generation  # before the plugins are read: a change meanwhile moves it on
-            plan = [(i.function, tuple(i.argnames), i.plugin_name) for i in self.ordered_impls(hook)]
+            plan = [(i.function, tuple(i.argnames), _named(i)) for i in self.ordered_impls(hook)]
             with self._changing:
                 if generation == self._generation:
                     plans[hook] = plan
@@ -212,3 +212,11 @@ class PluginHost:
             if result is not None:
                 results.append(result)
         return results
+
+
+def _named(impl: pluggy.HookImpl) -> str:
+    """How a failure names the plugin: its registered name -- but for an object `register`ed under a name made
+    unique with its id (a DSM memory, a remote log: ``remotelog-140477407254992``), the package it comes from."""
+    if isinstance(impl.plugin, ModuleType) or not impl.plugin_name.endswith(f"-{id(impl.plugin)}"):
+        return impl.plugin_name
+    return type(impl.plugin).__module__.split(".")[0]
