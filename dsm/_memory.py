@@ -98,6 +98,7 @@ class Memory(RequestClient):
     _failure: BaseException | None
     _plugins: PluginCalls | None
     _fire: frozenset[str]
+    _in_waiting: bool
 
     def __init__(self, rt: Any, protocol: str, page_size: int) -> None:
         if protocol not in PROTOCOLS:
@@ -495,11 +496,23 @@ class Memory(RequestClient):
                 return  # replaying: what the program thread does was logged the first time
             self._plugins.call(name, memory=self, **kwargs)
 
+    def _waiting(self, what: str) -> None:
+        """A request has had no answer for WAKE seconds: `dsm_waiting`, on the program thread only, and never
+        from inside itself (an implementation's own one-sided waits may come back here)."""
+        if self._in_waiting or threading.current_thread() is self._thread:
+            return
+        self._in_waiting = True
+        try:
+            self.hook("dsm_waiting", what=what)
+        finally:
+            self._in_waiting = False
+
     def _live(self) -> None:
         """Per-process parts (thread, plugin host registration): at attach, and again after unpickling."""
         self._thread = None
         self._stop = threading.Event()
         self._failure = None
+        self._in_waiting = False
         host: PluginCalls | None = getattr(self.rt, "plugins", None)
         self._plugins = None
         self._fire = frozenset()
@@ -586,7 +599,7 @@ class Memory(RequestClient):
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        for name in ("_thread", "_stop", "_failure", "_plugins", "_fire"):
+        for name in ("_thread", "_stop", "_failure", "_plugins", "_fire", "_in_waiting"):
             state.pop(name, None)
         return state
 

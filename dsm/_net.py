@@ -303,13 +303,15 @@ class Endpoint:
         timeout: float = 120.0,
         stop: Callable[[], bool] | None = None,
         recovery_bound: bool = True,
+        on_idle: Callable[[], None] | None = None,
     ) -> bool:
         """Poll until `done()`; after a short spin, sleep on the completion channel.
 
         Returns False if `stop()` became true first; raises DsmError after `timeout` seconds
         (not counting time while a peer is failed and may come back: that is bounded by
         RECOVERY_TIMEOUT since its failure, unless `recovery_bound` is False -- the handler's
-        idle wait, which waits on no peer in particular and must outlive any recovery).
+        idle wait, which waits on no peer in particular and must outlive any recovery).  `on_idle()`
+        is called each time a sleep of WAKE seconds ends with nothing arrived.
         """
         deadline = time.monotonic() + timeout
         idle = 0
@@ -331,6 +333,8 @@ class Endpoint:
                 self.cq.ack_events(1)
                 self.armed = False
             except verbs.PyverbsRDMAError:
+                if on_idle is not None:
+                    on_idle()
                 now = time.monotonic()
                 if self.failed_at and recovery_bound:
                     self._check_recovery(now, what)

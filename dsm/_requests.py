@@ -37,6 +37,9 @@ class RequestClient:
     def _check(self, synchronising: str = "") -> None:
         raise NotImplementedError
 
+    def _waiting(self, what: str) -> None:
+        raise NotImplementedError
+
     def _next_rid(self) -> int:
         """A new request id (the reply echoes it); requests carry theirs from construction."""
         self.rid += 1
@@ -106,7 +109,7 @@ class RequestClient:
             return all(rid in self.replies for rid in rids)
 
         try:
-            self.client.wait(done, what, timeout=timeout)
+            self.client.wait(done, what, timeout=timeout, on_idle=lambda: self._waiting(what))
         except DsmError as exc:
             if type(exc) is not DsmError:  # a ReplayDiverged (raised by `_check`) keeps its type
                 raise

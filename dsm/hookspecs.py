@@ -50,6 +50,7 @@ ORDER: dict[str, Direction] = {
     "dsm_lock_released": "down",
     "dsm_barrier_passed": "down",
     "dsm_recovering": "down",
+    "dsm_waiting": "down",
 }
 
 
@@ -157,4 +158,17 @@ def dsm_recovering(memory: Any, incarnation: int, reports: dict[int, dict[str, A
     barrier), ``held`` (locks homed here it holds: lock -> [token, vt at its grant]) and ``claims``
     (gids of pages it is home of whose default home is this rank).  Program thread of the
     recovered rank (parked); may use ``memory.client`` for one-sided operations and ``memory.rt``.
+    """
+
+
+@hookspec
+def dsm_waiting(memory: Any, what: str) -> None:
+    """The program thread has waited `WAKE` seconds (50 ms) with nothing arriving for a request of the DSM
+    (`what`: a barrier, a lock acquire, an async page fetch, a diff's acknowledgment), and fires this again
+    about every 50 ms while it waits.
+
+    For work a plugin can do while the program is blocked -- remote logging passes a hole its last
+    discard stopped at, which may be what the rank this one waits for is itself waiting for.  It may use
+    ``memory.client`` for one-sided operations, as `dsm_interval_closing` may, but must not wait for the
+    rank the DSM waits for.  Not fired while the memory replays, nor again from inside an implementation.
     """

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -1013,6 +1014,53 @@ def test_a_discard_stopped_at_a_hole_passes_it_at_a_later_interval_close_with_no
     assert passed > dead and done and retries >= 1  # passed at the interval's close, no checkpoint between
     assert passed == first_uncovered  # ... and every record that checkpoint covers, up to the first it does not
     assert all(not o[2] and o[5] == 0 for o in out[1:])  # the other rings' discards stopped at no hole
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_a_discard_stopped_at_a_hole_passes_it_while_its_owner_waits_in_a_barrier(protocol: str) -> None:
+    """The case the retry exists for, at its hardest: the owner waits in a barrier for ranks that may be
+    blocked on its full log ring, behind a hole that becomes decidable only while it waits.  No interval
+    closes and no barrier is arrived at meanwhile: the wait itself (`dsm_waiting`) passes the hole."""
+    from ckpt_remotelog._writer import IDLE, IN_FLIGHT, LOG
+
+    arrived = threading.Event()
+
+    class Arrived:
+        @ckpt.hookimpl
+        def dsm_barrier_arriving(self, epoch: int) -> None:
+            arrived.set()  # after remote logging's own arrival (registered after it), which retries too
+
+    def body(rt: ThreadRuntime) -> Any:
+        job = _Holes(rt, protocol, LOG)
+        writer, home = job.writer, job.peer
+        job.work(1.0)
+        dead = job.reserve() if rt.rank == 1 else -1  # rank 1 "died" right after its reservation: no claim
+        rt.barrier()
+        job.work(2.0)
+        if rt.rank == 2:
+            job.claim(IN_FLIGHT)  # undecidable for now
+        job.checkpoint()
+        stuck, pending = writer.read_word(home, LOG, 8), job.log.pending is not None
+        rt.barrier()
+        passed = False
+        if rt.rank == 0:
+            rt.plugins.register(Arrived(), "arrived")
+            job.memory.barrier()  # waits for the others, who wait for its head to move
+        else:
+            if rt.rank == 2:
+                assert arrived.wait(30)
+                job.claim(IDLE)  # decidable from now on, while rank 0 waits
+            deadline = time.monotonic() + 10.0
+            while not passed and time.monotonic() < deadline:
+                passed = writer.read_word(home, LOG, 8) > stuck
+                time.sleep(0.01)  # polling a remote word: nothing signals a head's move
+            job.memory.barrier()
+        return dead, stuck, pending, passed
+
+    out = _Holes.run(protocol, body)
+    dead, (_, stuck, pending, _) = out[1][0], out[0]
+    assert dead >= 0 and stuck <= dead and pending
+    assert all(o[3] for o in out[1:]), "the head did not move while rank 0 waited in the barrier"
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)

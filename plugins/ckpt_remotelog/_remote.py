@@ -261,6 +261,13 @@ class RemoteLog:
             self.retry_discard(throttle=True)
 
     @ckpt.hookimpl
+    def dsm_waiting(self, what: str) -> None:
+        """The program waits in a barrier or for a lock: the rank it waits for may be blocked on this rank's
+        full log ring, behind the hole the last discard stopped at."""
+        if self.pending is not None:
+            self.retry_discard(throttle=True)
+
+    @ckpt.hookimpl
     def dsm_diff_received(self, writer: int, gid: int, interval: int, diff: Diff) -> None:
         """*handler*, async: the home keeps every diff it applies."""
         self._append_home_local(diff_record(RecordKind.HOME_DIFF, writer, interval, [(gid, diff.encode())]))
