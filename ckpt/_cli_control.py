@@ -309,7 +309,12 @@ def coordinator_cmd(
         serve_until_signal(threading.Event().wait, "ckpt coordinator")
     finally:
         server.kill("the coordinator was stopped")
-        record(ended=server.status())
+        try:
+            record(ended=server.status())
+        except OSError as exc:  # a full disk costs that record only
+            where = ckpt_dir / jobdir.JOB_FILE
+            warning = f"ckpt: warning: the coordinator's end could not be recorded in {where}: {exc.strerror}"
+            click.echo(warning, err=True)
         server.stop()
 
 

@@ -314,7 +314,10 @@ class _Job:
             if opts.on_failure == "recover":
                 self.coordinator.set_respawn(lambda *asked: self._respawns.put((self.epoch, *asked)))
                 threading.Thread(target=self._respawner, name="ckpt-respawner", daemon=True).start()
-            self._write_job_file()
+            try:
+                self._write_job_file()
+            except OSError as exc:  # a full disk (`run_job` stops the coordinator and the services)
+                raise CkptError(f"cannot write {self.opts.ckpt_dir / JOB_FILE}: {exc.strerror or exc}") from None
             log.info("coordinator of job %s listening on %s", self.job_id, self.address)
         else:
             self.address = opts.coordinator  # its own coordinator.json stays as `ckpt coordinator` wrote it
@@ -562,6 +565,10 @@ def run_job(opts: JobOptions) -> int:
         job.terminate()
         job.stop()
         return 130
+    except BaseException:  # whatever stops the launcher takes the job's processes and services with it
+        job.terminate()
+        job.stop()
+        raise
     finally:
         if progress:
             progress.close()

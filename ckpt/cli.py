@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import sys
@@ -133,6 +134,11 @@ def cli() -> None:
     """ckpt: checkpoint/restart for distributed Python programs over (simulated) verbs."""
 
 
+#: What the machine refuses with, when nothing else said it in a line of its own: a full disk, a read-only or
+#: foreign directory, too many open files -- the file and the reason are the whole message.
+_REFUSALS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EMFILE, errno.ENFILE})
+
+
 def main() -> None:
     """The `ckpt` console script: plugin-declared options are added to launch/restart first; every error
     a user can make is one line on stderr (usage errors exit 2, the others 1)."""
@@ -155,8 +161,10 @@ def main() -> None:
     except CkptError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(1)
-    except OSError as exc:  # the machine refused (a full disk, a directory not ours): what and where, in one line
-        where = f": {exc.filename}" if exc.filename else ""
+    except OSError as exc:
+        if exc.errno not in _REFUSALS:
+            raise  # not the machine refusing: a bug, with its traceback
+        where = "".join(f": {name}" for name in (exc.filename, exc.filename2) if name)
         click.echo(f"error: {exc.strerror or exc}{where}", err=True)
         sys.exit(1)
     sys.exit(code if isinstance(code, int) else 0)

@@ -171,4 +171,5 @@ def dsm_waiting(memory: Any, what: str) -> None:
     discard stopped at, which may be what the rank this one waits for is itself waiting for.  It may use
     ``memory.client`` for one-sided operations, as `dsm_interval_closing` may, but must not wait for the
     rank the DSM waits for.  Not fired while the memory replays, nor again from inside an implementation.
+    An exception it raises ends the wait: the DSM call that waited raises it (a ``ckpt.PluginError``).
     """

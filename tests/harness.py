@@ -60,8 +60,10 @@ def small_disk(mountpoint: Path, size: str, full: bool = False, fill_once: Path 
     if tried.returncode:
         pytest.skip(f"this machine does not let the test mount a tmpfs: {tried.stderr.strip()}")
     fill = 'head -c 1G /dev/zero > "$0/fill" 2>/dev/null; ' if full else ""
-    if fill_once is not None:  # a background loop of the shell's, polling for the file: it has no other signal
-        fill += f'(while [ ! -e "{fill_once}" ]; do sleep 0.02; done; head -c 1G /dev/zero > "$0/fill") 2>/dev/null & '
+    if fill_once is not None:  # a background loop of the shell's, polling for the file (it has no other signal)
+        # for at most 5 minutes, and holding none of the command's pipes: it never outlives a failed command long
+        wait = f'i=0; while [ ! -e "{fill_once}" ] && [ $i -lt 6000 ]; do sleep 0.05; i=$((i+1)); done'
+        fill += f'({wait}; head -c 1G /dev/zero > "$0/fill") >/dev/null 2>&1 </dev/null & '
     script = f'mount -t tmpfs -o size={size} tmpfs "$0" || exit 99; {fill}exec "$@"'
     return ["unshare", "--mount", "sh", "-c", script, str(mountpoint)]
 

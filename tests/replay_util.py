@@ -80,7 +80,8 @@ CASES = {
                 **dict.fromkeys(_BARRIERS, 50),
                 **dict.fromkeys(_LOCKS, 45),
                 # 128 molecules are one page per array, homed by whichever rank touched it first: a rank home
-                # of the forces sends only its energy diffs, one a step to rank 0 (60-300 per rank over runs)
+                # of the forces may send little more than its energy diffs, one a step to rank 0 (30 a run;
+                # counted over 6 runs per protocol: 60 to 300 per rank)
                 "dsm_diff_sent": 25,
                 "dsm_interval_closing": 60,
             },

@@ -295,12 +295,19 @@ def test_a_launch_that_cannot_start_leaves_the_previous_jobs_end(tmp_path: Path)
     assert state["state"] == "finished", state
 
 
-def test_a_launch_on_a_full_disk_is_refused_in_one_line_naming_the_file(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("size", "full", "refused"),
+    [("256k", True, jobdir.LOCK_FILE), ("8k", False, jobdir.JOB_FILE)],  # 8k: two 4 KiB pages, lock and fabric
+)
+def test_a_launch_on_a_full_disk_is_refused_in_one_line_naming_the_file(
+    size: str, full: bool, refused: str, tmp_path: Path
+) -> None:
+    """Refused before any rank starts, or (the job file) once the coordinator and the fabric run: they stop."""
     disk = tmp_path / "disk"
-    full = small_disk(disk, "256k", full=True)
-    done = run("launch", "-n", "2", "--ckpt-dir", str(disk / "ckpt"), *SHORT, prefix=full)
+    done = run("launch", "-n", "2", "--ckpt-dir", str(disk / "ckpt"), *SHORT, prefix=small_disk(disk, size, full))
     assert done.returncode != 99, done.stderr  # (the tmpfs was mounted)
-    one_error_line(done, f"cannot write {disk / 'ckpt'}", "No space left on device")
+    one_error_line(done, f"cannot write {disk / 'ckpt' / refused}: No space left on device")
+    assert not _processes_mentioning(str(disk))
 
 
 def test_a_job_end_a_full_disk_cannot_record_is_still_reported_and_reaped(tmp_path: Path) -> None:

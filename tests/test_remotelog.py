@@ -807,6 +807,32 @@ def _loop_writer(pd: Any, peers: list[dict[str, dict[str, int]]], staging: int) 
     )
 
 
+def test_a_ring_read_first_waits_for_the_writes_that_gather_from_its_staging_buffer() -> None:
+    """`read_ring` READs into the staging buffer a batch's WRITEs gather their bytes from (on the packet path, as
+    they are transmitted).  A discard's retry can come while such WRITEs are in flight (`dsm_waiting`, while a
+    diff's acknowledgment is awaited): the read waits for them first."""
+    from ckpt import verbs
+    from ckpt_remotelog._writer import LOG, OWN
+
+    ctx = verbs.Context(name=f"simib{FIRST_HCA}")
+    try:
+        pd = verbs.PD(ctx)
+        rings, own = [LogRing(pd, 1024), LogRing(pd, 1024)], LogRing(pd, 1024)
+        peers = [{LOG: rings[0].address(), OWN: own.address()}, {LOG: rings[1].address(), OWN: own.address()}]
+        nic, writer = _loop_writer(pd, peers, 1024)
+        writer.add(1, LOG, encode(RecordKind.DIFF, 0, b"d" * 16, interval=1, gid=7))
+        writer.start()
+        writer.write()  # the batch's WRITE is posted, not waited for
+        assert writer.writing
+        nic.events.clear()
+        records, _ = writer.read_ring(1, LOG)
+        first_read = next(k for k, e in enumerate(nic.events) if e[0] == "post")
+        assert ("wait",) in nic.events[:first_read] and not writer.writing
+        assert [r.kind for r in records] == [RecordKind.DIFF]
+    finally:
+        ctx.close()
+
+
 @pytest.mark.parametrize("elsewhere", [True, False], ids=["diffs-at-two-log-homes", "diffs-at-its-own-log-home"])
 def test_a_release_record_is_written_only_once_its_intervals_records_are_complete(elsewhere: bool) -> None:
     """`RingWriter.own(last=True)`: a RELEASE goes out only after every other WRITE of its batch has completed

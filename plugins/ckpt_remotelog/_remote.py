@@ -459,8 +459,9 @@ class RemoteLog:
             pause = min(2 * pause, 0.05)
 
     def retry_discard(self, throttle: bool) -> None:
-        """Pass the hole the last discard stopped at, once it can (program thread: at an interval's close, at most
-        every `RETRY_EVERY` seconds, and as it arrives at a barrier).
+        """Pass the hole the last discard stopped at, once it can (program thread: at an interval's close and
+        while a DSM request waits, `dsm_waiting`, at most every `RETRY_EVERY` seconds, and as it arrives at a
+        barrier).
 
         A discard stops at a hole that a live rank may still fill, or that it cannot yet tell from a dead
         writer's (a rank recovering, a claim's answer in flight).  It used to stay there until this rank's

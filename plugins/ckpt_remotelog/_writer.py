@@ -445,6 +445,7 @@ class RingWriter:
 
         Up to the first hole, or (`holes`, a recovery) every committed record past holes too.
         """
+        self._drain("log writes from the staging buffer")  # the READ lands there (a retry may come mid-batch)
         ring, base = self.peers[peer][which], self.staging_mr.buf
         tail, head = self.read_word(peer, which, 0), self.read_word(peer, which, 8)
         # at most one lap: writers that reserved past head + capacity wait for room before they write
