@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import importlib
+from collections.abc import Callable, Sequence
+from types import SimpleNamespace
 from typing import Any
+
+import numpy as np
 
 import ckpt.testing
 import dsm
@@ -45,3 +49,39 @@ def run_program(name: str, argv: list[str], size: int, protocol: str) -> list[An
         first_device=FIRST_HCA,
         finish=lambda program: program.mem.close(),  # type: ignore[attr-defined]  (the programs keep theirs as `mem`)
     )
+
+
+def expected_lines(name: str, argv: Sequence[str], ranks: int) -> dict[int, str]:
+    """What every rank of dsm/programs/<name>.py prints at the end of a right run, by rank: the program's verdict
+    (`dsm.programs._common.verdict`) on numpy's own answer, which a right run's answer is bit for bit -- from the
+    program's reference functions, in milliseconds, where running the program on thread-ranks takes 4-10 s of
+    a test worker.  test_dsm_programs checks it against real runs of every program."""
+    from dsm.programs._common import args, verdict
+
+    module: Any = importlib.import_module(f"dsm.programs.{name}")
+    rt = SimpleNamespace(argv=list(argv))
+    want: np.ndarray
+    if name in ("sor", "jacobi"):
+        n, iterations = args(rt, [256, 40] if name == "sor" else [128, 30])  # type: ignore[arg-type]
+        want = module.initial(n)
+        for _ in range(iterations):
+            if name == "sor":
+                module.sweep(want, 0)
+                module.sweep(want, 1)
+            else:
+                want[1:-1] = module.relax(want)
+    elif name == "matmul":
+        a, b = module.inputs(args(rt, [128, 16])[0])  # type: ignore[arg-type]
+        want = a @ b
+    elif name == "lu":
+        want = module.doolittle(module.matrix(args(rt, [96, 8])[0]))  # type: ignore[arg-type]
+    elif name == "isort":
+        want = module.reference(*args(rt, [4096, 256, 4]))  # type: ignore[arg-type]
+    elif name == "tsp":
+        want = np.array([module.held_karp(module.distances(args(rt, [9, 3, 8])[0]))])  # type: ignore[arg-type]
+    elif name == "water":
+        molecules, steps, _ = args(rt, [96, 6, 8])  # type: ignore[arg-type]
+        want = module.outcome(*module.reference(molecules, steps))
+    else:
+        raise ValueError(f"no reference for DSM program {name!r}")
+    return dict.fromkeys(range(ranks), verdict(name, want, want, exact=True))

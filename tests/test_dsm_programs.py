@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from dsm_cases import CASES, PROTOCOLS, DsmCase
-from dsm_util import run_program
+from dsm_util import expected_lines, run_program
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -19,3 +19,14 @@ def test_the_answer_is_numpys_and_the_same_for_any_rank_count_and_protocol(case:
             lines[(protocol, size)] = results[0]
     assert all("numpy=match" in line for line in lines.values()), lines
     assert len(set(lines.values())) == 1, lines
+    # what the end-to-end tests compare with, without running the program: its line, computed
+    assert next(iter(lines.values())) == expected_lines(case.name, case.quick, 1)[0]
+
+
+@pytest.mark.stress  # the quick arguments above check the same computation; this costs 4 s of a worker a case
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_the_computed_answer_is_a_real_runs_with_the_end_to_end_tests_arguments(case: DsmCase) -> None:
+    """`expected_lines` for the arguments the end-to-end tests run (`DsmCase.long`), against one real run."""
+    assert dict(enumerate(run_program(case.name, list(case.long), 4, "async"))) == expected_lines(
+        case.name, case.long, 4
+    )
