@@ -1005,10 +1005,7 @@ def test_a_discard_stopped_at_a_hole_passes_it_at_a_later_interval_close_with_no
 
     def body(rt: ThreadRuntime) -> Any:
         job = _Holes(rt, protocol, LOG)
-        writer, home = job.writer, job.peer
-
-        def head() -> int:
-            return writer.read_word(home, LOG, 8)
+        writer, home, head = job.writer, job.peer, job.head
 
         job.work(1.0)
         dead = job.reserve() if rt.rank == 1 else -1  # rank 1 "died" right after its reservation: no claim
@@ -1058,7 +1055,6 @@ def test_a_discard_stopped_at_a_hole_passes_it_while_its_owner_waits_in_a_barrie
 
     def body(rt: ThreadRuntime) -> Any:
         job = _Holes(rt, protocol, LOG)
-        writer, home = job.writer, job.peer
         job.work(1.0)
         dead = job.reserve() if rt.rank == 1 else -1  # rank 1 "died" right after its reservation: no claim
         rt.barrier()
@@ -1066,7 +1062,7 @@ def test_a_discard_stopped_at_a_hole_passes_it_while_its_owner_waits_in_a_barrie
         if rt.rank == 2:
             job.claim(IN_FLIGHT)  # undecidable for now
         job.checkpoint()
-        stuck, pending = writer.read_word(home, LOG, 8), job.log.pending is not None
+        stuck, pending = job.head(), job.log.pending is not None
         rt.barrier()
         passed = False
         if rt.rank == 0:
@@ -1078,7 +1074,7 @@ def test_a_discard_stopped_at_a_hole_passes_it_while_its_owner_waits_in_a_barrie
                 job.claim(IDLE)  # decidable from now on, while rank 0 waits
             deadline = time.monotonic() + 10.0
             while not passed and time.monotonic() < deadline:
-                passed = writer.read_word(home, LOG, 8) > stuck
+                passed = job.head() > stuck
                 time.sleep(0.01)  # polling a remote word: nothing signals a head's move
             job.memory.barrier()
         return dead, stuck, pending, passed
@@ -1100,10 +1096,7 @@ def test_a_discard_that_ends_at_reserved_space_nobody_wrote_yet_retries_it_too(p
 
     def body(rt: ThreadRuntime) -> Any:
         job = _Holes(rt, protocol, LOG)
-        writer, home = job.writer, job.peer
-
-        def head() -> int:
-            return writer.read_word(home, LOG, 8)
+        writer, home, head = job.writer, job.peer, job.head
 
         job.work(1.0)
         live = job.reserve() if rt.rank == 1 else -1  # reserved and not written yet: rank 1 claims it
@@ -1357,6 +1350,10 @@ class _Holes:
         wr = _atomic(writer._land(slot), ring["rkey"], ring["addr"], 128)
         self.memory.client.run(self.peer, [wr], self.memory.seq)
         return int(writer.landing[slot])
+
+    def head(self) -> int:
+        """The head of rank 0's ring `which` (RDMA READ)."""
+        return int(self.writer.read_word(self.peer, self.which, 8))
 
     def claim(self, value: int) -> None:
         from ckpt_remotelog._writer import _claim
