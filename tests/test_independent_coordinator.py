@@ -18,6 +18,7 @@ from test_races import TOKEN, WAIT, Rank, all_at, image_value, reach, walk_to_ch
 
 from ckpt import _manifest as manifests
 from ckpt._errors import CoordinatorError
+from ckpt._wire import Heartbeat
 from ckpt.coordinator.client import CoordinatorClient, control
 from ckpt.coordinator.server import Coordinator
 
@@ -278,7 +279,9 @@ def test_a_rank_lost_during_its_checkpoint_fails_the_job_and_the_waiter_hears(
 
 
 def test_rank_interval_checkpoints_each_rank_in_turn(make_coordinator: Callable[..., Coordinator]) -> None:
-    coord = make_coordinator(rank_interval=0.4)
+    # its ranks are the test's, which send no heartbeats: idle while the other walks, on a loaded machine
+    # (pytest -n 5) one was declared lost after the default 15 s of silence
+    coord = make_coordinator(rank_interval=0.4, heartbeat=Heartbeat(interval=1.0, timeout=300.0))
     ranks = [Rank(coord.address, r, 2) for r in range(2)]
     try:
         started = time.monotonic()
