@@ -81,7 +81,10 @@ def test_fail_link_on_the_jobs_fabric_fails_the_ring_with_retry_exceeded(
     except subprocess.TimeoutExpired:  # seen once in ~25 runs on a loaded machine: say what the job was doing
         state = [run("status", "--ckpt-dir", str(tmp_path)).stdout for _ in range(2)]
         links = run("fabric", "status", "--dir", str(tmp_path)).stdout
-        raise AssertionError(f"the job did not fail within 60 s of the link's failure\n{state}\n{links}") from None
+        err = "\n".join(job.read()[1].splitlines()[-40:])  # e.g. a "simib timer callback failed" traceback
+        raise AssertionError(
+            f"the job did not fail within 60 s of the link's failure\n{state}\n{links}\n--- stderr ---\n{err}"
+        ) from None
     assert code == 1, job.stderr
     assert "IBV_WC_RETRY_EXC_ERR" in job.stderr, job.stderr
     assert not (tmp_path / "fabric.json").exists()  # the launcher stopped its fabric
