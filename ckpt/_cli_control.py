@@ -311,10 +311,8 @@ def coordinator_cmd(
         server.kill("the coordinator was stopped")
         try:
             record(ended=server.status())
-        except OSError as exc:  # a full disk costs that record only
-            where = ckpt_dir / jobdir.JOB_FILE
-            warning = f"ckpt: warning: the coordinator's end could not be recorded in {where}: {exc.strerror}"
-            click.echo(warning, err=True)
+        except CkptError as exc:  # a full disk costs that record only
+            click.echo(f"ckpt: warning: the coordinator's end could not be recorded: {exc}", err=True)
         server.stop()
 
 

@@ -229,18 +229,17 @@ def read_job_file(ckpt_dir: Path) -> dict[str, Any] | None:
 
 
 def write_private(path: Path, data: bytes) -> None:
-    """Replace `path` with `data` atomically, created 0600 (the directory's files hold the job's state)."""
+    """Replace `path` with `data` atomically, created 0600 (the directory's files hold the job's state); CkptError
+    naming it if the machine refuses."""
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, path)
-    except OSError as exc:
+    except OSError as exc:  # a full disk, a directory not ours: one line naming the file
         tmp.unlink(missing_ok=True)
-        if exc.filename is None:  # a write's error (a full disk) names no file: this one
-            raise OSError(exc.errno, exc.strerror, str(path)) from None
-        raise
+        raise CkptError(f"cannot write {path}: {exc.strerror or exc}") from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

@@ -34,7 +34,7 @@ from ckpt import _manifest as manifests
 from ckpt import _wire as wire
 from ckpt._cli_plugins import JobServices, check_single_rank_recovery, launcher_host
 from ckpt._errors import CkptError, CoordinatorError, ImageError, ProtocolError
-from ckpt._jobdir import JOB_FILE, read_job_file, write_job_file
+from ckpt._jobdir import read_job_file, write_job_file
 from ckpt._schemas import Manifest, RankEntry, to_dict
 from ckpt.coordinator.server import Coordinator
 from ckpt.plugin import JobInfo
@@ -314,10 +314,7 @@ class _Job:
             if opts.on_failure == "recover":
                 self.coordinator.set_respawn(lambda *asked: self._respawns.put((self.epoch, *asked)))
                 threading.Thread(target=self._respawner, name="ckpt-respawner", daemon=True).start()
-            try:
-                self._write_job_file()
-            except OSError as exc:  # a full disk (`run_job` stops the coordinator and the services)
-                raise CkptError(f"cannot write {self.opts.ckpt_dir / JOB_FILE}: {exc.strerror or exc}") from None
+            self._write_job_file()  # (a full disk: CkptError, and `run_job` stops the coordinator and services)
             log.info("coordinator of job %s listening on %s", self.job_id, self.address)
         else:
             self.address = opts.coordinator  # its own coordinator.json stays as `ckpt coordinator` wrote it
@@ -483,10 +480,9 @@ class _Job:
             return
         try:
             self._write_job_file(ended=self.coordinator.status())
-        except OSError as exc:
+        except CkptError as exc:
             print(
-                f"ckpt: warning: the job's end could not be recorded in {self.opts.ckpt_dir / JOB_FILE}: "
-                f"{exc.strerror or exc}; ckpt status will not show how it ended",
+                f"ckpt: warning: the job's end could not be recorded ({exc}): ckpt status cannot show it",
                 file=sys.stderr,
             )
 

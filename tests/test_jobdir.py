@@ -102,9 +102,9 @@ def test_a_job_file_a_full_disk_refuses_names_itself_and_leaves_nothing(
         return f
 
     monkeypatch.setattr(os, "fdopen", full)
-    with pytest.raises(OSError, match="No space left") as caught:
+    with pytest.raises(CkptError, match="No space left") as caught:
         jobdir.write_job_file(tmp_path, address="127.0.0.1:1", token="t", job="j", pid=1)
-    assert caught.value.filename == str(tmp_path / jobdir.JOB_FILE)
+    assert str(caught.value) == f"cannot write {tmp_path / jobdir.JOB_FILE}: No space left on device"
     assert list(tmp_path.iterdir()) == []  # no .tmp left behind
 
 
