@@ -29,6 +29,7 @@ from ckpt import verbs
 
 ACCESS = verbs.IBV_ACCESS_LOCAL_WRITE | verbs.IBV_ACCESS_REMOTE_WRITE
 SIGNAL_EVERY = 16
+PATH_CHECK = 1.0  # seconds without the left neighbour's value before its path is looked at
 
 
 class Ring(ckpt.Program):
@@ -84,6 +85,7 @@ class Ring(ckpt.Program):
         self.qp_right.post_send(wr)
         received = None
         deadline = time.monotonic() + 60
+        check = time.monotonic() + PATH_CHECK
         while received is None:
             _, wcs = self.cq.poll(8)
             for wc in wcs:
@@ -94,7 +96,11 @@ class Ring(ckpt.Program):
                         raise RuntimeError(f"step {self.i}: got the value of step {wc.imm_data}")
                     received = int(self.buf[1])
                     self.qp_left.post_recv(verbs.RecvWR(wr_id=self.i))
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > check:
+                check = now + PATH_CHECK
+                self._check_path()
+            if now > deadline:
                 raise RuntimeError(f"step {self.i}: nothing from the left neighbour for 60 s")
         self.value = (self.value * 31 + received + self.i) % 1_000_003
         self.i += 1
@@ -107,6 +113,25 @@ class Ring(ckpt.Program):
             elapsed = time.perf_counter() - self.started
             Path(f"{self.timing}.{rt.rank}").write_text(f"{elapsed / self.steps:.9f}\n")
         return False
+
+    def _check_path(self) -> None:
+        """Nothing from the left for a while: fail at once if nothing can come.
+
+        The left neighbour's WRITE on a failed link ends with RETRY_EXC_ERR, but that neighbour
+        sees it only when it next polls -- and if this rank's own WRITE got through first, it is
+        waiting in the step's barrier.  So a waiting rank looks at the path itself: the subnet
+        manager's path records (`Context.query_paths`; none on a transport without one).
+        """
+        attr, _ = self.qp_left.query()
+        used = [(attr.port_num, attr.ah_attr.dlid)]
+        if attr.path_mig_state == verbs.IBV_MIG_ARMED:  # a failure would migrate the QP (ckpt_apm)
+            used.append((attr.alt_port_num, attr.alt_ah_attr.dlid))
+        up = {(p.port_num, p.dlid): p.up for p in self.ctx.query_paths(attr.ah_attr.dlid)}
+        if up and not any(up.get(path, True) for path in used):
+            raise RuntimeError(
+                f"step {self.i}: the path to the left neighbour is down (port {attr.port_num} to LID "
+                f"{attr.ah_attr.dlid}) and no alternate path is armed: nothing can come"
+            )
 
     def result(self) -> int:
         return self.value

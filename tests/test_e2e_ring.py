@@ -64,9 +64,7 @@ def test_checkpointing_verbs_without_the_virtualization_plugin_is_refused_clearl
     job.wait_step(step + 5)  # the job keeps running
 
 
-def test_fail_link_on_the_jobs_fabric_fails_the_ring_with_retry_exceeded(
-    tmp_path: Path, start_job: Callable[..., Job]
-) -> None:
+def test_fail_link_on_the_jobs_fabric_fails_the_ring(tmp_path: Path, start_job: Callable[..., Job]) -> None:
     """`ckpt fabric fail-link --dir <the job's ckpt dir>` reaches the fabric the launcher started."""
     job = start_job("launch", "-n", "2", "--ckpt-dir", str(tmp_path), RING, "1000000", ckpt_dir=tmp_path)
     job.wait_step(5)
@@ -77,8 +75,8 @@ def test_fail_link_on_the_jobs_fabric_fails_the_ring_with_retry_exceeded(
     failed = run("fabric", "fail-link", str(rank1["lids"][0]), "--dir", str(tmp_path))
     assert failed.returncode == 0, failed.stderr
     try:
-        code = job.wait(timeout=60)  # no alternate path: RETRY_EXC_ERR, the rank fails, so does the job
-    except subprocess.TimeoutExpired:  # seen once in ~25 runs on a loaded machine: say what the job was doing
+        code = job.wait(timeout=60)  # no alternate path: the job fails
+    except subprocess.TimeoutExpired:  # say what the job was doing
         state = [run("status", "--ckpt-dir", str(tmp_path)).stdout for _ in range(2)]
         links = run("fabric", "status", "--dir", str(tmp_path)).stdout
         err = "\n".join(job.read()[1].splitlines()[-40:])  # e.g. a "simib timer callback failed" traceback
@@ -86,5 +84,7 @@ def test_fail_link_on_the_jobs_fabric_fails_the_ring_with_retry_exceeded(
             f"the job did not fail within 60 s of the link's failure\n{state}\n{links}\n--- stderr ---\n{err}"
         ) from None
     assert code == 1, job.stderr
-    assert "IBV_WC_RETRY_EXC_ERR" in job.stderr, job.stderr
+    # A rank finds its WRITE failed with RETRY_EXC_ERR when it polls -- unless its neighbour's WRITE of that
+    # step got through first: then it waits in the step's barrier, and the neighbour finds the path down.
+    assert "IBV_WC_RETRY_EXC_ERR" in job.stderr or "the path to the left neighbour is down" in job.stderr, job.stderr
     assert not (tmp_path / "fabric.json").exists()  # the launcher stopped its fabric
