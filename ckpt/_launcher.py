@@ -104,6 +104,7 @@ def job_services(opts: JobOptions, job: str, external_rank: int | None = None) -
         native=opts.native,
         owns_coordinator=opts.coordinator is None,
         external_rank=external_rank,
+        size=opts.ranks,
     )
     host = launcher_host(tuple(opts.with_plugins), tuple(opts.disabled))
     if opts.on_failure == "recover":  # before anything starts: every plugin with cross-rank state must agree

@@ -89,3 +89,21 @@ def test_an_unknown_logging_mode_is_refused_in_one_line(tmp_path: Path) -> None:
     assert done.returncode != 0
     out = done.stdout + done.stderr
     assert "Traceback" not in out and "--logging" in out and "disk" in out, out
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "says"),
+    [
+        ("--log-home-offset", "2", "--log-home-offset 2 makes every rank its own log home with 2 ranks"),
+        ("--log-ring-bytes", "16", "--log-ring-bytes 16: a log ring needs at least"),
+    ],
+)
+def test_a_log_placement_no_rank_could_use_is_refused_before_the_job_starts(
+    tmp_path: Path, option: str, value: str, says: str
+) -> None:
+    """One line from the launcher, not one DsmError per rank at attach."""
+    argv = [str(Path(__file__).parent.parent / "dsm" / "programs" / "sor.py")]
+    ckpt_dir = tmp_path / "ckpt"
+    done = run("launch", "-n", "2", "--ckpt-dir", str(ckpt_dir), "--logging", "remote", option, value, *argv)
+    one_error_line(done, says)
+    assert not (ckpt_dir / "fabric.json").exists()  # the fabric that started first was stopped

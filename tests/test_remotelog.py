@@ -553,6 +553,23 @@ def test_the_recovery_answer_follows_the_logging_mode(tmp_path: Any) -> None:
     assert ckpt_remotelog.ckpt_single_rank_recovery(job("off")) is None
 
 
+def test_the_launcher_refuses_what_every_rank_would_refuse_at_attach(tmp_path: Any) -> None:
+    from ckpt.plugin import JobInfo
+
+    def start(size: int, **options: Any) -> None:
+        info = JobInfo(job="j", ckpt_dir=tmp_path, transport="simib", host="127.0.0.1", options=options, size=size)
+        ckpt_remotelog.ckpt_job_start(info)
+
+    start(4, logging="remote", log_home_offset=3, log_ring_bytes=ckpt_remotelog.MIN_CAPACITY)
+    start(1, logging="remote", log_home_offset=0)  # one rank: its own log home, whatever the offset
+    start(4, logging="stable", log_home_offset=4, log_ring_bytes=0)  # what is not remote logging is not looked at
+    with pytest.raises(ckpt.CkptError, match="--log-home-offset 4 makes every rank its own log home with 2 ranks"):
+        start(2, logging="remote", log_home_offset=4)
+    for small in (0, -8, ckpt_remotelog.MIN_CAPACITY - 8):
+        with pytest.raises(ckpt.CkptError, match=f"--log-ring-bytes {small}: a log ring needs at least"):
+            start(4, logging="remote", log_ring_bytes=small)
+
+
 def test_a_ring_wraps_and_a_record_is_committed_only_by_its_own_commit_word() -> None:
     from ckpt import verbs
 

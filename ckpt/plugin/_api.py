@@ -228,3 +228,5 @@ class JobInfo:
     owns_coordinator: bool = True
     #: The rank this process runs under an external launcher (see above); None for ``ckpt launch``'s own ranks.
     external_rank: int | None = None
+    #: How many ranks the job has (``-n``; what ranks see as ``rt.size``).
+    size: int = 1

@@ -19,10 +19,11 @@ import ckpt
 from ckpt.plugin import JobInfo
 from dsm import hookspecs
 
-from ._remote import RemoteLog
+from ._remote import RemoteLog, own_home_refusal
+from ._ring import MIN_CAPACITY
 from ._stable import StableLog
 
-__all__ = ["CKPT_HOOKSPECS", "MODES", "RemoteLog", "StableLog"]
+__all__ = ["CKPT_HOOKSPECS", "MIN_CAPACITY", "MODES", "RemoteLog", "StableLog"]
 __version__ = "0.1.0"
 CKPT_PLUGIN_API = 2
 CKPT_HOOKSPECS = hookspecs
@@ -51,7 +52,8 @@ def ckpt_add_options() -> list[dict[str, Any]]:
         },
         {
             "name": "log-ring-bytes",
-            "help": f"bytes of each log ring, per logged rank (default {RING_BYTES}; a home diff log: twice that)",
+            "help": f"bytes of each log ring, per logged rank (default {RING_BYTES}, at least {MIN_CAPACITY}, "
+            "rounded up to a multiple of 8; a home diff log: twice that)",
             "default": RING_BYTES,
             "type": "int",
             "launch_only": True,
@@ -63,6 +65,21 @@ def ckpt_add_options() -> list[dict[str, Any]]:
             "type": "str",
         },
     ]
+
+
+@ckpt.hookimpl
+def ckpt_job_start(job: JobInfo) -> None:
+    """Refuse, before anything starts and in one line, the options every rank would refuse at attach."""
+    options = job.options
+    if (options.get("logging") or "off") != "remote":
+        return None
+    ring = options.get("log_ring_bytes")
+    if ring is not None and int(ring) < MIN_CAPACITY:
+        raise ckpt.CkptError(f"--log-ring-bytes {ring}: a log ring needs at least {MIN_CAPACITY} bytes")
+    refused = own_home_refusal(int(options.get("log_home_offset", 1)), job.size)
+    if refused is not None:
+        raise ckpt.CkptError(refused)
+    return None
 
 
 #: What remote logging answers for: the DSM's state across ranks, and the queue pairs the DSM reconnects

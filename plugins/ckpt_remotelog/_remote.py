@@ -108,7 +108,6 @@ from dsm._net import UP
 
 from . import _recover
 from ._records import (
-    HEADER_SIZE,
     RECORD_FORMAT,
     Record,
     RecordKind,
@@ -119,7 +118,7 @@ from ._records import (
     scan,
 )
 from ._replay import LogReplay
-from ._ring import CONTROL, REMOTE, LogRing
+from ._ring import CONTROL, MIN_CAPACITY, REMOTE, LogRing
 from ._versions import HomeVersions
 from ._writer import CLAIMS, HIGH_WATER, HOME, IDLE, LOG, OWN, LinkMoved, RingWriter
 
@@ -129,17 +128,25 @@ RETRY_EVERY = 0.05  # seconds between the retries of a discard that stopped at a
 REASK = 5.0  # seconds after which a writer blocked on a full ring asks its owner's checkpoint again
 
 
+def own_home_refusal(offset: int, size: int) -> str | None:
+    """Why `offset` cannot place log homes among `size` ranks (every rank its own log home), or None."""
+    if size > 1 and offset % size == 0:
+        return f"--log-home-offset {offset} makes every rank its own log home with {size} ranks"
+    return None
+
+
 class RemoteLog:
     """One rank's remote logging for one `dsm.Memory` (kept in ``memory.extensions``, pickled with it)."""
 
     def __init__(self, memory: Any, offset: int, ring_bytes: int) -> None:
         size = memory.size
-        if size > 1 and offset % size == 0:
-            raise DsmError(f"--log-home-offset {offset} makes every rank its own log home with {size} ranks")
+        refused = own_home_refusal(offset, size)
+        if refused is not None:  # (the launcher refuses it first: `ckpt_job_start`)
+            raise DsmError(refused)
         self.memory, self.rt = memory, memory.rt
         self.rank, self.size, self.offset = int(memory.rank), int(size), offset
         self.onesided = memory.protocol == "onesided"
-        ring_bytes = max(4 * HEADER_SIZE, -(-ring_bytes // 8) * 8)
+        ring_bytes = max(MIN_CAPACITY, -(-ring_bytes // 8) * 8)
         self.ring = LogRing(memory.pd, ring_bytes)  # the log ring of rank (rank - offset) mod size
         self.own_ring = LogRing(memory.pd, ring_bytes)  # the own ring of the same rank (its control words unused)
         # this rank's home diff log: twice a log ring, as it gets the same diffs as this rank's log ring but is

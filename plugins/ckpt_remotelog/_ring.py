@@ -43,12 +43,16 @@ REMOTE = (
 )
 
 
+#: The smallest log ring (``--log-ring-bytes``): room for four record headers.
+MIN_CAPACITY = 4 * HEADER_SIZE
+
+
 class LogRing:
     """A ring this rank holds (and registers): written remotely by RDMA, or locally by `append_local`."""
 
     def __init__(self, pd: verbs.PD, capacity: int) -> None:
-        if capacity < 4 * HEADER_SIZE or capacity % 8:
-            raise ValueError(f"a log ring needs a multiple of 8 bytes, at least {4 * HEADER_SIZE}, not {capacity}")
+        if capacity < MIN_CAPACITY or capacity % 8:
+            raise ValueError(f"a log ring needs a multiple of 8 bytes, at least {MIN_CAPACITY}, not {capacity}")
         self.capacity = capacity
         self.buf = verbs.shared_array(CONTROL + capacity, np.uint8)  # writers place records by RDMA
         self.mr = verbs.MR(pd, self.buf, REMOTE)
