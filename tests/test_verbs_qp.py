@@ -41,7 +41,8 @@ from verbs_util import (
 )
 
 from ckpt import verbs as v
-from ckpt.verbs._qpbase import ack_timeout
+from ckpt.verbs import _hca
+from ckpt.verbs._qpbase import SQ_FULL_GRACE, ack_timeout
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -652,6 +653,36 @@ def test_chained_wrs_complete_in_order(ctxs: tuple[v.Context, ...]) -> None:
         head = wr
     a.qp.post_send(head)
     assert [wc.wr_id for wc in poll_until(a.scq, 8)] == list(range(8))
+
+
+# ====================================================================== a full send queue
+def test_a_post_to_a_full_send_queue_waits_for_the_nic_to_retire_wrs(
+    ctxs: tuple[v.Context, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A NIC drains its queue while the CPU posts; here its threads need the GIL, so a post to a full queue
+    waits for WRs in flight to complete (`SQ_FULL_GRACE` at most) instead of failing at once."""
+    a, b = rc_two(ctxs, endpoint={"max_send_wr": 2})
+    monkeypatch.setattr(_hca.hca(a.ctx.name), "latency", 0.002)  # every ACK comes after its post has waited
+    started = time.monotonic()
+    for i in range(50):
+        a.qp.post_send(rdma_wr(v.IBV_WR_RDMA_WRITE, a.sge(i, 1), b.mr.rkey, b.addr(i), wr_id=i))
+    elapsed = time.monotonic() - started
+    assert [wc.wr_id for wc in poll_until(a.scq, 50)] == list(range(50))
+    # each wait ends when a WR retires, not when the grace runs out: 48 of those would take 48 grace periods
+    assert elapsed < 24 * SQ_FULL_GRACE, elapsed
+
+
+def test_a_post_to_a_full_send_queue_that_does_not_drain_fails_with_enomem(ctxs: tuple[v.Context, ...]) -> None:
+    a, b = rc_two(ctxs, endpoint={"max_send_wr": 2}, timeout=20)  # A's retries (4.3 s each) outlast the grace
+    to_state(b.qp, v.IBV_QPS_RESET)  # B answers nothing any more
+    for i in range(2):
+        a.qp.post_send(rdma_wr(v.IBV_WR_RDMA_WRITE, a.sge(i, 1), b.mr.rkey, b.addr(i), wr_id=i))
+    started = time.monotonic()
+    with pytest.raises(v.PyverbsRDMAError) as raised:
+        a.qp.post_send(rdma_wr(v.IBV_WR_RDMA_WRITE, a.sge(2, 1), b.mr.rkey, b.addr(2), wr_id=2))
+    assert raised.value.error_code == errno.ENOMEM and "send queue full" in str(raised.value)
+    assert time.monotonic() - started >= SQ_FULL_GRACE * 0.9  # after the grace, not at once
+    assert qp_attr(a.qp).qp_state == v.IBV_QPS_RTS  # the refused post changed nothing
 
 
 # ====================================================================== rd/atomic depth

@@ -199,7 +199,8 @@ class QPState(NotCheckpointable):
         self.ack_every = max(1, min(ACK_EVERY, self.cap.max_send_wr // 2))
         self.qp_context = init_attr.qp_context
         self.lock = threading.RLock()
-        self.retired = threading.Condition(self.lock)
+        self.retired = threading.Condition(self.lock)  # a WR retired: for a post waiting for room
+        self.room_waiters = 0  # posts waiting on `retired` (`Requester._wait_for_room`)
         self.qp_num = hca.new_qpn()
         self._reset()
 

@@ -130,7 +130,11 @@ class Requester(QPState):
             left = deadline - time.monotonic()
             if left <= 0 or self.state != _RTS:
                 return
-            self.retired.wait(left)
+            self.room_waiters += 1
+            try:
+                self.retired.wait(left)
+            finally:
+                self.room_waiters -= 1
 
     def _entry(self, wr: Any, depth: int, mtu: int) -> SendEntry:
         opcode = int(wr.opcode)
@@ -157,7 +161,10 @@ class Requester(QPState):
         if flags & _INLINE and opcode not in _RD_ATOMIC:
             if length > cap.max_inline_data:
                 raise PyverbsRDMAError(f"{length} bytes inline, the QP allows {cap.max_inline_data}", EINVAL)
-            entry.inline = b"".join([bytes(self._gather_inline(addr, size)) for addr, size, _ in sg])
+            if nsge == 1:
+                entry.inline = bytes(self._gather_inline(sg[0][0], length))
+            else:
+                entry.inline = b"".join([bytes(self._gather_inline(addr, size)) for addr, size, _ in sg])
         if length > mtu:
             entry.npkts = -(-length // mtu)
         return entry
@@ -411,8 +418,10 @@ class Requester(QPState):
         self.last_progress = self.progress_at = time.monotonic()
         self.mig_announce = False
         self._retire()
-        if self not in self.hca.unsent or not self.hca.rx.polled():
-            self._pump(blocking=False)  # (else a polling thread flushes the held-back posts, in one blocking write)
+        # what is posted and not yet sent goes now -- unless a polling thread flushes it with the other
+        # held-back posts, in one blocking write
+        if self.next_send < len(self.sq) and (self not in self.hca.unsent or not self.hca.rx.polled()):
+            self._pump(blocking=False)
 
     def _nak(self, syndrome: int, psn: int, delay_ns: int) -> None:
         self.progress_at = time.monotonic()  # a NAK is an answer: the peer is alive
@@ -438,7 +447,7 @@ class Requester(QPState):
     def _retire(self) -> None:
         """Pop finished WRs off the front in order, completing the signaled ones."""
         sq = self.sq
-        if sq and sq[0].done:
+        if self.room_waiters and sq and sq[0].done:
             self.retired.notify_all()
         while sq and sq[0].done:
             entry = sq.popleft()
