@@ -323,6 +323,26 @@ def test_a_job_end_a_full_disk_cannot_record_is_still_reported_and_reaped(tmp_pa
     assert not _processes_mentioning(str(ckpt_dir))
 
 
+def test_periodic_checkpoints_on_a_disk_that_fills_fail_quietly_and_the_job_goes_on(tmp_path: Path) -> None:
+    """Every checkpoint of --interval fails once the disk is full: the job still ends with its answer, and the
+    failure is told once in full (the ranks that failed alike in one line) and once briefly, not at every
+    interval."""
+    disk = tmp_path / "disk"
+    ckpt_dir = disk / "ckpt"
+    prefix = small_disk(disk, "1m", fill_once=ckpt_dir / jobdir.JOB_FILE)
+    program = [HEAT, "1200", "200", "1", "sleep"]  # over 1.2 s (1 ms of sleep a step): several intervals
+    args = ["--ckpt-dir", str(ckpt_dir), "--interval", "0.3", *program]
+    done = run("launch", "-n", "2", *args, prefix=prefix, timeout=180)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    assert results(done.stdout) == heat_results(2, 1200, 200), done.stdout
+    told = [line for line in done.stderr.splitlines() if "could not be written" in line]
+    assert len(told) == 2, done.stderr
+    image = ckpt_dir / "ckpt_heat_0_"
+    assert f"rank 0: cannot write checkpoint image {image}" in told[0], told
+    assert told[0].endswith("No space left on device (and likewise rank 1)"), told
+    assert "the same failure again" in told[1], told
+
+
 def _processes_mentioning(text: str) -> list[int]:
     """The processes whose environment mentions `text` (a job's ranks carry its directory in theirs)."""
     found = []

@@ -44,6 +44,7 @@ from ckpt import _manifest as manifests
 from ckpt._errors import CkptError, ImageError
 from ckpt._schemas import Manifest, RankEntry
 from ckpt.coordinator import protocol
+from ckpt.coordinator._failures import FailureReport
 from ckpt.coordinator._membership import Checkpoint, JobMembership, log
 from ckpt.coordinator._scheduler import Timer
 from ckpt.coordinator.kvstore import Reply
@@ -74,6 +75,8 @@ class IndependentCheckpoints(JobMembership):
         self._rank_interval_timer: Timer | None = None
         self._rank_slot = 0
         self._rank_epoch = 0.0
+        #: warn of failed checkpoints without repeating the same warning at every interval (a full disk)
+        self.failures, self.rank_failures = FailureReport(), FailureReport()
 
     # ----------------------------------------------------------- requests
     def request_rank_checkpoint(self, rank: int, *, waiter: Reply | None) -> dict[str, Any]:
@@ -153,7 +156,7 @@ class IndependentCheckpoints(JobMembership):
             report = values[ckpt.rank]
             try:
                 if isinstance(report, dict) and "error" in report:
-                    raise CkptError(f"rank {ckpt.rank}: {report['error']}")
+                    raise CkptError(f"rank {ckpt.rank}: {report['error']}")  # (its own image: nothing to group)
                 ckpt.manifest = self._write_rank_manifest(ckpt, report)
             except (CkptError, OSError) as exc:
                 ckpt.failure = f"independent checkpoint {ckpt.number} of rank {ckpt.rank} could not be written: {exc}"
@@ -306,7 +309,7 @@ class IndependentCheckpoints(JobMembership):
             message = reason
         else:
             message = f"{what} aborted: {reason}"
-        log.warning("%s", message)
+        self.rank_failures.failed(message)
         self.message = message
         for name in [n for n in self._barriers if n.startswith(ckpt.scope + ":")]:
             for arrival in self._barriers.pop(name).values():
@@ -334,6 +337,7 @@ class IndependentCheckpoints(JobMembership):
             ckpt.timer.cancel()
         self.message = f"independent checkpoint {ckpt.number} of rank {ckpt.rank} written: {ckpt.manifest}"
         log.info("%s", self.message)
+        self.rank_failures.completed()
         waiters, ckpt.waiters = ckpt.waiters, []
         for waiter in waiters:
             waiter({"checkpoint": self.last_rank_checkpoint})

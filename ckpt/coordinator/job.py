@@ -41,6 +41,7 @@ from ckpt import _manifest as manifests
 from ckpt._errors import CkptError, ImageError
 from ckpt._schemas import RankEntry
 from ckpt.coordinator import protocol
+from ckpt.coordinator._failures import rank_errors
 from ckpt.coordinator._independent import IndependentCheckpoints, is_rank_checkpoint
 from ckpt.coordinator._membership import STATES, Checkpoint, JobSettings, Push, RankInfo, log
 from ckpt.coordinator._scheduler import Timer
@@ -73,10 +74,10 @@ class Job(IndependentCheckpoints):
             ckpt.timer.cancel()
         ckpt.stage = phase.next
         if phase is Phase.CHECKPOINT:
-            errors = [f"rank {r}: {v['error']}" for r, v in enumerate(values) if isinstance(v, dict) and "error" in v]
+            errors = rank_errors(values)
             try:
-                if errors:
-                    raise CkptError("; ".join(errors))
+                if errors is not None:
+                    raise CkptError(errors)
                 ckpt.manifest = self._write_manifest(ckpt, values)
             except (CkptError, OSError) as exc:
                 ckpt.failure = f"checkpoint {ckpt.number} could not be written: {exc}"
@@ -236,7 +237,7 @@ class Job(IndependentCheckpoints):
             message = reason
         else:
             message = f"checkpoint {ckpt.number} aborted: {reason}"
-        log.warning("%s", message)
+        self.failures.failed(message)
         self.message = message
         for name in list(self._barriers):  # phase barriers and plugins' own barriers inside hooks
             for arrival in self._barriers.pop(name).values():
@@ -271,6 +272,7 @@ class Job(IndependentCheckpoints):
         assert ckpt.manifest is not None
         self.message = f"checkpoint {ckpt.number} written: {ckpt.manifest}"
         log.info("%s", self.message)
+        self.failures.completed()
         waiters, ckpt.waiters = ckpt.waiters, []
         for waiter in waiters:
             waiter({"checkpoint": self.last_checkpoint})

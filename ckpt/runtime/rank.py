@@ -538,8 +538,11 @@ class RankEngine:
             info = images.write_image(path, graph, header=header, token=self.token.encode())
         except images.UnpicklableStateError as exc:
             return {"error": f"cannot pickle the program state: {exc.culprit}"}
-        except (CkptError, OSError, TypeError, ValueError, AttributeError) as exc:
-            return {"error": f"cannot write {path}: {type(exc).__name__}: {exc}"}
+        except CkptError as exc:  # an ImageError names the image and says why
+            text = str(exc) if str(path) in str(exc) else f"cannot write {path}: {exc}"
+            return {"error": text, "image": str(path)}
+        except (OSError, TypeError, ValueError, AttributeError) as exc:
+            return {"error": f"cannot write {path}: {type(exc).__name__}: {exc}", "image": str(path)}
         except Exception as exc:  # pickling arbitrary program state can fail in arbitrary ways
             return {"error": f"cannot pickle the program state: {type(exc).__name__}: {exc}"}
         return {
