@@ -56,7 +56,11 @@ image replays its logs (`dsm._replay`) before it runs live; meanwhile:
   changes nothing;
 * the barrier manager keeps its last completed barrier's reply: an arrival for
   that barrier (sent again by a rank whose reply was lost with the manager's
-  previous incarnation, or by a replaying rank gone live there) gets it at once;
+  previous incarnation, or by a replaying rank gone live there) gets it at once.
+  A recovered manager takes the newest reply any survivor, or any rank that
+  recovered at the same time (its post-replay report), received: its
+  predecessor may have completed a barrier and died before logging it.  It
+  holds barrier arrivals back with the lock requests until it knows;
 * minimal page versions (`OldPageRequest`) are served from `Memory.versions`,
   by the home's CPU under both protocols (recovery only, so off the hot path).
 """
@@ -161,8 +165,8 @@ class Handler:
         A request of an incarnation declared lost is dropped: it arrived on a link replaced since, or
         the link is FAILED (`forget` ran or is about to).  Checked under the mutex that `forget`
         takes, so a request is either forgotten there or never queued / granted here.  Lock requests
-        held back during a replay are served first, once it is done (`replay_done` wakes this thread
-        with `WAKE`).
+        and barrier arrivals held back during a replay are served first, once it is done and the locks
+        are rebuilt (`replay_done` wakes this thread with `WAKE`).
         """
         with self.mutex:
             if self.held_back and not self.holding:
@@ -185,7 +189,7 @@ class Handler:
                     self._page(src, msg.rid, msg.gid, msg.need)
                 case DiffRequest():
                     self._diff(src, msg.rid, msg.gid, msg.interval, msg.diff)
-                case AcquireRequest() | ReleaseRequest() if self.holding:
+                case AcquireRequest() | ReleaseRequest() | BarrierRequest() if self.holding:
                     self.held_back.append((src, raw, server.link[src] if link is None else link))
                 case AcquireRequest():
                     self._acquire(src, msg.rid, msg.lock, msg.vt, msg.token)
@@ -282,6 +286,7 @@ class Handler:
             if not self.holding:
                 return
             self._rebuild_locks(own, posts)
+            self._adopt_barrier(posts)  # (what ranks recovered at once passed: they are no survivors)
             self.holding = False
             if self.held_back:
                 server = self.mem.server
@@ -291,10 +296,17 @@ class Handler:
     def adopt_barrier(self, reports: dict[int, dict[str, Any]]) -> None:
         """A recovered manager: the newest barrier reply the survivors received, for this rank's arrival sent
         again -- its predecessor may have completed that barrier and died before its own log record of it."""
+        with self.mutex:
+            self._adopt_barrier(reports)
+
+    def _adopt_barrier(self, reports: dict[int, dict[str, Any]]) -> None:
+        """`adopt_barrier` with the mutex held; also from the post-replay reports of ranks recovered at once
+        (`_rebuild`): one of them may be the only rank that received the reply.  Barrier arrivals wait while
+        the locks are held back (`serve`), so none is judged out of step before this is known."""
         passed = [r["barrier"] for r in reports.values() if r.get("barrier") is not None]
         if passed:
             epoch, vt, notices = max(passed, key=lambda b: b[0])
-            self.replayed_barrier(epoch, vt, notices)
+            self._keep_barrier(epoch, vt, notices)
 
     def replayed_barrier(self, epoch: int, vt: list[int], notices: list[Notice]) -> None:
         """Rank 0 replayed barrier `epoch` from its log (program thread): keep its reply for an arrival
@@ -304,8 +316,11 @@ class Handler:
         the previous barrier) does no harm: a rank merges only what it lacks.
         """
         with self.mutex:
-            if self.last_barrier is None or epoch > self.last_barrier[0]:
-                self.last_barrier = (epoch, list(vt), [[q, i, list(flat)] for q, i, flat in notices])
+            self._keep_barrier(epoch, vt, notices)
+
+    def _keep_barrier(self, epoch: int, vt: list[int], notices: list[Notice]) -> None:
+        if self.last_barrier is None or epoch > self.last_barrier[0]:
+            self.last_barrier = (epoch, list(vt), [[q, i, list(flat)] for q, i, flat in notices])
 
     def _rebuild_locks(self, own: dict[str, Any], posts: dict[int, dict[str, Any]]) -> None:
         """The locks homed here from this rank's state after its replay (`own`), the survivors' reports
@@ -483,8 +498,13 @@ def _holder(lock: int, claimants: list[Claim]) -> Claim:
     ranks, one whose log ends in the acquisition (not releasing) does: it never released, so every
     other claimant's logged release was served before its grant (their timestamps may be equal: the
     lock carried the releaser's).  Among releasing ones only, the last grantee: its timestamp covers
-    the releases of the others (each one's state is that at its release, logged last); equal
-    timestamps cannot tell (DsmError).
+    the releases of the others (each one's state is that at its release, logged last).  Equal
+    timestamps cannot tell which was granted last, and need not: the last grantee's grant carried the
+    earlier one's release, so a timestamp no greater than that one's means its critical section
+    closed no interval.  Whichever is named holder frees the lock with the release its replay sends
+    again, the other's is acked as done, and the lock's timestamp and notices are the same either
+    way: the lowest rank is named.  Timestamps neither of which covers the other cannot come from one
+    lock's grants (DsmError).
     """
     live = [c for c in claimants if c[2]]
     if len(live) > 1:
@@ -499,7 +519,7 @@ def _holder(lock: int, claimants: list[Claim]) -> Claim:
     if holding:
         return holding[0]
     last = [c for c in claimants if all(all(a >= b for a, b in zip(c[3], o[3], strict=True)) for o in claimants)]
-    if len(last) != 1:
+    if not last:
         ranks = " and ".join(f"rank {c[0]}" for c in claimants)
         raise DsmError(f"lock {lock} is held by both {ranks}, recovered at once: which released it cannot be told")
-    return last[0]
+    return min(last, key=lambda c: c[0])  # (several: equal timestamps, see above)

@@ -321,7 +321,8 @@ def survivor_report(mem: Memory, rank: int | None) -> dict[str, Any]:
     known = mem.known.copy()
     held, tokens = mem.held.copy(), mem.tokens.copy()
     releasing = set(getattr(mem, "releasing", ()))  # an image older than the field has none
-    barrier = getattr(mem, "last_reply", None) if rank == 0 else None  # for a recovered barrier manager
+    # for a recovered barrier manager: from a survivor, or from a rank recovered at the same time (`rank` None)
+    barrier = getattr(mem, "last_reply", None) if rank in (0, None) else None
     me = mem.rank
     if vt[me] > floor[me] and (me, vt[me]) not in known:
         vt[me] -= 1  # caught between `vt[me] = interval` and its notice (`Memory._close_interval`)

@@ -18,6 +18,7 @@ import functools
 import json
 import os
 import random
+import re
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -365,17 +366,24 @@ def run_recovering(
             run.check((entry["pid"], entry["incarnation"]) == (first[rank], 0), f"survivor {rank} changed: {entry}")
     stderr = run.finish()
     run.check(FALLBACK not in stderr and "diverged" not in stderr, "the job fell back to a whole-job restart")
+    said = re.finditer(r"rank (\d+) \(pid \d+ on [^)]*\) was lost at step (\d+)", stderr)
+    lost = {int(m[1]): int(m[2]) for m in said}  # the steps each victim's failed incarnation had done
     for rank, s in stats.items():
         if rank not in victims:
             run.check((s["pid"], s["incarnation"]) == (first[rank], 0), f"survivor {rank} ended as {s['pid']}")
     survivor = stats[min(set(range(RANKS)) - set(victims))]
     for rank in victims:
-        check_replayed(run, case, stats[rank], survivor, alone=len(victims) == 1)
+        check_replayed(run, case, stats[rank], survivor, alone=len(victims) == 1, lost_at=lost.get(rank))
     return stats
 
 
-def check_replayed(run: ReplayRun, case: ReplayCase, s: dict[str, Any], survivor: dict[str, Any], alone: bool) -> None:
-    """A recovered rank replayed from the log rather than re-executing with live traffic."""
+def check_replayed(
+    run: ReplayRun, case: ReplayCase, s: dict[str, Any], survivor: dict[str, Any], alone: bool, lost_at: int | None
+) -> None:
+    """A recovered rank replayed from the log rather than re-executing with live traffic.
+
+    `lost_at`: the steps its failed incarnation had done (the launcher's "was lost at step N").
+    """
     rank = s["rank"]
     run.check(s["recovered"] and s["incarnation"] == 1, f"rank {rank}'s statistics are not its recovered process's")
     replayed = s["replayed_acquires"] + s["replayed_releases"] + s["replayed_barriers"]
@@ -384,7 +392,16 @@ def check_replayed(run: ReplayRun, case: ReplayCase, s: dict[str, Any], survivor
     run.check(
         replayed > 0 or s["replay_operations"] <= 1, f"rank {rank} replayed no logged operation: {_replay_counters(s)}"
     )
-    run.check(s["replay_seconds"] > 0, f"rank {rank}'s replay_seconds is 0: {_replay_counters(s)}")
+    if s["replay_operations"] == 0:
+        # nothing logged after its image: fine only if that image is of the step it was lost in (say, an
+        # independent checkpoint at that step's boundary, and the kill right after it)
+        run.check(
+            lost_at is not None and s["resumed_at"] >= lost_at,
+            f"rank {rank} had nothing to replay, yet resumed at step {s['resumed_at']} after it was lost at step "
+            f"{lost_at}: {_replay_counters(s)}",
+        )
+    else:
+        run.check(s["replay_seconds"] > 0, f"rank {rank}'s replay_seconds is 0: {_replay_counters(s)}")
     if alone:  # with another rank recovering, requests re-sent over a rebuilt link are counted twice
         messages = s["messages"]
         run.check(

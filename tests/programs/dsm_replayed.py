@@ -4,7 +4,8 @@
 
 When its last real step is done (before it idles for $CKPT_TEST_HOLD, if
 set), each rank writes PREFIX.<rank> (JSON): `mem.statistics()` with its pid,
-incarnation and whether the process was restarted or recovered.  SIGUSR1
+incarnation, whether the process was restarted or recovered, and the steps
+done when it took over (`resumed_at`: 0, or its image's).  SIGUSR1
 makes a process dump every thread's stack into PREFIX.stacks.<pid> (what a
 test shows of a run that hangs).  Every
 process writes its own once: a rank respawned from its image writes the
@@ -35,6 +36,8 @@ if os.environ.get(STATS_ENV):
 
 class Replayed(Held):  # type: ignore[misc]
     def step(self, rt: ckpt.Runtime) -> bool:
+        if getattr(self, "_resumed_by", None) != os.getpid():  # the first step of this process
+            self._resumed_by, self._resumed_at = os.getpid(), int(rt.step)
         more: bool = super().step(rt)
         written = getattr(self, "_written_by", None)  # pickled: an image's value is an earlier process's
         if getattr(self, "_steps_done", False) and written != os.getpid() and os.environ.get(STATS_ENV):
@@ -45,6 +48,7 @@ class Replayed(Held):  # type: ignore[misc]
                 incarnation=int(getattr(rt, "incarnation", 0)),
                 restarted=bool(rt.restarted),
                 recovered=bool(getattr(rt, "recovered", False)),
+                resumed_at=self._resumed_at,  # the steps done when this process took over: its image's
             )
             path = f"{os.environ[STATS_ENV]}.{rt.rank}"
             with open(f"{path}.tmp", "w") as out:
