@@ -75,8 +75,8 @@ class IndependentCheckpoints(JobMembership):
         self._rank_interval_timer: Timer | None = None
         self._rank_slot = 0
         self._rank_epoch = 0.0
-        #: warn of failed checkpoints without repeating the same warning at every interval (a full disk)
-        self.failures, self.rank_failures = FailureReport(), FailureReport()
+        #: warns of failed independent checkpoints without repeating itself (a full disk under --rank-interval)
+        self.rank_failures = FailureReport()
 
     # ----------------------------------------------------------- requests
     def request_rank_checkpoint(self, rank: int, *, waiter: Reply | None) -> dict[str, Any]:

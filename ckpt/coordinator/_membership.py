@@ -23,6 +23,7 @@ from ckpt import _manifest as manifests
 from ckpt._errors import CkptError
 from ckpt._schemas import JobRecord, ProgramInfo
 from ckpt.coordinator import protocol
+from ckpt.coordinator._failures import FailureReport
 from ckpt.coordinator._recovery import RankRecovery
 from ckpt.coordinator._scheduler import Scheduler, Timer
 from ckpt.coordinator.kvstore import KeyValueStore, Reply
@@ -148,6 +149,8 @@ class JobMembership(abc.ABC):
         self._complete_announced = False
         self._restart_timer: Timer | None = None
         self._aborted: set[int] = set()
+        #: warns of failed coordinated checkpoints without repeating itself (a full disk under --interval)
+        self.failures = FailureReport()
         #: coordinated checkpoint number -> {rank: incarnation} when it started: its phase barriers wait only for
         #: the incarnations that took part (one lost and respawned meanwhile never comes back into them)
         self._members: dict[int, dict[int, int]] = {}
