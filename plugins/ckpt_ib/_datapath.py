@@ -103,15 +103,15 @@ class DataPath:
 
     def post_recvs(self, owner: ShadowQP | ShadowSRQ, wr: Any, post: Any) -> None:
         """Log a chain of receive WRs on a QP or SRQ and post it on the real one, under the plugin's wr_ids."""
-        recvs, local_sge = owner.recvs, self.local_sge
+        recvs = owner.recvs
         first_seq = owner.seq + 1
         first = last = None
         while wr is not None:
             owner.seq += 1
             seq = owner.seq
-            sg = _sges(wr)
+            sg, real_sg = self.local_sges(wr, False)
             recvs[seq] = RecvEntry(seq, wr.wr_id, sg)
-            real = RecvWR(seq, len(sg), [local_sge(s) for s in sg])
+            real = RecvWR(seq, len(real_sg), real_sg)
             if last is None:
                 first = real
             else:
@@ -135,15 +135,38 @@ class DataPath:
     def post_recv(self, qp: ShadowQP, wr: Any) -> None:
         self.post_recvs(qp, wr, self.inner.post_recv)
 
+    def local_sges(self, wr: Any, inline: bool) -> tuple[list[tuple[int, int, int]], list[SGE]]:
+        """A WR's SGEs as logged (virtual) and as the real WR takes them (`local_sge`).
+
+        One SGE, the common case, without a loop: this is on every post.
+        """
+        given = wr.sg
+        if (wr.num_sge or len(given)) != 1:
+            sg = _sges(wr)
+            return sg, [self.local_sge(s, inline) for s in sg]
+        s = given[0]
+        addr, length, lkey = int(s.addr), int(s.length), int(s.lkey)
+        mr = self.mr_by_lkey.get(lkey)
+        if mr is None and inline:
+            mr = self.mr_holding(addr, length)
+        real = SGE(addr, length, 0) if mr is None else SGE(addr + mr.delta, length, mr.real_lkey)
+        return [(addr, length, lkey)], [real]
+
     def post_send(self, qp: ShadowQP, wr: Any) -> None:
+        """Log a chain of send WRs and post it on the real QP, each WR's log entry and real WR made in one pass.
+
+        They are logged first: their completions may be polled (by another thread) before
+        the real post returns.
+        """
+        init, mtu = qp.init, qp.mtu
+        sig_all, uc = init.sq_sig_all, init.qp_type == _UC  # UC: no ACKs, only a completion says a WR has left
         entries = []
-        sig_all = qp.init.sq_sig_all
-        uc = qp.init.qp_type == _UC  # no ACKs: only a completion says a UC WR has left
+        first = last = None
         while wr is not None:
             qp.seq += 1
-            flags = int(wr.send_flags)
-            opcode = int(wr.opcode)
-            sg = _sges(wr)
+            flags, opcode = int(wr.send_flags), int(wr.opcode)
+            inline = bool(flags & _INLINE)
+            sg, real_sg = self.local_sges(wr, inline)
             signaled = bool(sig_all or flags & _SIGNALED)
             entry = SendEntry(
                 qp.seq,
@@ -157,21 +180,22 @@ class DataPath:
                 int(wr.remote_addr or 0),
                 int(wr.compare_add or 0),
                 int(wr.swap or 0),
-                self.inline_bytes(sg) if flags & _INLINE else None,
+                self.inline_bytes(sg) if inline else None,
                 signaled or uc or opcode in _RD_ATOMIC,
             )
             entries.append(entry)
+            real = self.real_wr(entry, real_sg)
+            if last is None:
+                first = real
+            else:
+                last.next_wr = real
+            last = real
             wr = wr.next_wr
-        self.post_entries(qp, entries)
+        self.post_real(qp, entries, first, mtu)
 
     def post_entries(self, qp: ShadowQP, entries: list[SendEntry]) -> None:
-        """Post logged send entries on the real QP, with the plugin's wr_id.
-
-        They are logged first: their completions may be polled (by another thread) before
-        the real post returns.
-        """
+        """Post send entries already logged (re-posted after a restart) on the real QP, with the plugin's wr_id."""
         scratch = self.scratch.get(id(qp))
-        mtu, psn = qp.mtu, qp.next_psn
         first = last = None
         for entry in entries:
             real = self.real_send_wr(entry, scratch)
@@ -180,12 +204,17 @@ class DataPath:
             else:
                 last.next_wr = real
             last = real
+        self.post_real(qp, entries, first, qp.mtu)
+
+    def post_real(self, qp: ShadowQP, entries: list[SendEntry], first: SendWR | None, mtu: int) -> None:
+        """Number `entries`' packets as the wire will, log them, then post their real chain `first`."""
+        psn = qp.next_psn
+        for entry in entries:
             if entry.opcode in _ATOMICS:
                 entry.npkts = 1
             else:
-                length = 0
-                for sge in entry.sg:
-                    length += sge[1]
+                sg = entry.sg
+                length = sg[0][1] if len(sg) == 1 else sum(s[1] for s in sg)
                 entry.npkts = max(1, -(-length // mtu))
             entry.psn, psn = psn, (psn + entry.npkts) & PSN_MASK
         qp.sends.extend(entries)
@@ -200,11 +229,13 @@ class DataPath:
     def real_send_wr(self, entry: SendEntry, scratch: Any) -> SendWR:
         if entry.inline is not None and scratch is not None:
             sg = [scratch.stage(entry.inline)]  # a re-post after restart: the bytes captured at post time
-        elif entry.flags & _INLINE:
-            sg = [self.local_sge(s, True) for s in entry.sg]
         else:
-            local_sge = self.local_sge
-            sg = [local_sge(s) for s in entry.sg]
+            inline = bool(entry.flags & _INLINE)
+            sg = [self.local_sge(s, inline) for s in entry.sg]
+        return self.real_wr(entry, sg)
+
+    def real_wr(self, entry: SendEntry, sg: list[SGE]) -> SendWR:
+        """The real WR of a logged one, on the real SGEs `sg`."""
         flags = (entry.flags & ~_SIGNALED) | (_SIGNALED if entry.real_signaled else 0)
         real = SendWR(entry.seq, entry.opcode, len(sg), entry.imm, sg, flags)
         if entry.rkey or entry.raddr:
@@ -220,7 +251,7 @@ class DataPath:
             if mr is not None and mr.memory is not None:
                 off = addr - mr.addr
                 parts.append(bytes(mr.memory[off : off + length]))
-        return b"".join(parts)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def _sges(wr: Any) -> list[tuple[int, int, int]]:
