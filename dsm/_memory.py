@@ -16,8 +16,9 @@ page fetches it from the home.
 Invariants:
 * a rank knows the notice of every interval (q, i) with i <= vt[q] (notices
   and vector timestamps only travel together);
-* a release completes only after its diffs are in the homes' copies, so a home
-  can serve any version a notice asks for;
+* a release completes only after its diffs are in the homes' copies (its
+  message may arrive before them: `dsm._intervals`), and a home serves a version
+  a notice asks for only once it holds it;
 * every synchronisation point closes the current interval first, so no dirty
   page is ever invalidated (a rank's own writes are never lost).
 
@@ -59,15 +60,15 @@ from ckpt import verbs
 from ckpt.plugin import PluginCalls, Runtime
 
 from . import _fetch, _onesided, _reconnect, _replay, hookspecs
-from ._diff import Diff, diff_unit, make_diff, make_diffs
+from ._diff import diff_unit
 from ._errors import DsmError
 from ._handler import Handler
+from ._intervals import Intervals
 from ._messages import (
     Ack,
     AcquireRequest,
     BarrierReply,
     BarrierRequest,
-    DiffRequest,
     Grant,
     HomeReply,
     HomeRequest,
@@ -76,10 +77,10 @@ from ._messages import (
     Reply,
     Request,
 )
-from ._net import ACCESS, UP, Endpoint, atomic
-from ._region import DIRTY, INVALID, VALID, Region, gid_of, split_gid
+from ._net import ACCESS, Endpoint, atomic
+from ._region import DIRTY, INVALID, Region, gid_of
 from ._replay import PageVersions, Replay
-from ._requests import WINDOW, RequestClient
+from ._requests import WINDOW
 from ._stats import Counters, Statistics
 
 log = logging.getLogger("dsm")
@@ -89,7 +90,7 @@ HOOKS = [name for name in dir(hookspecs) if name.startswith("dsm_")]
 HANDLER_HOOKS = frozenset({"dsm_diff_received", "dsm_diff_applied", "dsm_page_served"})
 
 
-class Memory(RequestClient):
+class Memory(Intervals):
     """One rank's handle on the shared memory; `dsm.attach(rt)` makes it (collectively)."""
 
     # per-process parts, made by _live() (at attach and after unpickling), never pickled
@@ -142,6 +143,9 @@ class Memory(RequestClient):
         #: Twin pages this rank is home of too, so its own writes also make diffs (`dsm_diff_created` with
         #: home == this rank, never sent): set by a plugin in `dsm_attached` (remote logging keeps them).
         self.twin_homes = False
+        #: A release leaves only once its interval's diffs are at their homes, instead of with them
+        #: (`release`): set by a plugin whose recovery relies on it, in `dsm_attached` (remote logging).
+        self.release_after_diffs = False
         #: State plugins keep with this memory, by plugin name: pickled with it, so it checkpoints with it.
         self.extensions: dict[str, Any] = {}
         #: A home's page history for replaying ranks (`dsm._replay.PageVersions`), set by a plugin (remote logging).
@@ -262,7 +266,8 @@ class Memory(RequestClient):
             return
         acquire = AcquireRequest(self._next_rid(), lock, self.vt, self.acquires)
         reply = self._request(lock % self.size, acquire, Grant, f"lock {lock}", math.inf)
-        self._merge(reply.vt, reply.notices, f"lock {lock}")
+        # a release leaves with its diffs: the grant may have overtaken those its notices name (`_await_diffs`)
+        self._merge(reply.vt, reply.notices, f"lock {lock}", overtaken=not self.release_after_diffs)
         self.held[lock] = list(reply.vt)
         self.tokens[lock] = self.acquires
         seconds = time.perf_counter() - started
@@ -275,7 +280,10 @@ class Memory(RequestClient):
         if lock not in self.held:
             raise DsmError(f"lock {lock} is not held by this rank")
         at_grant = self.held[lock]
-        self._close_interval(release=lock)
+        # the release leaves with the interval's diffs, not after their acks: a rank that the lock's next grant
+        # tells of them waits for them where they go (`_merge`, the homes' page service), not the releaser
+        pipelined = not self.release_after_diffs and not _replay.replaying(self)
+        closed = self._close_interval(release=lock, defer=pipelined)
         self._caught_up()
         if _replay.replaying(self):
             if _replay.release(self, lock):
@@ -286,7 +294,10 @@ class Memory(RequestClient):
         started = time.perf_counter()
         notices = [[q, i, flat] for (q, i), flat in self.known.items() if i > max(at_grant[q], self.floor[q])]
         release = ReleaseRequest(self._next_rid(), lock, self.vt, notices, self.tokens.get(lock, 0))
-        self._request(lock % self.size, release, Ack, f"release of lock {lock}")
+        if closed is None:
+            self._request(lock % self.size, release, Ack, f"release of lock {lock}")
+        else:
+            self._send_diffs(*closed, then=(lock % self.size, release, f"release of lock {lock}"))
         self.tokens.pop(lock, None)
         del self.held[lock]  # only now: a release that failed can be retried
         self.releasing.discard(lock)
@@ -343,149 +354,6 @@ class Memory(RequestClient):
 
     def _fetch(self, region: Region, page: int) -> None:
         _fetch.fetch(self, region, page)
-
-    # ------------------------------------------------------------------ intervals
-    def _close_interval(self, release: int = -1) -> None:
-        """End the current interval: diffs to their homes, then this interval's write notices.
-
-        `release`: the lock whose release follows (-1: none; `dsm_interval_closing`).  While replaying, the
-        diffs are made (they say which pages the interval wrote) and never sent.
-        """
-        if not self.dirty:
-            return
-        interval = self.vt[self.rank] + 1
-        replaying = _replay.replaying(self)
-        written: list[int] = []
-        own: list[tuple[Region, int]] = []
-        outgoing: dict[int, list[tuple[Region, int, Diff]]] = {}
-        diffs = self._diffs()
-        for gid in sorted(self.dirty):
-            aid, page = split_gid(gid)
-            region = self.regions[aid]
-            region.state[page] = VALID
-            home = int(region.home[page])
-            diff = diffs.get(gid)  # None: a home page not twinned (twin_homes off)
-            region.twins.pop(page, None)  # here, not in `_diffs`: a hook that fails leaves the rest twinned
-            if home == self.rank:
-                if diff is not None and not diff:
-                    # unchanged, as its twin shows: no notice, as for a page homed elsewhere (with remote
-                    # logging, a notice without a logged diff would name an interval a rebuilt copy lacks)
-                    continue
-                own.append((region, page))
-                written += [gid, home]
-                if diff:
-                    self.hook("dsm_diff_created", gid=gid, home=home, interval=interval, diff=diff)
-                continue
-            if diff is None:
-                raise DsmError(f"page {gid:#x} of home {home} was written without a twin")
-            if not diff:
-                continue
-            written += [gid, home]
-            outgoing.setdefault(home, []).append((region, page, diff))
-            self.counters.diffs += 1
-            self.counters.diff_bytes += diff.nbytes
-            self.hook("dsm_diff_created", gid=gid, home=home, interval=interval, diff=diff)
-        self.dirty.clear()
-        if not written:
-            return
-        links = {home: self.client.link[home] for home in outgoing}
-        if not replaying:
-            self.hook("dsm_interval_closing", interval=interval, release=release)
-            started = time.perf_counter()
-            self._send_diffs(outgoing, interval)
-            self.counters.flush_seconds += time.perf_counter() - started
-            for region, page in own:
-                # max: a recovered rank's rebuilt master may hold this interval already (re-executed live)
-                region.meta[page, self.rank] = max(int(region.meta[page, self.rank]), interval)
-        # else replayed: its log shows it complete, so its diffs are in the homes' copies already (a later
-        # writer's may be too: sending them again could undo it)
-        self.vt[self.rank] = interval
-        self.known[(self.rank, interval)] = written
-        self.counters.intervals += 1
-        self.hook("dsm_interval_closed", interval=interval, pages=written[::2])
-        if not replaying:
-            self._send_again(outgoing, links, interval)
-
-    def _diffs(self) -> dict[int, Diff]:
-        """The diff of every dirty page that has a twin, by gid: one `make_diffs` per region."""
-        twinned: dict[int, list[int]] = {}
-        for gid in self.dirty:
-            aid, page = split_gid(gid)
-            if page in self.regions[aid].twins:
-                twinned.setdefault(aid, []).append(page)
-        diffs: dict[int, Diff] = {}
-        for aid, pages in twinned.items():
-            region = self.regions[aid]
-            if len(pages) == 1:  # most intervals of a lock-based program: no copies to gather them
-                (page,) = pages
-                diffs[gid_of(aid, page)] = make_diff(region.program_page(page), region.twins[page], region.unit)
-                continue
-            current = region.local.reshape(region.npages, region.page_size)[pages]
-            twins = np.stack([region.twins[page] for page in pages])
-            for page, diff in zip(pages, make_diffs(current, twins, region.unit), strict=True):
-                diffs[gid_of(aid, page)] = diff
-        return diffs
-
-    def _send_again(
-        self, outgoing: dict[int, list[tuple[Region, int, Diff]]], links: dict[int, int], interval: int
-    ) -> None:
-        """Send an interval's diffs again to every home that failed since they were first sent.
-
-        Such a home may have applied (and acked) a diff while its record at the home's log home,
-        completed only now (the `dsm_interval_closed` hooks), was not yet there when the home's next
-        incarnation read its log to rebuild its copies -- the diff would be lost.  A survivor's link
-        to a recovered rank is replaced (`Endpoint.attach`) before that rank reads its log, so an
-        unchanged link here means the log is read after this interval's records.  A diff applied
-        twice is harmless: it holds absolute bytes, and no later writer can have touched them.
-        """
-        again = {
-            h: items for h, items in outgoing.items() if self.client.link[h] != links[h] or self.client.state[h] != UP
-        }
-        if again:
-            log.info(
-                "rank %d: interval %d's diffs sent again to recovered rank(s) %s", self.rank, interval, sorted(again)
-            )
-            self._send_diffs(again, interval)
-
-    def _send_diffs(self, outgoing: dict[int, list[tuple[Region, int, Diff]]], interval: int) -> None:
-        if self.protocol == "async":
-            requests: list[tuple[int, Request, str]] = [
-                (
-                    home,
-                    DiffRequest(self._next_rid(), gid_of(region.aid, page), interval, diff.encode()),
-                    f"diff ack from rank {home}",
-                )
-                for home, items in outgoing.items()
-                for region, page, diff in items
-            ]
-            self._request_many(requests, Ack)
-        else:
-            _onesided.draw(self, outgoing, interval)
-        for home, items in outgoing.items():
-            for region, page, diff in items:
-                self.hook(
-                    "dsm_diff_sent", gid=gid_of(region.aid, page), home=home, interval=interval, nbytes=diff.nbytes
-                )
-
-    def _merge(self, vt: list[int], notices: list[Notice], source: str) -> None:
-        """Take write notices this rank has not seen: invalidate those pages, raise what their fetch needs."""
-        fresh = []
-        for q, i, flat in notices:
-            if q == self.rank or i <= self.vt[q] or (q, i) in self.known:
-                continue
-            self.known[(q, i)] = flat
-            fresh.append((q, i, flat))
-            for k in range(0, len(flat), 2):
-                aid, page = split_gid(flat[k])
-                region, home = self.regions[aid], flat[k + 1]
-                region.home[page] = home
-                if home != self.rank:
-                    region.state[page] = INVALID
-                    region.need[page, q] = max(int(region.need[page, q]), i)
-        self.vt = [max(a, b) for a, b in zip(self.vt, vt, strict=True)]
-        if fresh:
-            self.counters.write_notices_received += len(fresh)
-            self.hook("dsm_write_notices_received", source=source, notices=fresh)
 
     # ------------------------------------------------------------------ hooks and the handler thread
     def hook(self, name: str, **kwargs: Any) -> None:

@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import logging
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 from ._errors import DsmError
 from ._messages import NAMES, ErrorReply, Reply, Request, decode_reply
@@ -21,6 +21,13 @@ log = logging.getLogger("dsm")
 _R = TypeVar("_R", bound=Reply)
 WINDOW = 8  # requests in flight per destination (diffs at a release)
 FETCH_TIMEOUT = 120.0
+
+
+class Sent(NamedTuple):
+    """Requests `RequestClient._send_many` sent: their ids in order, and what each one is (for a wait's error)."""
+
+    rids: list[int]
+    what: dict[int, str]
 
 
 class RequestClient:
@@ -56,27 +63,38 @@ class RequestClient:
         Every reply is collected before an error reply raises, so none is left behind to
         be mistaken for a later request's.
         """
-        rids: list[int] = []
-        what_of: dict[int, str] = {}
+        return self._collect(self._send_many(requests, timeout), expect, timeout)
+
+    def _send_many(self, requests: list[tuple[int, Request, str]], timeout: float = FETCH_TIMEOUT) -> Sent:
+        """Send requests, at most WINDOW in flight per destination (waiting for the oldest replies beyond that);
+        their replies are `_collect`ed later."""
+        sent = Sent([], {})
         in_flight: dict[int, list[int]] = {}
         try:
             for dst, msg, what in requests:
                 mine = in_flight.setdefault(dst, [])
                 while len(mine) >= WINDOW:
-                    self._await(mine[:1], what_of[mine[0]], timeout)
+                    self._await(mine[:1], sent.what[mine[0]], timeout)
                     mine[:] = [r for r in mine if r not in self.replies]
                 self._send_request(dst, msg)
-                rids.append(msg.rid)
-                what_of[msg.rid] = what
+                sent.rids.append(msg.rid)
+                sent.what[msg.rid] = what
                 mine.append(msg.rid)
-            for rid in rids:
-                self._await([rid], what_of[rid], timeout)
         except BaseException:
-            for rid in rids:  # given up: never sent again after a reconnection, nor kept if answered
-                self.pending.pop(rid, None)
-                self.replies.pop(rid, None)
+            self._give_up(sent.rids)
             raise
-        replies = [self.replies.pop(rid) for rid in rids]
+        return sent
+
+    def _collect(self, sent: Sent, expect: type[_R], timeout: float = FETCH_TIMEOUT) -> list[_R]:
+        """The replies to requests `_send_many` sent, each an `expect`, in their order (an error reply raises, once
+        every reply is in)."""
+        try:
+            for rid in sent.rids:
+                self._await([rid], sent.what[rid], timeout)
+        except BaseException:
+            self._give_up(sent.rids)
+            raise
+        replies = [self.replies.pop(rid) for rid in sent.rids]
         for reply in replies:
             if isinstance(reply, ErrorReply):
                 raise DsmError(reply.message)
@@ -86,6 +104,12 @@ class RequestClient:
                 raise DsmError(f"a {type(reply).__name__} answered a request that wants a {expect.__name__}")
             checked.append(reply)
         return checked
+
+    def _give_up(self, rids: list[int]) -> None:
+        """Requests nobody waits for any more: never sent again after a reconnection, nor kept if answered."""
+        for rid in rids:
+            self.pending.pop(rid, None)
+            self.replies.pop(rid, None)
 
     def _send_request(self, dst: int, msg: Request) -> None:
         """Send a request and keep it pending until its reply: a link that fails under it gets it again."""

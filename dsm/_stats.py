@@ -14,8 +14,9 @@ class Statistics:
     """One rank's DSM activity since `dsm.attach` (times in seconds, wall clock).
 
     The breakdown: ``page_seconds`` (faults waiting for pages), ``wait_seconds``
-    (barriers and diff propagation at releases), ``lock_seconds`` (waiting for
-    grants), and ``compute_seconds``: the rest of the rank's time.
+    (barriers, and diff propagation at barriers and acquires), ``lock_seconds``
+    (waiting for grants, and releases, with the diffs a release takes along),
+    and ``compute_seconds``: the rest of the rank's time.
     """
 
     protocol: str
@@ -31,6 +32,7 @@ class Statistics:
     page_fetches: int
     page_fetch_seconds: float
     fetch_retries: int
+    diff_waits: int
     pages_served: int
     diffs_applied: int
     write_notices_received: int
@@ -85,6 +87,7 @@ class Counters:
     page_fetch_seconds: float = 0.0
     fetch_rounds: int = 0
     fetch_retries: int = 0
+    diff_waits: int = 0  # a home's waits for diffs a grant named before they arrived (`Memory._await_diffs`)
     pages_served: int = 0
     diffs_applied: int = 0
     write_notices_received: int = 0

@@ -61,8 +61,10 @@ def dsm_attached(memory: Any) -> None:
     Collective (every rank fires it at the same point of ``dsm.attach``), so an implementation may
     call ``memory.rt.allgather`` -- e.g. to exchange the addresses of memory it registers with
     ``memory.pd`` -- and may set ``memory.twin_homes`` (diffs of this rank's own writes to pages it
-    is home of: see `dsm_diff_created`) and keep state in ``memory.extensions[name]`` (pickled with
-    the memory).  Not fired when a memory is restored from an image.
+    is home of: see `dsm_diff_created`) and ``memory.release_after_diffs`` (a release leaves only once
+    its interval's diffs are applied at their homes, instead of with them), and keep state in
+    ``memory.extensions[name]`` (pickled with the memory).  Not fired when a memory is restored from
+    an image.
     """
 
 
@@ -91,7 +93,10 @@ def dsm_lock_releasing(memory: Any, lock: int) -> None:
 
 @hookspec
 def dsm_interval_closed(memory: Any, interval: int, pages: list[int]) -> None:
-    """This rank closed interval `interval` (at a release, an acquire or a barrier) having written `pages` (gids)."""
+    """This rank closed interval `interval` (at a release, an acquire or a barrier) having written `pages` (gids).
+
+    At a release its diffs may still be on their way: they leave with the release request, after this hook,
+    unless a plugin set ``memory.release_after_diffs`` (then they are applied at their homes already)."""
 
 
 @hookspec

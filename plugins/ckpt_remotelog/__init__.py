@@ -106,6 +106,10 @@ def ckpt_single_rank_recovery(job: JobInfo) -> str | list[str] | None:
 def dsm_attached(memory: Any) -> None:
     options = getattr(memory.rt, "options", {}) or {}
     mode = options.get("logging") or "off"
+    if mode in ("remote", "stable"):
+        # a rank's logs say an interval is complete only once its diffs are at their homes (a recovery does not
+        # send them again): its release must not overtake them
+        memory.release_after_diffs = True
     if mode == "remote":
         ring = int(options.get("log_ring_bytes") or RING_BYTES)
         memory.extensions[EXTENSION] = RemoteLog(memory, int(options.get("log_home_offset", 1)), ring)
