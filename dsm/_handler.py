@@ -108,6 +108,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("dsm")
 #: Put in the server's inbox by `replay_done` (never sent): wakes the handler thread to serve what waited.
 WAKE = "dsm-replay-done"
+#: Pages a lock grant carries at most (`Handler._riders`): a grantee's critical section reads a few.
+RIDERS = 4
 #: A rank's claim to hold a lock, in a lock home's rebuild: (rank, token, live, its vector timestamp, releasing).
 Claim = tuple[int, int, bool, list[int], bool]
 
@@ -433,7 +435,33 @@ class Handler:
     def _grant(self, state: LockState, src: int, rid: int, vt: list[int], token: int) -> None:
         state.holder, state.token = src, token
         notices = [[q, i, flat] for (q, i), flat in state.notices.items() if i > vt[q]]
-        self.reply(src, Grant(rid, state.vt, notices), "grant")
+        self.reply(src, Grant(rid, state.vt, notices, self._riders(src, notices)), "grant")
+
+    def _riders(self, src: int, notices: list[Notice]) -> list[list[Any]]:
+        """Copies of the pages `notices` name that this rank homes, newest notices first, at most RIDERS: the
+        grantee would fetch them from here in its critical section (`dsm._intervals`, "Pages ride with the
+        grant").  A copy a DRAW is writing (a negative or changing column) is left out: the grantee fetches it.
+        None under a plugin that wants releases after their diffs (remote logging: its replays regenerate pages
+        at their faults, as first read)."""
+        mem = self.mem
+        if src == mem.rank or mem.release_after_diffs:
+            return []
+        riders: list[list[Any]] = []
+        seen: set[int] = set()
+        for _, _, flat in reversed(notices):
+            for k in range(0, len(flat), 2):
+                gid = flat[k]
+                if flat[k + 1] != mem.rank or gid in seen:
+                    continue
+                seen.add(gid)
+                region, page = self._region(gid)
+                before = region.meta[page].tolist()
+                data = region.page(page).tobytes()
+                if min(before) >= 0 and region.meta[page].tolist() == before:
+                    riders.append([gid, before, data])
+                    if len(riders) == RIDERS:
+                        return riders
+        return riders
 
     def _release(self, src: int, rid: int, lock: int, vt: list[int], notices: list[Notice], token: int) -> None:
         state = self._lock(lock)

@@ -227,6 +227,17 @@ class Intervals(RequestClient):
             self.counters.write_notices_received += len(fresh)
             self.hook("dsm_write_notices_received", source=source, notices=fresh)
 
+    def _take_riders(self, pages: list[list[Any]]) -> None:
+        """Install the page copies a grant carried (`Grant.pages`) that this rank's notices left invalid, when the
+        copy holds every interval this rank needs of the page (else the fault fetches it, as always)."""
+        for gid, applied, data in pages:
+            aid, page = split_gid(gid)
+            region = self.regions[aid]
+            if region.state[page] == INVALID and bool(np.all(np.asarray(applied) >= region.need[page])):
+                region.program_page(page)[:] = np.frombuffer(data, dtype=np.uint8)
+                region.state[page] = VALID
+                self.counters.grant_pages += 1
+
     def _await_diffs(self, pages: list[tuple[Region, int, int, int]], source: str) -> None:
         """Wait until this home's copy of each page holds the interval a notice names: a release leaves with its
         diffs (`release`), so a grant can arrive before them (`_page` and `ardmar` wait alike for a requester).

@@ -268,6 +268,8 @@ class Memory(Intervals):
         reply = self._request(lock % self.size, acquire, Grant, f"lock {lock}", math.inf)
         # a release leaves with its diffs: the grant may have overtaken those its notices name (`_await_diffs`)
         self._merge(reply.vt, reply.notices, f"lock {lock}", overtaken=not self.release_after_diffs)
+        if reply.pages:
+            self._take_riders(reply.pages)
         self.held[lock] = list(reply.vt)
         self.tokens[lock] = self.acquires
         seconds = time.perf_counter() - started

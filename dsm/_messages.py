@@ -131,11 +131,16 @@ class Ack(NamedTuple):
 
 
 class Grant(NamedTuple):
-    """The lock is the requester's: the lock's vector timestamp and the notices it has not seen."""
+    """The lock is the requester's: the lock's vector timestamp and the notices it has not seen.
+
+    `pages`: copies of pages those notices name that the lock's home also homes, ``[gid, applied, bytes]``
+    each (`applied`: the copy's applied columns), so that the grantee need not fetch them (`dsm._intervals`).
+    """
 
     rid: int
     vt: list[int]
     notices: list[Notice]
+    pages: list[list[Any]] = []  # a NamedTuple default: never mutated
     kind: int = Kind.GRANT
 
 

@@ -33,6 +33,7 @@ class Statistics:
     page_fetch_seconds: float
     fetch_retries: int
     diff_waits: int
+    grant_pages: int
     pages_served: int
     diffs_applied: int
     write_notices_received: int
@@ -88,6 +89,7 @@ class Counters:
     fetch_rounds: int = 0
     fetch_retries: int = 0
     diff_waits: int = 0  # a home's waits for diffs a grant named before they arrived (`Memory._await_diffs`)
+    grant_pages: int = 0  # pages that came with a lock grant, not fetched (`Memory._take_riders`)
     pages_served: int = 0
     diffs_applied: int = 0
     write_notices_received: int = 0

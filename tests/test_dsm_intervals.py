@@ -1,4 +1,5 @@
-"""dsm._intervals: a release leaves with its interval's diffs, and a grantee that homes a page they change waits."""
+"""dsm._intervals: a release leaves with its interval's diffs, a grantee that homes a page they change waits for
+them, and pages the lock's home homes ride with the grant."""
 
 from __future__ import annotations
 
@@ -81,3 +82,93 @@ def test_a_release_leaves_with_its_diffs_and_a_home_granted_before_they_land_wai
     results = run_ranks(3, body, protocol)
     assert behind == [True], "rank 0's grant did not come before rank 2's diff: the release waited for it"
     assert results[0] == (42, results[0][1]) and results[0][1] >= 1, results[0]
+
+
+def two_pages_homed_at_rank_0(mem: dsm.Memory, rt: ThreadRuntime) -> Any:
+    """An int64 array of two pages that rank 0 touches first (so homes), and a lock homed there too (lock 0)."""
+    a = mem.array(2 * DOUBLES, np.int64)
+    lock = mem.lock()
+    if rt.rank == 0:
+        a[0] = a[DOUBLES] = 1
+    mem.barrier()
+    return a, lock
+
+
+def written_under_the_lock_then_read(mem: dsm.Memory, rt: ThreadRuntime, written: threading.Event) -> Any:
+    """Rank 0 writes both pages under the lock; rank 1 then reads them under it: (values, its statistics)."""
+    a, lock = two_pages_homed_at_rank_0(mem, rt)
+    seen = None
+    if rt.rank == 0:
+        with lock:
+            a[1], a[DOUBLES + 1] = 7, 8
+        written.set()
+    else:
+        assert written.wait(10)
+        with lock:
+            seen = (int(a[1]), int(a[DOUBLES + 1]))
+    stats = mem.statistics()
+    mem.barrier()
+    return seen, stats
+
+
+def test_pages_the_lock_home_homes_ride_with_the_grant_and_are_not_fetched(protocol: str) -> None:
+    written = threading.Event()
+    _, (seen, stats) = run_ranks(2, lambda mem, rt: written_under_the_lock_then_read(mem, rt, written), protocol)
+    assert seen == (7, 8)
+    assert stats.grant_pages == 2 and stats.page_fetches == 0, stats
+
+
+def test_a_page_that_rides_without_what_the_grantee_needs_is_fetched(
+    protocol: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lock's home sends copies that claim to hold nothing (applied all zero): the grantee must not take
+    them for the version its notices ask for, and fetches both pages."""
+    import dsm._handler
+
+    riders = dsm._handler.Handler._riders
+
+    def stale(self: Any, src: int, notices: Any) -> list[list[Any]]:
+        return [[gid, [0] * self.mem.size, bytes(len(data))] for gid, _, data in riders(self, src, notices)]
+
+    monkeypatch.setattr(dsm._handler.Handler, "_riders", stale)
+    written = threading.Event()
+    _, (seen, stats) = run_ranks(2, lambda mem, rt: written_under_the_lock_then_read(mem, rt, written), protocol)
+    assert seen == (7, 8)
+    assert stats.grant_pages == 0 and stats.page_fetches == 2, stats
+
+
+def test_no_page_rides_when_releases_wait_for_their_diffs(protocol: str) -> None:
+    """Under remote logging (``release_after_diffs``) a replay regenerates pages at their faults, as first read:
+    grants carry none."""
+    written = threading.Event()
+
+    def body(mem: dsm.Memory, rt: ThreadRuntime) -> Any:
+        mem.release_after_diffs = True
+        return written_under_the_lock_then_read(mem, rt, written)
+
+    _, (seen, stats) = run_ranks(2, body, protocol)
+    assert seen == (7, 8)
+    assert stats.grant_pages == 0 and stats.page_fetches == 2, stats
+
+
+def test_a_page_a_draw_is_writing_does_not_ride(protocol: str) -> None:
+    """A copy whose applied column shows a diff in progress (negative, as DRAW leaves it) is left out."""
+
+    def body(mem: dsm.Memory, rt: ThreadRuntime) -> Any:
+        a, _ = two_pages_homed_at_rank_0(mem, rt)
+        found = None
+        if rt.rank == 0:
+            region, gid = a._region, dsm._region.gid_of(a._region.aid, 1)
+            notices = [[1, 5, [gid, 0]]]
+            with mem.handler.mutex:
+                region.meta[1, 1] = -5
+                drawing = mem.handler._riders(1, notices)
+                region.meta[1, 1] = 5
+                done = mem.handler._riders(1, notices)
+                region.meta[1, 1] = 0
+            found = (drawing, [(g, applied[1]) for g, applied, _ in done])
+        mem.barrier()
+        return found
+
+    drawing, done = run_ranks(2, body, protocol)[0]
+    assert drawing == [] and done == [(dsm._region.gid_of(0, 1), 5)]
