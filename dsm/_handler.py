@@ -440,11 +440,9 @@ class Handler:
     def _riders(self, src: int, notices: list[Notice]) -> list[list[Any]]:
         """Copies of the pages `notices` name that this rank homes, newest notices first, at most RIDERS: the
         grantee would fetch them from here in its critical section (`dsm._intervals`, "Pages ride with the
-        grant").  A copy a DRAW is writing (a negative or changing column) is left out: the grantee fetches it.
-        None under a plugin that wants releases after their diffs (remote logging: its replays regenerate pages
-        at their faults, as first read)."""
+        grant").  A copy a DRAW is writing (a negative or changing column) is left out: the grantee fetches it."""
         mem = self.mem
-        if src == mem.rank or mem.release_after_diffs:
+        if src == mem.rank:
             return []
         riders: list[list[Any]] = []
         seen: set[int] = set()
