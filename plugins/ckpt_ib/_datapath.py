@@ -17,6 +17,7 @@ translated back (`Virtualizer` inherits it)."""
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING, Any
 
 from ckpt import verbs as v
@@ -105,21 +106,16 @@ class DataPath:
         """Log a chain of receive WRs on a QP or SRQ and post it on the real one, under the plugin's wr_ids."""
         recvs = owner.recvs
         first_seq = owner.seq + 1
-        first = last = None
+        reals = []
         while wr is not None:
             owner.seq += 1
             seq = owner.seq
             sg, real_sg = self.local_sges(wr, False)
             recvs[seq] = RecvEntry(seq, wr.wr_id, sg)
-            real = RecvWR(seq, len(real_sg), real_sg)
-            if last is None:
-                first = real
-            else:
-                last.next_wr = real
-            last = real
+            reals.append(RecvWR(seq, len(real_sg), real_sg))
             wr = wr.next_wr
         try:
-            post(owner.real, first)
+            post(owner.real, _linked(reals))
         except BaseException:
             for seq in range(first_seq, owner.seq + 1):
                 recvs.pop(seq, None)
@@ -160,8 +156,7 @@ class DataPath:
         """
         init, mtu = qp.init, qp.mtu
         sig_all, uc = init.sq_sig_all, init.qp_type == _UC  # UC: no ACKs, only a completion says a WR has left
-        entries = []
-        first = last = None
+        entries, reals = [], []
         while wr is not None:
             qp.seq += 1
             flags, opcode = int(wr.send_flags), int(wr.opcode)
@@ -184,27 +179,14 @@ class DataPath:
                 signaled or uc or opcode in _RD_ATOMIC,
             )
             entries.append(entry)
-            real = self.real_wr(entry, real_sg)
-            if last is None:
-                first = real
-            else:
-                last.next_wr = real
-            last = real
+            reals.append(self.real_wr(entry, real_sg))
             wr = wr.next_wr
-        self.post_real(qp, entries, first, mtu)
+        self.post_real(qp, entries, _linked(reals), mtu)
 
     def post_entries(self, qp: ShadowQP, entries: list[SendEntry]) -> None:
         """Post send entries already logged (re-posted after a restart) on the real QP, with the plugin's wr_id."""
         scratch = self.scratch.get(id(qp))
-        first = last = None
-        for entry in entries:
-            real = self.real_send_wr(entry, scratch)
-            if last is None:
-                first = real
-            else:
-                last.next_wr = real
-            last = real
-        self.post_real(qp, entries, first, qp.mtu)
+        self.post_real(qp, entries, _linked([self.real_send_wr(entry, scratch) for entry in entries]), qp.mtu)
 
     def post_real(self, qp: ShadowQP, entries: list[SendEntry], first: SendWR | None, mtu: int) -> None:
         """Number `entries`' packets as the wire will, log them, then post their real chain `first`."""
@@ -252,6 +234,13 @@ class DataPath:
                 off = addr - mr.addr
                 parts.append(bytes(mr.memory[off : off + length]))
         return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def _linked(wrs: list[Any]) -> Any:
+    """Chain `wrs` through ``next_wr`` (one post, one doorbell); the first, or None for none."""
+    for wr, following in itertools.pairwise(wrs):
+        wr.next_wr = following
+    return wrs[0] if wrs else None
 
 
 def _sges(wr: Any) -> list[tuple[int, int, int]]:
