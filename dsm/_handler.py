@@ -5,10 +5,11 @@ it is home of: home look-ups (first touch claims the page), page requests (a
 page leaves only once the home's copy holds every interval the requester
 needs, else the request waits for the diffs), diffs (applied, then
 acknowledged: a writer's release completes only after its diffs are in the
-home's copy, so a write notice never names a change the home lacks), lock
+home's copy, though its request may come first: `dsm._intervals`), lock
 acquire / release (the lock's home keeps the vector timestamp of its last
 release and the write notices released through the lock since the last
-barrier, and grants in FIFO order), and, on rank 0, barriers (arrivals carry
+barrier, and grants in FIFO order, with copies of a few pages it homes that
+the grantee's notices name), and, on rank 0, barriers (arrivals carry
 their notices; when all have come, everyone gets the union and the
 element-wise maximum of the vector timestamps).
 
@@ -439,8 +440,10 @@ class Handler:
 
     def _riders(self, src: int, notices: list[Notice]) -> list[list[Any]]:
         """Copies of the pages `notices` name that this rank homes, newest notices first, at most RIDERS: the
-        grantee would fetch them from here in its critical section (`dsm._intervals`, "Pages ride with the
-        grant").  A copy a DRAW is writing (a negative or changing column) is left out: the grantee fetches it."""
+        grantee would fetch them from here in its critical section (docs/dsm.md, "Pages ride with the grant";
+        it takes one only if it holds what the grantee needs: `Memory._take_riders`).  A copy a DRAW is
+        writing (a negative or changing column) is left out: the grantee fetches it.  Each is a page served
+        (`dsm_page_served`, ``pages_served``)."""
         mem = self.mem
         if src == mem.rank:
             return []
@@ -456,6 +459,8 @@ class Handler:
                 before = region.meta[page].tolist()
                 data = region.page(page).tobytes()
                 if min(before) >= 0 and region.meta[page].tolist() == before:
+                    mem.hook("dsm_page_served", requester=src, gid=gid)
+                    self.counters.pages_served += 1
                     riders.append([gid, before, data])
                     if len(riders) == RIDERS:
                         return riders

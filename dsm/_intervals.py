@@ -190,7 +190,11 @@ class Intervals(RequestClient):
             self._request_many(requests + after, Ack)
         else:
             sent = self._send_many(after)
-            _onesided.draw(self.memory, outgoing, interval)
+            try:
+                _onesided.draw(self.memory, outgoing, interval)
+            except BaseException:
+                self._give_up(sent.rids)  # the release is not waited for: never sent again, nor kept if answered
+                raise
             self._collect(sent, Ack)
         for home, items in outgoing.items():
             for region, page, diff in items:
@@ -246,12 +250,14 @@ class Intervals(RequestClient):
         rank's handler (async) or written into the page by the writer (onesided): nothing signals this thread,
         so it looks at the page's columns, backing off from 10 µs to 1 ms.
         """
-        deadline, pause = time.monotonic() + FETCH_TIMEOUT, 1e-5
+        deadline, pause, counted = time.monotonic() + FETCH_TIMEOUT, 1e-5, False
         while True:
             late = [(r, p, q, i) for r, p, q, i in pages if int(r.meta[p, q]) < i]  # < 0: a DRAW in progress
             if not late:
                 return
-            self.counters.diff_waits += 1
+            if not counted:
+                self.counters.diff_waits += 1
+                counted = True
             if time.monotonic() > deadline:
                 region, page, q, i = late[0]
                 raise DsmError(

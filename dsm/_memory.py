@@ -474,6 +474,9 @@ class Memory(Intervals):
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        # an image from before pipelined releases: `dsm_attached` does not fire again, so a plugin that kept
+        # state here (remote or stable logging) cannot say it wants releases after their diffs -- assume it does
+        state.setdefault("release_after_diffs", bool(state.get("extensions")))
         self.__dict__.update(state)
         self._live()
         if self._plugins is None:  # unpickled outside a ckpt rank: nothing will call ckpt_resume

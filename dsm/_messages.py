@@ -134,7 +134,7 @@ class Grant(NamedTuple):
     """The lock is the requester's: the lock's vector timestamp and the notices it has not seen.
 
     `pages`: copies of pages those notices name that the lock's home also homes, ``[gid, applied, bytes]``
-    each (`applied`: the copy's applied columns), so that the grantee need not fetch them (`dsm._intervals`).
+    each (`applied`: the copy's applied columns), so that the grantee need not fetch them (`Handler._riders`).
     """
 
     rid: int

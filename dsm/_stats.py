@@ -14,9 +14,10 @@ class Statistics:
     """One rank's DSM activity since `dsm.attach` (times in seconds, wall clock).
 
     The breakdown: ``page_seconds`` (faults waiting for pages), ``wait_seconds``
-    (barriers, and diff propagation at barriers and acquires), ``lock_seconds``
-    (waiting for grants, and releases, with the diffs a release takes along),
-    and ``compute_seconds``: the rest of the rank's time.
+    (barriers, and diff propagation at barriers and acquires, and at releases
+    when a plugin wants them after their diffs), ``lock_seconds`` (waiting for
+    grants, and releases, with the diffs a release takes along), and
+    ``compute_seconds``: the rest of the rank's time.
     """
 
     protocol: str

@@ -19,8 +19,10 @@ raised by a *handler* hook fails that one request: the requester gets a
 DsmError carrying the host's ``plugin 'NAME' failed in HOOK: ...``, and the
 handler serves on.  One raised on the program thread reaches the program as
 that ``ckpt.PluginError``.  Under the ``onesided`` protocol the home's CPU
-takes no part in page service or diff application, so ``dsm_page_served``,
-``dsm_diff_received`` and ``dsm_diff_applied`` fire only under ``async``.
+takes no part in page service or diff application, so ``dsm_diff_received``
+and ``dsm_diff_applied`` fire only under ``async``, and ``dsm_page_served``
+only for the pages a lock grant carries (`Grant.pages`; under ``async``
+also for every page request).
 """
 
 from __future__ import annotations
@@ -131,7 +133,8 @@ def dsm_write_notices_received(memory: Any, source: str, notices: Notices) -> No
 
 @hookspec
 def dsm_page_served(memory: Any, requester: int, gid: int) -> None:
-    """*handler*, async only: this rank, the page's home, serves page `gid` to `requester` (the reply leaves next)."""
+    """*handler*: this rank, the page's home, serves page `gid` to `requester` (the reply leaves next): a page
+    request (async), or a copy that rides with a lock grant this rank's handler sends (both protocols)."""
 
 
 @hookspec

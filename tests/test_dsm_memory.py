@@ -579,6 +579,18 @@ def test_the_pickled_state_drops_the_per_process_fields(protocol: str) -> None:
         assert "mutex" not in handler_keys and {"locks", "arrivals", "waiting"} <= handler_keys
 
 
+@pytest.mark.parametrize(("extensions", "ordered"), [({}, False), ({"ckpt_remotelog": object()}, True)])
+def test_an_image_from_before_pipelined_releases_keeps_releases_ordered_under_a_plugin(
+    protocol: str, extensions: dict[str, Any], ordered: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`dsm_attached` does not fire on a restore: a memory a plugin kept state in (remote or stable logging) must
+    not start pipelining releases its recovery assumes are ordered; one no plugin touched may."""
+    monkeypatch.setattr(dsm.Memory, "_live", lambda self: setattr(self, "_plugins", object()))  # no threads here
+    mem = dsm.Memory.__new__(dsm.Memory)
+    mem.__setstate__({"protocol": protocol, "extensions": extensions})
+    assert mem.release_after_diffs is ordered
+
+
 def test_close_stops_the_handler_thread_and_frees_the_verbs_objects(protocol: str) -> None:
     def body(mem: dsm.Memory, rt: ThreadRuntime) -> tuple[bool, bool]:
         a = mem.array(16, np.int64)

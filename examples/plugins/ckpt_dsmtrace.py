@@ -13,9 +13,9 @@ How it works:
   their bytes; ``dsm_write_notices_received`` counts the notices it learns (at lock grants
   and barriers); ``dsm_lock_acquired`` adds up the time spent waiting for locks;
   ``dsm_barrier_passed`` counts barriers.  All run on the program thread.
-* ``dsm_page_served`` runs on the protocol-handler thread (``async`` protocol only: under
-  ``onesided`` the home's CPU serves nothing), hence the lock.  A DSM hook must not block and
-  must not call back into the DSM.
+* ``dsm_page_served`` runs on the protocol-handler thread (under ``onesided`` only for the
+  pages a lock grant carries: the home's CPU serves no page request), hence the lock.  A DSM
+  hook must not block and must not call back into the DSM.
 * The totals are plain data, kept in the image (``ckpt_precheckpoint`` / ``ckpt_restart``), so
   they survive a restart; ``ckpt_exit`` writes them as JSON to ``$CKPT_DSMTRACE_FILE``
   (``{rank}`` replaced by the rank).
