@@ -372,7 +372,7 @@ def inspect(path: Path, as_json: bool) -> None:
 
 def _inspect_manifest(path: Path, as_json: bool) -> None:
     from ckpt import _manifest as manifests
-    from ckpt._launcher import check_image
+    from ckpt._restart_point import check_image
     from ckpt._schemas import to_dict
     from ckpt.runtime.images import inspect_image
 

@@ -410,7 +410,8 @@ def restart(
     here override them.  With --rank R, only failed rank R of the running job starts again.
     """
     from ckpt._cli_plugins import resolve_transport
-    from ckpt._launcher import JobOptions, external_rank, prepare_restart, restart_directory, run_job
+    from ckpt._launcher import JobOptions, external_rank, run_job
+    from ckpt._restart_point import prepare_restart, restart_directory
 
     job.pop("sched")  # applied by main() before anything started (`_apply_sched`)
     _configure_logging(job["log_level"])

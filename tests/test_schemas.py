@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from ckpt._errors import ImageError
-from ckpt._launcher import check_image
 from ckpt._manifest import read_manifest, write_manifest
+from ckpt._restart_point import check_image
 from ckpt._schemas import (
     IMAGE_FORMAT,
     MANIFEST_FORMAT,
