@@ -126,6 +126,42 @@ def test_onesided_homes_see_no_diff_or_page_service_but_writers_do() -> None:
     assert home.seen["barrier_passed"] == writer.seen["barrier_passed"] == 4
 
 
+def granted(mem: dsm.Memory, rt: ThreadRuntime, written: threading.Event) -> int:
+    """Rank 0 homes a page and the lock and writes the page under it; rank 1 then takes the lock, whose grant
+    carries the page (`Handler._riders`).  Rank 1's count of pages that came with grants."""
+    a = mem.array(WORDS, np.float64)
+    lock = mem.lock()
+    if rt.rank == 0:
+        a[0] = 1.0
+    mem.barrier()
+    if rt.rank == 0:
+        with lock:
+            a[1] = 2.0
+        written.set()
+    else:
+        assert written.wait(10)
+        with lock:
+            assert a[1] == 2.0
+    brought = mem.statistics().grant_pages
+    mem.barrier()
+    return brought
+
+
+@pytest.mark.parametrize("protocol", dsm.PROTOCOLS)
+def test_a_page_that_rides_with_a_grant_is_a_page_served_under_both_protocols(protocol: str) -> None:
+    recorders = [Recorder(), Recorder()]
+    written = threading.Event()
+
+    def host(rank: int) -> PluginHost:
+        plugins = PluginHost()
+        plugins.add_hookspecs(dsm.hookspecs)
+        plugins.register(recorders[rank], f"recorder-{rank}")
+        return plugins
+
+    _, brought = run_ranks(2, lambda mem, rt: granted(mem, rt, written), protocol, plugins=host)
+    assert brought == 1 and recorders[0].seen["page_served"] == 1 and recorders[1].seen["page_served"] == 0
+
+
 PLUGIN = """
 import ckpt
 CKPT_PLUGIN_API = 2
