@@ -378,8 +378,12 @@ class Handler:
         if not bool(np.all(region.meta[page] >= need)):
             self.waiting.append((src, rid, gid, need))  # a diff it needs is still on its way
             return
-        self.mem.hook("dsm_page_served", requester=src, gid=gid)  # hooks before the reply: one reply per request
+        self._served(src, gid)  # hooks before the reply: one reply per request
         self.reply(src, PageReply(rid, region.page(page).tobytes()), "page_reply")
+
+    def _served(self, src: int, gid: int) -> None:
+        """Page `gid` leaves for `src`: by a page request, or with a lock grant (`_riders`)."""
+        self.mem.hook("dsm_page_served", requester=src, gid=gid)
         self.counters.pages_served += 1
 
     def _diff(self, src: int, rid: int, gid: int, interval: int, encoded: bytes) -> None:
@@ -459,8 +463,7 @@ class Handler:
                 before = region.meta[page].tolist()
                 data = region.page(page).tobytes()
                 if min(before) >= 0 and region.meta[page].tolist() == before:
-                    mem.hook("dsm_page_served", requester=src, gid=gid)
-                    self.counters.pages_served += 1
+                    self._served(src, gid)
                     riders.append([gid, before, data])
                     if len(riders) == RIDERS:
                         return riders

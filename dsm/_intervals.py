@@ -224,7 +224,7 @@ class Intervals(RequestClient):
                     region.need[page, q] = max(int(region.need[page, q]), i)
                 elif overtaken:
                     mine.append((region, page, q, i))
-        if mine and overtaken:
+        if mine:
             self._await_diffs(mine, source)
         self.vt = [max(a, b) for a, b in zip(self.vt, vt, strict=True)]
         if fresh:

@@ -284,8 +284,7 @@ class Memory(Intervals):
         at_grant = self.held[lock]
         # the release leaves with the interval's diffs, not after their acks: a rank that the lock's next grant
         # tells of them waits for them where they go (`_merge`, the homes' page service), not the releaser
-        pipelined = not self.release_after_diffs and not _replay.replaying(self)
-        closed = self._close_interval(release=lock, defer=pipelined)
+        closed = self._close_interval(release=lock, defer=not self.release_after_diffs)
         self._caught_up()
         if _replay.replaying(self):
             if _replay.release(self, lock):

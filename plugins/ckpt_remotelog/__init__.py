@@ -107,8 +107,9 @@ def dsm_attached(memory: Any) -> None:
     options = getattr(memory.rt, "options", {}) or {}
     mode = options.get("logging") or "off"
     if mode in ("remote", "stable"):
-        # a rank's logs say an interval is complete only once its diffs are at their homes (a recovery does not
-        # send them again): its release must not overtake them
+        # remote: a rank's logs say an interval is complete only once its diffs are at their homes (a recovery
+        # does not send them again), so its release must not overtake them; stable, which nothing replays, runs
+        # the same protocol so that the two are compared on logging alone (FT-KDSM's Figure 4)
         memory.release_after_diffs = True
     if mode == "remote":
         ring = int(options.get("log_ring_bytes") or RING_BYTES)
