@@ -182,3 +182,12 @@ def test_errors_of_unsignaled_wrs_are_visible(ib: IbEnv) -> None:
     wc = poll_one(a.scq)
     assert (wc.wr_id, wc.status, wc.qp_num) == (66, v.IBV_WC_REM_ACCESS_ERR, a.qp.qp_num)
     assert not a.qp.handle.sends
+
+
+def test_a_wr_whose_num_sge_exceeds_its_list_posts_what_it_has(ib: IbEnv) -> None:
+    """num_sge says 1, the list is empty: the plugin logs and posts the SGEs there are (none), as it did before the
+    one-SGE path, instead of failing with an IndexError out of that path."""
+    a, b = ib.pair()
+    b.qp.post_recv(v.RecvWR(wr_id=9, num_sge=1, sg=[]))
+    a.qp.post_send(v.SendWR(wr_id=3, opcode=v.IBV_WR_SEND, num_sge=1, sg=[], send_flags=v.IBV_SEND_SIGNALED))
+    assert a.qp.handle.sends[-1].sg == [] and b.qp.handle.recvs[max(b.qp.handle.recvs)].sg == []

@@ -132,21 +132,11 @@ class DataPath:
         self.post_recvs(qp, wr, self.inner.post_recv)
 
     def local_sges(self, wr: Any, inline: bool) -> tuple[list[tuple[int, int, int]], list[SGE]]:
-        """A WR's SGEs as logged (virtual) and as the real WR takes them (`local_sge`).
-
-        One SGE, the common case, without a loop: this is on every post.
-        """
-        given = wr.sg
-        if (wr.num_sge or len(given)) != 1:
-            sg = _sges(wr)
-            return sg, [self.local_sge(s, inline) for s in sg]
-        s = given[0]
-        addr, length, lkey = int(s.addr), int(s.length), int(s.lkey)
-        mr = self.mr_by_lkey.get(lkey)
-        if mr is None and inline:
-            mr = self.mr_holding(addr, length)
-        real = SGE(addr, length, 0) if mr is None else SGE(addr + mr.delta, length, mr.real_lkey)
-        return [(addr, length, lkey)], [real]
+        """A WR's SGEs as logged (virtual) and as the real WR takes them (`local_sge`)."""
+        sg = _sges(wr)
+        if len(sg) == 1:  # the common case, without a loop: this is on every post
+            return sg, [self.local_sge(sg[0], inline)]
+        return sg, [self.local_sge(s, inline) for s in sg]
 
     def post_send(self, qp: ShadowQP, wr: Any) -> None:
         """Log a chain of send WRs and post it on the real QP, each WR's log entry and real WR made in one pass.
@@ -244,5 +234,10 @@ def _linked(wrs: list[Any]) -> Any:
 
 
 def _sges(wr: Any) -> list[tuple[int, int, int]]:
-    n = wr.num_sge or len(wr.sg)
-    return [(int(s.addr), int(s.length), int(s.lkey)) for s in wr.sg[:n]]
+    """A WR's SGEs as (addr, length, lkey) tuples (no more than it has, whatever its num_sge says)."""
+    given = wr.sg
+    n = wr.num_sge or len(given)
+    if n == 1 and given:
+        s = given[0]
+        return [(int(s.addr), int(s.length), int(s.lkey))]
+    return [(int(s.addr), int(s.length), int(s.lkey)) for s in given[:n]]
