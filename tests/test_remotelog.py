@@ -396,6 +396,49 @@ def test_a_tiny_ring_asks_for_the_owners_checkpoint_waits_and_loses_nothing(prot
     assert sum(1 for r in own if r.kind == RecordKind.NOTICES) == intervals
 
 
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_a_home_that_fills_its_own_log_ring_mid_step_fails_at_once(protocol: str) -> None:
+    """Rank 0 writes its own page in many intervals of one step: its diffs fill its log ring at rank 1, which only
+    rank 0's own checkpoint can empty -- and rank 0, mid-step, cannot take it.  Waiting for room could only end
+    in the 60 s timeout (an IS of 2**18 keys did, on 4 MiB rings); it fails at once, saying what to raise."""
+    failed: list[tuple[str, float]] = []
+    done = threading.Event()
+
+    def body(rt: ThreadRuntime) -> None:
+        rt.checkpoint_rank = lambda owner: None  # type: ignore[attr-defined]  (asked, never at a step boundary)
+        memory = dsm.attach(rt, protocol)
+        a = memory.array((512,), np.float64)  # one page
+        lock = memory.lock()
+        if rt.rank == 0:
+            with a.write(slice(0, 512)) as v:
+                v[:] = 0  # rank 0 becomes the page's home
+        memory.barrier()
+        if rt.rank == 1:
+            assert done.wait(30)
+            return
+        started = time.monotonic()
+        try:
+            for i in range(200):
+                with lock, a.write(slice(0, 512)) as v:
+                    v[:] = i + 1  # a whole page's diff per interval
+        except ckpt.PluginError as exc:  # the DsmError, out of the plugin's hook
+            failed.append((str(exc), time.monotonic() - started))
+        finally:
+            done.set()
+
+    run_threads(
+        2,
+        body,
+        first_device=FIRST_HCA,
+        plugins=_plain_hosts,
+        options={"dsm_protocol": protocol, "logging": "remote", "log_ring_bytes": 16384},
+    )
+    assert len(failed) == 1, "the home's own log ring never filled"
+    message, seconds = failed[0]
+    assert "the log ring of rank 0 at rank 1 is full" in message and "raise --log-ring-bytes" in message, message
+    assert seconds < 10, f"the home waited {seconds:.1f} s for a checkpoint only it could take"
+
+
 def test_a_homes_own_diffs_ask_for_a_coordinated_checkpoint_again_after_each_release() -> None:
     """onesided: a home whose pages only it writes keeps its own HOME_DIFFs beside its home diff log.  Past half
     the ring's capacity they ask for a coordinated checkpoint; the checkpoint releases them, and the next fill

@@ -72,7 +72,8 @@ has not reached), so after `FULL_TIMEOUT` seconds it fails with a DsmError namin
 ring and the option to raise, rather than hang.  Without single-rank checkpoints
 (``rt.checkpoint_rank``) it fails at once: a coordinated checkpoint needs this writer
 at a step boundary, which it cannot reach while it waits.  An own record that does not
-fit its own ring fails at once too: its owner is the writer, mid-step.  A record is
+fit its own ring fails at once too, and so does a DIFF record of a home's own writes that does not fit
+its log ring: in both the owner is the writer, mid-step.  A record is
 never dropped: the reservation stays, and the job stops with the error.  A home's own
 HOME_DIFF records never wait: under async the home diff log keeps what does not fit in
 ``overflow``, under onesided they are kept beside the ring (``own_diffs``); both are in

@@ -369,6 +369,13 @@ class RingWriter:
             # minimal versions), and one needs this rank at a step boundary, which it cannot reach while it
             # waits here, so waiting could only end in the timeout
             raise DsmError(f"{full} and no checkpoint can empty it mid-step: raise --log-ring-bytes")
+        if owner == self.memory.rank:
+            # a home logging its own writes: only its own checkpoint empties the ring, and it is mid-step here
+            capacity = self.peers[peer][which]["capacity"]
+            raise DsmError(
+                f"{full} ({capacity} bytes logged since rank {owner}'s last checkpoint) and only its own checkpoint, "
+                "which it cannot take mid-step, can empty it: raise --log-ring-bytes"
+            )
         deadline = time.monotonic() + FULL_TIMEOUT
         pause = 1e-4
         while (head := self.read_word(peer, which, 8)) < head_needed:
