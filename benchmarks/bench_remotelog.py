@@ -24,8 +24,9 @@
 # `--scale paper` runs larger inputs (Water at the paper's own; `PAPER_ARGS`) with rings
 # that hold the whole run, as the paper's did: the small inputs synchronize every
 # millisecond or so, far more often than the paper's programs on their inputs.  Each
-# row also gives the logging time per lock acquire or barrier on the program threads
-# (`log_seconds`), and the run the latency of an fsync on the stable logs' disk.
+# row also gives the logging time per lock acquire or barrier (`log_seconds`: the program
+# threads', and under async the handlers' appends to the home diff logs), and the run
+# the latency of an fsync on the stable logs' disk.
 # `--ranks N` runs N ranks instead of the issue's 4: with one rank per core the
 # ranks no longer share cores, as the paper's nodes did not, so what logging costs
 # in CPU stops being everyone's time and what it costs in waiting (an fsync) is
@@ -187,7 +188,8 @@ def verdicts(table: dict[str, Any], protocols: list[str]) -> list[str]:
 
 
 def per_sync_ms(counters: dict[str, float]) -> float:
-    """A job's logging time on its program threads per lock acquire or barrier, in ms."""
+    """A job's logging time (`log_seconds`: program threads, and async handlers' home diff log appends) per lock
+    acquire or barrier, in ms."""
     return 1e3 * counters["log_seconds"] / max(1.0, counters["lock_acquires"] + counters["barriers"])
 
 
