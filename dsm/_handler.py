@@ -191,7 +191,7 @@ class Handler:
                 case PageRequest():
                     self._page(src, msg.rid, msg.gid, msg.need)
                 case DiffRequest():
-                    self._diff(src, msg.rid, msg.gid, msg.interval, msg.diff)
+                    self._diffs(src, msg.rid, msg.interval, msg.gids, msg.diffs)
                 case AcquireRequest() | ReleaseRequest() | BarrierRequest() if self.holding:
                     self.held_back.append((src, raw, server.link[src] if link is None else link))
                 case AcquireRequest():
@@ -386,14 +386,22 @@ class Handler:
         self.mem.hook("dsm_page_served", requester=src, gid=gid)
         self.counters.pages_served += 1
 
-    def _diff(self, src: int, rid: int, gid: int, interval: int, encoded: bytes) -> None:
-        region, page = self._region(gid)
-        diff = Diff.decode(encoded, region.page_size)
-        self.mem.hook("dsm_diff_received", writer=src, gid=gid, interval=interval, diff=diff)
-        diff.apply(region.page(page))
-        region.meta[page, src] = max(int(region.meta[page, src]), interval)
-        self.counters.diffs_applied += 1
-        self.mem.hook("dsm_diff_applied", writer=src, gid=gid, interval=interval)
+    def _diffs(self, src: int, rid: int, interval: int, gids: list[int], encoded: list[bytes]) -> None:
+        """Apply a writer's diffs of one interval to pages homed here, in the order sent; one ack.  Every diff is
+        decoded before any is applied: a malformed message changes nothing."""
+        if not isinstance(gids, list) or not isinstance(encoded, list) or len(gids) != len(encoded):
+            raise DsmError(f"malformed diff message from rank {src}: {len(gids)} page(s), {len(encoded)} diff(s)")
+        pages = []
+        for gid, data in zip(gids, encoded, strict=True):
+            region, page = self._region(gid)
+            pages.append((gid, region, page, Diff.decode(data, region.page_size)))
+        self.mem.hook("dsm_diffs_received", writer=src, interval=interval, diffs=[(g, d) for g, _, _, d in pages])
+        for gid, region, page, diff in pages:
+            self.mem.hook("dsm_diff_received", writer=src, gid=gid, interval=interval, diff=diff)
+            diff.apply(region.page(page))
+            region.meta[page, src] = max(int(region.meta[page, src]), interval)
+            self.counters.diffs_applied += 1
+            self.mem.hook("dsm_diff_applied", writer=src, gid=gid, interval=interval)
         self.reply(src, Ack(rid), "diff_ack")
         waiting, self.waiting = self.waiting, []
         for request in waiting:

@@ -178,14 +178,18 @@ class Intervals(RequestClient):
         acked like a diff), that request too, not waiting for the diffs before it leaves."""
         after = [then] if then is not None else []
         if self.protocol == "async":
-            requests: list[tuple[int, Request, str]] = [
+            requests: list[tuple[int, Request, str]] = [  # one message per home: its pages' diffs, one ack
                 (
                     home,
-                    DiffRequest(self._next_rid(), gid_of(region.aid, page), interval, diff.encode()),
+                    DiffRequest(
+                        self._next_rid(),
+                        interval,
+                        [gid_of(region.aid, page) for region, page, _ in items],
+                        [diff.encode() for _, _, diff in items],
+                    ),
                     f"diff ack from rank {home}",
                 )
                 for home, items in outgoing.items()
-                for region, page, diff in items
             ]
             self._request_many(requests + after, Ack)
         else:

@@ -87,7 +87,7 @@ log = logging.getLogger("dsm")
 PROTOCOLS = ("async", "onesided")
 HOOKS = [name for name in dir(hookspecs) if name.startswith("dsm_")]
 #: The hooks the handler thread fires: they go on while this rank replays (it serves the others meanwhile).
-HANDLER_HOOKS = frozenset({"dsm_diff_received", "dsm_diff_applied", "dsm_page_served"})
+HANDLER_HOOKS = frozenset({"dsm_diffs_received", "dsm_diff_received", "dsm_diff_applied", "dsm_page_served"})
 
 
 class Memory(Intervals):

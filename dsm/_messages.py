@@ -54,12 +54,12 @@ class PageRequest(NamedTuple):
 
 
 class DiffRequest(NamedTuple):
-    """Apply the writer's diff of `interval` to page `gid` (this rank is its home)."""
+    """Apply the writer's diffs of `interval` to pages `gids` (this rank is their home), one ack for all."""
 
     rid: int
-    gid: int
     interval: int
-    diff: bytes  # Diff.encode()
+    gids: list[int]
+    diffs: list[bytes]  # Diff.encode() of each, in the order of `gids`
     kind: int = Kind.DIFF
 
 

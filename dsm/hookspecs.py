@@ -19,8 +19,8 @@ raised by a *handler* hook fails that one request: the requester gets a
 DsmError carrying the host's ``plugin 'NAME' failed in HOOK: ...``, and the
 handler serves on.  One raised on the program thread reaches the program as
 that ``ckpt.PluginError``.  Under the ``onesided`` protocol the home's CPU
-takes no part in page service or diff application, so ``dsm_diff_received``
-and ``dsm_diff_applied`` fire only under ``async``, and ``dsm_page_served``
+takes no part in page service or diff application, so ``dsm_diffs_received``,
+``dsm_diff_received`` and ``dsm_diff_applied`` fire only under ``async``, and ``dsm_page_served``
 only for the pages a lock grant carries (`Grant.pages`; under ``async``
 also for every page request).
 """
@@ -44,6 +44,7 @@ ORDER: dict[str, Direction] = {
     "dsm_interval_closed": "down",
     "dsm_diff_created": "down",
     "dsm_diff_sent": "down",
+    "dsm_diffs_received": "down",
     "dsm_diff_received": "down",
     "dsm_diff_applied": "down",
     "dsm_write_notices_received": "down",
@@ -114,6 +115,14 @@ def dsm_diff_created(memory: Any, gid: int, home: int, interval: int, diff: Diff
 @hookspec
 def dsm_diff_sent(memory: Any, gid: int, home: int, interval: int, nbytes: int) -> None:
     """The diff of page `gid` reached its home (acknowledged, or its RDMA WRITEs completed)."""
+
+
+@hookspec
+def dsm_diffs_received(memory: Any, writer: int, interval: int, diffs: list[tuple[int, Diff]]) -> None:
+    """*handler*, async only: this rank received `writer`'s diffs for `interval` of pages it is the home of,
+    ``(gid, diff)`` in the order they will be applied -- one message, before any of them is applied (then
+    `dsm_diff_received` and `dsm_diff_applied` fire for each).  For work done once per message, such as one
+    log record for all of them."""
 
 
 @hookspec

@@ -26,6 +26,7 @@ class Recorder:
         self.seen: Counter[str] = Counter()
         self.lock = threading.Lock()
         self.applied: list[tuple[int, int, int]] = []
+        self.messages: list[tuple[int, int, list[int]]] = []  # dsm_diffs_received: (writer, interval, gids)
 
     def _note(self, name: str) -> None:
         with self.lock:
@@ -42,6 +43,12 @@ class Recorder:
     @ckpt.hookimpl
     def dsm_diff_sent(self, gid: int, home: int, interval: int, nbytes: int) -> None:
         self._note("diff_sent")
+
+    @ckpt.hookimpl
+    def dsm_diffs_received(self, writer: int, interval: int, diffs: list[tuple[int, Any]]) -> None:
+        self._note("diffs_received")
+        with self.lock:
+            self.messages.append((writer, interval, [gid for gid, _ in diffs]))
 
     @ckpt.hookimpl
     def dsm_diff_received(self, writer: int, gid: int, interval: int, diff: Any) -> None:
@@ -110,7 +117,7 @@ def test_async_fires_the_writer_side_and_the_home_side_hooks() -> None:
     home, writer = recorded("async")
     assert writer.seen["diff_created"] == writer.seen["diff_sent"] == 1
     assert writer.seen["lock_acquired"] == writer.seen["lock_released"] == 1
-    assert home.seen["diff_received"] == home.seen["diff_applied"] == 1
+    assert home.seen["diff_received"] == home.seen["diff_applied"] == home.seen["diffs_received"] == 1
     assert home.applied == [(1, 0, 1)]  # rank 1's first interval, page 0 of array 0
     assert home.seen["page_served"] >= 1 and writer.seen["page_served"] == 0
     assert writer.seen["write_notices_received"] >= 1
@@ -119,10 +126,49 @@ def test_async_fires_the_writer_side_and_the_home_side_hooks() -> None:
         assert rec.seen["interval_closed"] >= 1
 
 
+def three_pages(mem: dsm.Memory, rt: ThreadRuntime) -> dict[str, int]:
+    """Rank 0 homes three pages; rank 1 writes into all three in one interval (one lock hold)."""
+    a = mem.array(3 * WORDS, np.float64)
+    lock = mem.lock()
+    if rt.rank == 0:
+        with a.write(slice(0, 3 * WORDS)) as v:
+            v[:] = 0.0  # first touch: rank 0 is the home of all three
+    mem.barrier()
+    before = dict(mem.statistics().messages)
+    if rt.rank == 1:
+        with lock:
+            for page in range(3):
+                a[page * WORDS + 1] = page + 1.0
+    after = dict(mem.statistics().messages)
+    mem.barrier()
+    if rt.rank == 0:
+        assert [float(a[page * WORDS + 1]) for page in range(3)] == [1.0, 2.0, 3.0]
+    mem.barrier()
+    return {"diff": after.get("diff", 0) - before.get("diff", 0)}
+
+
+def test_async_sends_an_intervals_diffs_for_one_home_in_one_message() -> None:
+    recorders = [Recorder(), Recorder()]
+
+    def host(rank: int) -> PluginHost:
+        plugins = PluginHost()
+        plugins.add_hookspecs(dsm.hookspecs)
+        plugins.register(recorders[rank], f"recorder-{rank}")
+        return plugins
+
+    sent = run_ranks(2, three_pages, "async", plugins=host)
+    home, writer = recorders
+    assert sent[1]["diff"] == 1  # one DIFF message (and one ack) for the three pages
+    assert home.messages == [(1, 1, [0, 1, 2])]  # pages 0-2 of array 0, rank 1's first interval, in one call
+    assert home.seen["diff_received"] == home.seen["diff_applied"] == 3
+    assert writer.seen["diff_created"] == writer.seen["diff_sent"] == 3
+
+
 def test_onesided_homes_see_no_diff_or_page_service_but_writers_do() -> None:
     home, writer = recorded("onesided")
     assert writer.seen["diff_created"] == writer.seen["diff_sent"] == 1
     assert home.seen["diff_received"] == home.seen["diff_applied"] == home.seen["page_served"] == 0
+    assert home.seen["diffs_received"] == 0
     assert home.seen["barrier_passed"] == writer.seen["barrier_passed"] == 4
 
 

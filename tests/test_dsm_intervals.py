@@ -33,14 +33,14 @@ def test_a_release_leaves_with_its_diffs_and_a_home_granted_before_they_land_wai
     behind: list[bool] = []  # rank 0's _await_diffs: was its copy behind the notice?
 
     if protocol == "async":
-        diff = dsm._handler.Handler._diff
+        diffs = dsm._handler.Handler._diffs
 
         def slow_diff(self: Any, src: int, *args: Any) -> None:
             if src == 2:
                 land.wait(10)
-            diff(self, src, *args)
+            diffs(self, src, *args)
 
-        monkeypatch.setattr(dsm._handler.Handler, "_diff", slow_diff)
+        monkeypatch.setattr(dsm._handler.Handler, "_diffs", slow_diff)
     else:
         draw = dsm._onesided.draw
 

@@ -33,7 +33,7 @@ NOTICES = [[1, 3, [0x100000002, 1]]]
 MESSAGES: list[Message] = [
     HomeRequest(7, 0x100000002),
     PageRequest(7, 2, [0, 3, 1]),
-    DiffRequest(7, 2, 4, Diff.of_runs([(0, b"\x01\x02"), (64, b"\xff")]).encode()),
+    DiffRequest(7, 4, [2, 0x100000003], [Diff.of_runs([(0, b"\x01\x02"), (64, b"\xff")]).encode(), b""]),
     AcquireRequest(7, 1, [0, 3, 1], 2),
     OldPageRequest(7, 0x100000002, [0, 3, 1]),
     ReleaseRequest(7, 1, [0, 3, 1], NOTICES, 2),

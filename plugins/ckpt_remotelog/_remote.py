@@ -17,8 +17,9 @@ one rank whose log home it is, and its own *home diff log*.  What goes where, an
   home that applied a diff and failed before its record landed gets the diff again from
   its writer (``dsm.Memory._send_again``).
 * under ``async`` the home appends every diff it receives to its own home diff log on its
-  handler thread, by the CPU (the ring is never FETCH_AND_ADDed by peers under ``async``,
-  so the CPU is the only appender); its own writes (homes twin their own pages while
+  handler thread, by the CPU, one record per message (a writer's interval for this home;
+  the ring is never FETCH_AND_ADDed by peers under ``async``, so the CPU is the only
+  appender); its own writes (homes twin their own pages while
   logging, ``memory.twin_homes``) go there too, by the CPU.  Under ``onesided`` peers
   reserve in that ring with FETCH_AND_ADDs, which CPU stores on the tail would not be
   atomic with, so the home keeps its own writes' records beside it (``own_diffs``, by the
@@ -271,9 +272,11 @@ class RemoteLog(Discard):
             self.retry_discard(throttle=True)
 
     @ckpt.hookimpl
-    def dsm_diff_received(self, writer: int, gid: int, interval: int, diff: Diff) -> None:
-        """*handler*, async: the home keeps every diff it applies."""
-        self._append_home_local(diff_record(RecordKind.HOME_DIFF, writer, interval, [(gid, diff.encode())]))
+    def dsm_diffs_received(self, writer: int, interval: int, diffs: list[tuple[int, Diff]]) -> None:
+        """*handler*, async: the home keeps every diff it applies -- a message's in one record, before any is
+        applied."""
+        pages = [(gid, diff.encode()) for gid, diff in diffs]
+        self._append_home_local(diff_record(RecordKind.HOME_DIFF, writer, interval, pages))
 
     @ckpt.hookimpl
     def dsm_write_notices_received(self, source: str, notices: list[Any]) -> None:

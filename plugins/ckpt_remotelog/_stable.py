@@ -69,9 +69,9 @@ class StableLog:
 
     # ------------------------------------------------------------------ what is received
     @ckpt.hookimpl
-    def dsm_diff_received(self, writer: int, gid: int, interval: int, diff: Diff) -> None:
-        """*handler*, async."""
-        self._keep(diff_record(RecordKind.DIFF, writer, interval, [(gid, diff.encode())]))
+    def dsm_diffs_received(self, writer: int, interval: int, diffs: list[tuple[int, Diff]]) -> None:
+        """*handler*, async: a message's diffs in one record."""
+        self._keep(diff_record(RecordKind.DIFF, writer, interval, [(gid, diff.encode()) for gid, diff in diffs]))
 
     @ckpt.hookimpl
     def dsm_diff_created(self, gid: int, home: int, interval: int, diff: Diff) -> None:
