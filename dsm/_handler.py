@@ -387,25 +387,39 @@ class Handler:
         self.counters.pages_served += 1
 
     def _diffs(self, src: int, rid: int, interval: int, gids: list[int], encoded: list[bytes]) -> None:
-        """Apply a writer's diffs of one interval to pages homed here, in the order sent; one ack.  Every diff is
-        decoded before any is applied: a malformed message changes nothing."""
-        if not isinstance(gids, list) or not isinstance(encoded, list) or len(gids) != len(encoded):
-            raise DsmError(f"malformed diff message from rank {src}: {len(gids)} page(s), {len(encoded)} diff(s)")
+        """Apply a writer's diffs of one interval to pages homed here, in the order sent; one ack.
+
+        Everything that can refuse the message -- its shape, a page not homed here, a damaged diff, a plugin
+        in `dsm_diffs_received` or `dsm_diff_received` -- does so before any page changes: then the writer
+        gets one error and no page holds part of the interval."""
+        if not (
+            isinstance(interval, int)
+            and interval > 0
+            and isinstance(gids, list)
+            and isinstance(encoded, list)
+            and 0 < len(gids) == len(encoded)
+        ):
+            shape = f"interval {interval!r}, {_count(gids)} page(s), {_count(encoded)} diff(s)"
+            raise DsmError(f"malformed diff message from rank {src}: {shape}")
         pages = []
         for gid, data in zip(gids, encoded, strict=True):
             region, page = self._region(gid)
             pages.append((gid, region, page, Diff.decode(data, region.page_size)))
         self.mem.hook("dsm_diffs_received", writer=src, interval=interval, diffs=[(g, d) for g, _, _, d in pages])
-        for gid, region, page, diff in pages:
+        for gid, _, _, diff in pages:
             self.mem.hook("dsm_diff_received", writer=src, gid=gid, interval=interval, diff=diff)
-            diff.apply(region.page(page))
-            region.meta[page, src] = max(int(region.meta[page, src]), interval)
-            self.counters.diffs_applied += 1
-            self.mem.hook("dsm_diff_applied", writer=src, gid=gid, interval=interval)
-        self.reply(src, Ack(rid), "diff_ack")
-        waiting, self.waiting = self.waiting, []
-        for request in waiting:
-            self._page(*request)
+        try:
+            for _, region, page, diff in pages:
+                diff.apply(region.page(page))
+                region.meta[page, src] = max(int(region.meta[page, src]), interval)
+                self.counters.diffs_applied += 1
+            for gid, _, _, _ in pages:
+                self.mem.hook("dsm_diff_applied", writer=src, gid=gid, interval=interval)
+            self.reply(src, Ack(rid), "diff_ack")
+        finally:  # the pages are applied even if a hook after that failed: what waited for them may go on
+            waiting, self.waiting = self.waiting, []
+            for request in waiting:
+                self._page(*request)
 
     def _old_page(self, src: int, rid: int, gid: int, vt: list[int]) -> None:
         """The minimal version of page `gid` at `vt`, for a rank replaying its logs (FT-KDSM §5)."""
@@ -531,6 +545,11 @@ class Handler:
         self.last_barrier = (arrivals[0][2], merged_vt, union)
         for a in arrivals:
             self.reply(a[0], BarrierReply(a[1], merged_vt, union), "barrier_reply")
+
+
+def _count(items: Any) -> str:
+    """How many items a field of a received message holds, for an error line ("?" if it is not a list)."""
+    return str(len(items)) if isinstance(items, list) else "?"
 
 
 def _holder(lock: int, claimants: list[Claim]) -> Claim:

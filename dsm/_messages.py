@@ -23,7 +23,7 @@ class Kind(IntEnum):
 
     HOME = 1  # who is the home of a page (the first to ask claims it)
     PAGE = 2  # a page's contents, once the home's copy has every interval the requester needs
-    DIFF = 3  # a diff for the home to apply
+    DIFF = 3  # an interval's diffs of pages of one home, for the home to apply (one ack)
     ACQUIRE = 4  # a lock, at its home
     RELEASE = 5  # a lock given back, with the notices released through it
     BARRIER = 6  # arrival at a barrier, at rank 0

@@ -19,7 +19,7 @@ from ._stats import Counters
 
 log = logging.getLogger("dsm")
 _R = TypeVar("_R", bound=Reply)
-WINDOW = 8  # requests in flight per destination (diffs at a release)
+WINDOW = 8  # requests in flight per destination
 FETCH_TIMEOUT = 120.0
 
 

@@ -2,48 +2,122 @@
 
 from __future__ import annotations
 
+import inspect
+from typing import Any
+
 import numpy as np
 import pytest
 from dsm_util import run_ranks
 
+import ckpt
 import dsm
+from ckpt.runtime.plugins import PluginHost
 from ckpt.testing import ThreadRuntime
 from dsm import Diff, DsmError
+from dsm._memory import HANDLER_HOOKS
 from dsm._messages import Ack, DiffRequest
 
 WORDS = 512  # float64 per 4 KiB page
+GOOD = Diff.of_runs([(0, np.float64(7.0).tobytes())]).encode()  # page 0's first word becomes 7.0
+DAMAGED = b"\xff\xff\xff\x00" + b"x" * 16  # a count larger than its payload
 
 
-def _send(mem: dsm.Memory, request: DiffRequest) -> str:
-    """Send `request` to rank 0 as a writer would; the error the home answered with."""
-    with pytest.raises(DsmError) as refused:
+def _refused(mem: dsm.Memory, request: DiffRequest) -> str:
+    """Send `request` to rank 0 as a writer would; the error the home answered with ("" if it acked)."""
+    try:
         mem._request(0, request, Ack, "diff ack from rank 0")
-    return str(refused.value)
+    except DsmError as exc:
+        return str(exc)
+    return ""
 
 
-def hostile(mem: dsm.Memory, rt: ThreadRuntime) -> list[str]:
-    a = mem.array(2 * WORDS, np.float64)
-    if rt.rank == 0:
-        with a.write(slice(0, 2 * WORDS)) as v:
-            v[:] = 0.0  # rank 0 homes both pages
-    mem.barrier()
-    errors = []
-    if rt.rank == 1:
-        good = Diff.of_runs([(0, np.float64(7.0).tobytes())]).encode()
-        # the second page's diff is damaged: the first, which decodes, must not be applied either
-        errors.append(_send(mem, DiffRequest(mem._next_rid(), 1, [0, 1], [good, b"\xff\xff\xff\x00" + b"x" * 16])))
-        errors.append(_send(mem, DiffRequest(mem._next_rid(), 1, [0, 1], [good])))  # a page without its diff
-    mem.barrier()
-    if rt.rank == 0:
-        region = mem.regions[0]
-        assert float(a[0]) == 0.0 and int(region.meta[0, 1]) == 0 and int(region.meta[1, 1]) == 0
-        assert mem.statistics().diffs_applied == 0
-    mem.barrier()
-    return errors
+def send_each(requests: list[tuple[int, list[Any], list[Any]]]) -> Any:
+    """A body: rank 0 homes two pages; rank 1 sends each (interval, gids, diffs) as a diff message.  Rank 1
+    returns the errors; rank 0 what its pages and applied columns hold afterwards (checked by the test)."""
+
+    def body(mem: dsm.Memory, rt: ThreadRuntime) -> Any:
+        a = mem.array(2 * WORDS, np.float64)
+        if rt.rank == 0:
+            with a.write(slice(0, 2 * WORDS)) as v:
+                v[:] = 0.0  # rank 0 homes both pages
+        mem.barrier()
+        errors = []
+        if rt.rank == 1:
+            for interval, gids, diffs in requests:
+                errors.append(_refused(mem, DiffRequest(mem._next_rid(), interval, gids, diffs)))
+        mem.barrier()
+        seen = None
+        if rt.rank == 0:
+            region = mem.regions[0]
+            seen = (float(a[0]), int(region.meta[0, 1]), int(region.meta[1, 1]), mem.statistics().diffs_applied)
+        mem.barrier()
+        return errors if rt.rank == 1 else seen
+
+    return body
 
 
-def test_a_diff_message_with_one_bad_diff_changes_no_page_and_gets_one_error() -> None:
-    errors = run_ranks(2, hostile, "async")[1]
-    assert len(errors) == 2
-    assert "malformed diff" in errors[0] and errors[0].startswith("rank 0: "), errors[0]
-    assert "malformed diff message from rank 1: 2 page(s), 1 diff(s)" in errors[1], errors[1]
+@pytest.mark.parametrize(
+    ("interval", "gids", "diffs", "why"),
+    [
+        (1, [0, 1], [GOOD, DAMAGED], "malformed diff"),  # the first decodes: it must not be applied either
+        (1, [0, 1], [GOOD], "malformed diff message from rank 1: interval 1, 2 page(s), 1 diff(s)"),
+        (1, [], [], "malformed diff message from rank 1: interval 1, 0 page(s), 0 diff(s)"),
+        ("x", [0], [GOOD], "malformed diff message from rank 1: interval 'x', 1 page(s), 1 diff(s)"),
+        (0, [0], [GOOD], "malformed diff message from rank 1: interval 0"),
+        (1, 0, [GOOD], "malformed diff message from rank 1: interval 1, ? page(s), 1 diff(s)"),
+        (1, [0, 5], [GOOD, GOOD], "no page 5"),  # the array has two pages
+    ],
+    ids=[
+        "damaged-second-diff",
+        "a-page-without-its-diff",
+        "no-pages",
+        "interval-not-a-number",
+        "interval-zero",
+        "gids-not-a-list",
+        "a-page-that-does-not-exist",
+    ],
+)
+def test_a_diff_message_that_cannot_be_applied_whole_changes_no_page_and_gets_one_error(
+    interval: Any, gids: Any, diffs: Any, why: str
+) -> None:
+    home, errors = run_ranks(2, send_each([(interval, gids, diffs)]), "async")
+    assert len(errors) == 1 and why in errors[0] and errors[0].startswith("rank 0: "), errors
+    assert home == (0.0, 0, 0, 0)  # page 0 untouched, neither applied column raised, nothing counted
+
+
+class Refuser:
+    """A plugin whose `dsm_diffs_received` refuses every message."""
+
+    @ckpt.hookimpl
+    def dsm_diffs_received(self, writer: int, interval: int, diffs: list[tuple[int, Any]]) -> None:
+        raise RuntimeError("no room for this message")
+
+
+def test_a_plugin_that_refuses_a_diff_message_leaves_every_page_as_it_was() -> None:
+    def host(rank: int) -> PluginHost:
+        plugins = PluginHost()
+        plugins.add_hookspecs(dsm.hookspecs)
+        plugins.register(Refuser(), "refuser")
+        return plugins
+
+    home, errors = run_ranks(2, send_each([(1, [0, 1], [GOOD, GOOD])]), "async", plugins=host)
+    assert "plugin 'refuser' failed in dsm_diffs_received: RuntimeError: no room for this message" in errors[0]
+    assert home == (0.0, 0, 0, 0)
+
+
+def test_a_good_diff_message_is_applied_whole_with_one_ack() -> None:
+    home, errors = run_ranks(2, send_each([(3, [0, 1], [GOOD, GOOD])]), "async")
+    assert errors == [""]
+    assert home == (7.0, 3, 3, 2)
+
+
+def test_every_handler_hook_fires_while_a_home_replays() -> None:
+    """`Memory.hook` silences the program thread's hooks while a recovered rank replays (what it does was
+    logged the first time) but not the handler's: a replaying home still applies -- and must still log -- the
+    diffs others send it.  The set it spares is every hookspec documented as *handler*."""
+    documented = {
+        name
+        for name, spec in inspect.getmembers(dsm.hookspecs, inspect.isfunction)
+        if name.startswith("dsm_") and (spec.__doc__ or "").startswith("*handler*")
+    }
+    assert documented == set(HANDLER_HOOKS)

@@ -26,7 +26,8 @@ class Recorder:
         self.seen: Counter[str] = Counter()
         self.lock = threading.Lock()
         self.applied: list[tuple[int, int, int]] = []
-        self.messages: list[tuple[int, int, list[int]]] = []  # dsm_diffs_received: (writer, interval, gids)
+        # dsm_diffs_received: (writer, interval, gids, the pages' applied columns for the writer then)
+        self.messages: list[tuple[int, int, list[int], list[int]]] = []
 
     def _note(self, name: str) -> None:
         with self.lock:
@@ -45,10 +46,12 @@ class Recorder:
         self._note("diff_sent")
 
     @ckpt.hookimpl
-    def dsm_diffs_received(self, writer: int, interval: int, diffs: list[tuple[int, Any]]) -> None:
+    def dsm_diffs_received(self, memory: Any, writer: int, interval: int, diffs: list[tuple[int, Any]]) -> None:
         self._note("diffs_received")
+        # each page's applied column for the writer, as the hook sees it: before any of the message is applied
+        columns = [int(memory.regions[gid >> 32].meta[gid & 0xFFFFFFFF, writer]) for gid, _ in diffs]
         with self.lock:
-            self.messages.append((writer, interval, [gid for gid, _ in diffs]))
+            self.messages.append((writer, interval, [gid for gid, _ in diffs], columns))
 
     @ckpt.hookimpl
     def dsm_diff_received(self, writer: int, gid: int, interval: int, diff: Any) -> None:
@@ -100,7 +103,8 @@ def exchange(mem: dsm.Memory, rt: ThreadRuntime) -> None:
     mem.barrier()
 
 
-def recorded(protocol: str) -> list[Recorder]:
+def recorded(protocol: str, body: Any = exchange) -> tuple[list[Recorder], list[Any]]:
+    """Run `body` on 2 ranks, each with a Recorder plugin: the recorders and what the ranks returned."""
     recorders = [Recorder(), Recorder()]
 
     def host(rank: int) -> PluginHost:
@@ -109,12 +113,12 @@ def recorded(protocol: str) -> list[Recorder]:
         plugins.register(recorders[rank], f"recorder-{rank}")
         return plugins
 
-    run_ranks(2, exchange, protocol, plugins=host)
-    return recorders
+    results = run_ranks(2, body, protocol, plugins=host)
+    return recorders, results
 
 
 def test_async_fires_the_writer_side_and_the_home_side_hooks() -> None:
-    home, writer = recorded("async")
+    (home, writer), _ = recorded("async")
     assert writer.seen["diff_created"] == writer.seen["diff_sent"] == 1
     assert writer.seen["lock_acquired"] == writer.seen["lock_released"] == 1
     assert home.seen["diff_received"] == home.seen["diff_applied"] == home.seen["diffs_received"] == 1
@@ -126,46 +130,39 @@ def test_async_fires_the_writer_side_and_the_home_side_hooks() -> None:
         assert rec.seen["interval_closed"] >= 1
 
 
-def three_pages(mem: dsm.Memory, rt: ThreadRuntime) -> dict[str, int]:
-    """Rank 0 homes three pages; rank 1 writes into all three in one interval (one lock hold)."""
+def three_pages(mem: dsm.Memory, rt: ThreadRuntime) -> Any:
+    """Rank 0 homes three pages; rank 1 writes into all three in one interval (one lock hold).  Rank 1 returns
+    how many DIFF messages it sent meanwhile, rank 0 what the three pages hold afterwards."""
     a = mem.array(3 * WORDS, np.float64)
     lock = mem.lock()
     if rt.rank == 0:
         with a.write(slice(0, 3 * WORDS)) as v:
             v[:] = 0.0  # first touch: rank 0 is the home of all three
     mem.barrier()
-    before = dict(mem.statistics().messages)
+    before = mem.statistics().messages.get("diff", 0)
     if rt.rank == 1:
         with lock:
             for page in range(3):
                 a[page * WORDS + 1] = page + 1.0
-    after = dict(mem.statistics().messages)
+    sent = mem.statistics().messages.get("diff", 0) - before
     mem.barrier()
-    if rt.rank == 0:
-        assert [float(a[page * WORDS + 1]) for page in range(3)] == [1.0, 2.0, 3.0]
+    held = [float(a[page * WORDS + 1]) for page in range(3)] if rt.rank == 0 else []
     mem.barrier()
-    return {"diff": after.get("diff", 0) - before.get("diff", 0)}
+    return held if rt.rank == 0 else sent
 
 
 def test_async_sends_an_intervals_diffs_for_one_home_in_one_message() -> None:
-    recorders = [Recorder(), Recorder()]
-
-    def host(rank: int) -> PluginHost:
-        plugins = PluginHost()
-        plugins.add_hookspecs(dsm.hookspecs)
-        plugins.register(recorders[rank], f"recorder-{rank}")
-        return plugins
-
-    sent = run_ranks(2, three_pages, "async", plugins=host)
-    home, writer = recorders
-    assert sent[1]["diff"] == 1  # one DIFF message (and one ack) for the three pages
-    assert home.messages == [(1, 1, [0, 1, 2])]  # pages 0-2 of array 0, rank 1's first interval, in one call
+    (home, writer), (held, sent) = recorded("async", three_pages)
+    assert sent == 1  # one DIFF message (and one ack) for the three pages
+    assert held == [1.0, 2.0, 3.0]
+    # pages 0-2 of array 0, rank 1's first interval, in one call, made before any of them was applied
+    assert home.messages == [(1, 1, [0, 1, 2], [0, 0, 0])]
     assert home.seen["diff_received"] == home.seen["diff_applied"] == 3
     assert writer.seen["diff_created"] == writer.seen["diff_sent"] == 3
 
 
 def test_onesided_homes_see_no_diff_or_page_service_but_writers_do() -> None:
-    home, writer = recorded("onesided")
+    (home, writer), _ = recorded("onesided")
     assert writer.seen["diff_created"] == writer.seen["diff_sent"] == 1
     assert home.seen["diff_received"] == home.seen["diff_applied"] == home.seen["page_served"] == 0
     assert home.seen["diffs_received"] == 0

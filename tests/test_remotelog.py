@@ -47,7 +47,7 @@ from ckpt_remotelog._records import (
     walk,
 )
 from ckpt_remotelog._ring import CONTROL, LogRing, circular_write
-from dsm import Diff
+from dsm import Diff, DsmError
 from dsm._messages import NAMES
 from dsm.programs import program_class
 
@@ -866,6 +866,31 @@ def _loop_writer(pd: Any, peers: list[dict[str, dict[str, int]]], staging: int) 
     return nic, RingWriter(
         memory, peers, staging, lambda *a: 0, lambda *a: None, 0, np.full(2 * len(peers), IDLE, np.int64)
     )
+
+
+def test_a_home_whose_log_ring_its_own_diffs_filled_retries_its_discard_before_it_fails() -> None:
+    """`wait_for_room` where the full ring's owner is the writer itself: no checkpoint can come mid-step, but the
+    discard of its last checkpoint, stopped at a hole, may pass it now (`RemoteLog.retry_now`).  Room made by
+    that retry lets the record go; none, and it fails at once."""
+    from ckpt import verbs
+    from ckpt_remotelog._writer import LOG, OWN
+
+    ctx = verbs.Context(name=f"simib{FIRST_HCA}")
+    try:
+        pd = verbs.PD(ctx)
+        rings, own = [LogRing(pd, 1024), LogRing(pd, 1024)], LogRing(pd, 1024)
+        peers = [{LOG: rings[0].address(), OWN: own.address()}, {LOG: rings[1].address(), OWN: own.address()}]
+        _, writer = _loop_writer(pd, peers, 1024)  # every ring's owner is rank 0, the writer
+        writer.memory.rt = SimpleNamespace(checkpoint_rank=lambda rank: None)
+        tries: list[int] = []
+        writer.retry = lambda: tries.append(1)  # a retry that passes nothing
+        with pytest.raises(DsmError, match="only its own checkpoint, which it cannot take mid-step"):
+            writer.wait_for_room(1, LOG, 64)
+        assert tries == [1]
+        writer.retry = lambda: rings[1].set_head(64)  # ... and one that passes the hole
+        writer.wait_for_room(1, LOG, 64)
+    finally:
+        ctx.close()
 
 
 def test_a_ring_read_first_waits_for_the_writes_that_gather_from_its_staging_buffer() -> None:

@@ -176,7 +176,7 @@ class RemoteLog(Discard):
         )
         own_home = self.log_home(self.rank)
         self.writer = RingWriter(
-            memory, self.peers, ring_bytes, self.owner, self._ask_checkpoint, own_home, self.claims
+            memory, self.peers, ring_bytes, self.owner, self._ask_checkpoint, own_home, self.claims, self.retry_now
         )
         self.versions = HomeVersions(memory, self.home_log, self.overflow, self.own_diffs)
         self.replay: LogReplay | None = None  # after a recovery: the log it replayed (until the next checkpoint)
@@ -263,6 +263,11 @@ class RemoteLog(Discard):
         self.writer.complete()  # the interval completes: what it depends on is logged from here on
         if self.pending is not None:
             self.retry_discard(throttle=True)
+
+    def retry_now(self) -> None:
+        """A home whose own diffs filled its log ring: the discard its last checkpoint began may pass its hole
+        now (`RingWriter.wait_for_room`)."""
+        self.retry_discard(throttle=False)
 
     @ckpt.hookimpl
     def dsm_waiting(self, what: str) -> None:

@@ -90,8 +90,9 @@ class RingWriter:
         ask: Callable[..., None],  # (peer, ring, head, again=False): `RemoteLog._ask_checkpoint`
         own_home: int,
         claims: np.ndarray,
+        retry: Callable[[], None] | None = None,  # `RemoteLog.retry_now`: a stopped discard tries its hole again
     ) -> None:
-        self.memory, self.peers, self.owner, self.ask = memory, peers, owner, ask
+        self.memory, self.peers, self.owner, self.ask, self.retry = memory, peers, owner, ask, retry
         self.claims = claims  # per (peer, ring): see "Claims" above; registered by the caller (`peers[r][CLAIMS]`)
         self.claim_links: dict[int, int] = {}  # claim word -> the link to its ring's holder it was made on
         # this rank's own ring at its log home: only this rank writes it, so it keeps the ring's tail and head
@@ -125,7 +126,7 @@ class RingWriter:
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update({"links": None, **state})  # (images from before `strict`)
+        self.__dict__.update({"links": None, "retry": None, **state})  # (images from before `strict`, `retry`)
         if "claims" in state:  # else an older image, which `RemoteLog.__setstate__` refuses
             self.claims[:] = IDLE  # in place (the array is registered): a new process has nothing in flight
 
@@ -370,7 +371,12 @@ class RingWriter:
             # waits here, so waiting could only end in the timeout
             raise DsmError(f"{full} and no checkpoint can empty it mid-step: raise --log-ring-bytes")
         if owner == self.memory.rank:
-            # a home logging its own writes: only its own checkpoint empties the ring, and it is mid-step here
+            # a home logging its own writes: only its own checkpoint empties the ring, and it is mid-step here --
+            # unless the discard of its last one stopped at a hole it can pass now
+            if self.retry is not None:
+                self.retry()
+                if self.read_word(peer, which, 8) >= head_needed:
+                    return
             capacity = self.peers[peer][which]["capacity"]
             raise DsmError(
                 f"{full} ({capacity} bytes logged since rank {owner}'s last checkpoint) and only its own checkpoint, "
