@@ -41,12 +41,15 @@ class Diff:
     Encoded (`encode`), it is ``<u32 count> <count u32 offsets> <count u32 lengths> <bytes>``.
     """
 
-    __slots__ = ("data", "lengths", "offsets")
+    __slots__ = ("data", "encoded", "lengths", "offsets")
 
     def __init__(self, offsets: np.ndarray, lengths: np.ndarray, data: bytes) -> None:
         self.offsets = offsets  # uint32
         self.lengths = lengths  # uint32
         self.data = data  # sum(lengths) bytes
+        # its encoding, once made or received (a diff never changes): a writer encodes it for its home and for its
+        # log record, an async home receives it encoded and logs it encoded -- each costs one encoding, not two
+        self.encoded: bytes | None = None
 
     @classmethod
     def of_runs(cls, runs: Iterable[tuple[int, bytes]]) -> Diff:
@@ -73,10 +76,17 @@ class Diff:
         lengths = np.frombuffer(view, _U32, count, _COUNT.size + 4 * count).copy()
         if not _fits(offsets, lengths, len(view) - start, size):
             raise DsmError(f"malformed diff: {count} runs that do not fit {len(view) - start} bytes")
-        return cls(offsets, lengths, view[start:].tobytes())
+        diff = cls(offsets, lengths, view[start:].tobytes())
+        if isinstance(payload, bytes):  # immutable: it stays what was checked (a buffer could change under it)
+            diff.encoded = payload
+        return diff
 
     def encode(self) -> bytes:
-        return b"".join((_COUNT.pack(len(self.offsets)), self.offsets.tobytes(), self.lengths.tobytes(), self.data))
+        encoded = getattr(self, "encoded", None)  # (a diff pickled before the slot existed has none)
+        if encoded is None:
+            parts = (_COUNT.pack(len(self.offsets)), self.offsets.tobytes(), self.lengths.tobytes(), self.data)
+            encoded = self.encoded = b"".join(parts)
+        return encoded
 
     @property
     def nbytes(self) -> int:

@@ -227,3 +227,17 @@ def test_a_malformed_diff_is_refused_in_one_clear_error(payload: bytes, why: str
     """A home decodes what arrives from the network: a hostile or damaged diff never reaches its page."""
     with pytest.raises(DsmError, match="malformed diff"):
         Diff.decode(payload, PAGE)
+
+
+def test_a_diff_is_encoded_once_and_a_received_one_keeps_its_bytes() -> None:
+    """A writer encodes a diff for its home and for its log record, an async home logs what it received: one
+    encoding each (`Diff.encoded`).  A diff decoded from a buffer that may change keeps no reference to it."""
+    made = Diff.of_runs([(0, b"\x01\x02"), (64, b"\xff")])
+    first = made.encode()
+    assert made.encode() is first
+    received = bytes(first)
+    assert Diff.decode(received, PAGE).encode() is received
+    buffer = bytearray(first)
+    from_buffer = Diff.decode(buffer, PAGE)
+    buffer[-1] = 0  # a receive buffer reused after the decode
+    assert from_buffer.encode() == first and from_buffer.runs() == [(0, b"\x01\x02"), (64, b"\xff")]
