@@ -206,9 +206,13 @@ class Handler:
                     raise DsmError(f"a {type(msg).__name__} is not a request")
         except Exception as exc:  # a bad request, or a plugin hook that failed: the requester gets the error
             rid = raw[0] if isinstance(raw, list) and raw and isinstance(raw[0], int) else 0  # msgpack: a list
-            # DsmError and PluginError (which names the failing plugin and hook) say enough as they are
-            what = str(exc) if isinstance(exc, DsmError | PluginError) else f"{type(exc).__name__}: {exc}"
-            self.reply(src, ErrorReply(rid, f"rank {self.mem.rank}: {what}"), "error")
+            self._refuse(src, rid, exc)
+
+    def _refuse(self, src: int, rid: int, exc: Exception) -> None:
+        """Answer request `rid` of `src` with the error it failed with."""
+        # DsmError and PluginError (which names the failing plugin and hook) say enough as they are
+        what = str(exc) if isinstance(exc, DsmError | PluginError) else f"{type(exc).__name__}: {exc}"
+        self.reply(src, ErrorReply(rid, f"rank {self.mem.rank}: {what}"), "error")
 
     def reply(self, dst: int, msg: Message, name: str) -> None:
         sent = self.mem.server.send(dst, msg)
@@ -417,9 +421,16 @@ class Handler:
                 self.mem.hook("dsm_diff_applied", writer=src, gid=gid, interval=interval)
             self.reply(src, Ack(rid), "diff_ack")
         finally:  # the pages are applied even if a hook after that failed: what waited for them may go on
-            waiting, self.waiting = self.waiting, []
-            for request in waiting:
-                self._page(*request)
+            self._serve_waiting()
+
+    def _serve_waiting(self) -> None:
+        """Serve again the page requests that waited for a diff; one that fails gets its own error reply."""
+        waiting, self.waiting = self.waiting, []
+        for src, rid, gid, need in waiting:
+            try:
+                self._page(src, rid, gid, need)
+            except Exception as exc:  # not the diff's writer's error: this requester's
+                self._refuse(src, rid, exc)
 
     def _old_page(self, src: int, rid: int, gid: int, vt: list[int]) -> None:
         """The minimal version of page `gid` at `vt`, for a rank replaying its logs (FT-KDSM §5)."""
@@ -436,6 +447,8 @@ class Handler:
         self.counters.versions_served += 1
 
     def _region(self, gid: int) -> tuple[Any, int]:
+        if not isinstance(gid, int) or gid < 0:  # a negative one would split into a negative array index
+            raise DsmError(f"no page {gid!r}")
         aid, page = split_gid(gid)
         if aid >= len(self.mem.regions) or page >= self.mem.regions[aid].npages:
             raise DsmError(f"no page {page} in shared array {aid}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import time
 from typing import Any
 
 import numpy as np
@@ -15,7 +16,7 @@ from ckpt.runtime.plugins import PluginHost
 from ckpt.testing import ThreadRuntime
 from dsm import Diff, DsmError
 from dsm._memory import HANDLER_HOOKS
-from dsm._messages import Ack, DiffRequest
+from dsm._messages import Ack, DiffRequest, PageReply, PageRequest
 
 WORDS = 512  # float64 per 4 KiB page
 GOOD = Diff.of_runs([(0, np.float64(7.0).tobytes())]).encode()  # page 0's first word becomes 7.0
@@ -66,6 +67,7 @@ def send_each(requests: list[tuple[int, list[Any], list[Any]]]) -> Any:
         (0, [0], [GOOD], "malformed diff message from rank 1: interval 0"),
         (1, 0, [GOOD], "malformed diff message from rank 1: interval 1, ? page(s), 1 diff(s)"),
         (1, [0, 5], [GOOD, GOOD], "no page 5"),  # the array has two pages
+        (1, [0, -(1 << 32)], [GOOD, GOOD], "no page -4294967296"),  # would be array -1: the last one
     ],
     ids=[
         "damaged-second-diff",
@@ -75,6 +77,7 @@ def send_each(requests: list[tuple[int, list[Any], list[Any]]]) -> Any:
         "interval-zero",
         "gids-not-a-list",
         "a-page-that-does-not-exist",
+        "a-negative-page",
     ],
 )
 def test_a_diff_message_that_cannot_be_applied_whole_changes_no_page_and_gets_one_error(
@@ -103,6 +106,80 @@ def test_a_plugin_that_refuses_a_diff_message_leaves_every_page_as_it_was() -> N
     home, errors = run_ranks(2, send_each([(1, [0, 1], [GOOD, GOOD])]), "async", plugins=host)
     assert "plugin 'refuser' failed in dsm_diffs_received: RuntimeError: no room for this message" in errors[0]
     assert home == (0.0, 0, 0, 0)
+
+
+class PageRefuser:
+    """A plugin whose `dsm_diff_received` refuses page 1 (the message's second)."""
+
+    @ckpt.hookimpl
+    def dsm_diff_received(self, writer: int, gid: int, interval: int, diff: Any) -> None:
+        if gid == 1:
+            raise RuntimeError("not page 1")
+
+
+def test_a_plugin_that_refuses_one_page_of_a_message_leaves_the_pages_before_it_as_they_were() -> None:
+    """Every `dsm_diff_received` fires before any page changes: a refusal of the second page must not leave the
+    first applied (and stamped) with no ack for it."""
+
+    def host(rank: int) -> PluginHost:
+        plugins = PluginHost()
+        plugins.add_hookspecs(dsm.hookspecs)
+        plugins.register(PageRefuser(), "pagerefuser")
+        return plugins
+
+    home, errors = run_ranks(2, send_each([(1, [0, 1], [GOOD, GOOD])]), "async", plugins=host)
+    assert "plugin 'pagerefuser' failed in dsm_diff_received: RuntimeError: not page 1" in errors[0]
+    assert home == (0.0, 0, 0, 0)
+
+
+class ServeRefuser:
+    """A plugin whose `dsm_page_served` refuses to serve rank 2."""
+
+    @ckpt.hookimpl
+    def dsm_page_served(self, requester: int, gid: int) -> None:
+        if requester == 2:
+            raise RuntimeError("not to rank 2")
+
+
+def test_a_page_request_that_waited_for_a_diff_and_then_fails_gets_its_own_error() -> None:
+    """Rank 2 asks for page 0 holding rank 1's interval 5, which has not arrived: the request waits at the home.
+    The diff comes and the waiting request is served -- and refused by a plugin.  Rank 2 must get that error at
+    once; it used to go to the diff's writer instead, leaving rank 2 to its request's timeout."""
+    memories: list[Any] = [None] * 3
+
+    def host(rank: int) -> PluginHost:
+        plugins = PluginHost()
+        plugins.add_hookspecs(dsm.hookspecs)
+        plugins.register(ServeRefuser(), "serverefuser")
+        return plugins
+
+    def body(mem: dsm.Memory, rt: ThreadRuntime) -> Any:
+        memories[rt.rank] = mem
+        a = mem.array(WORDS, np.float64)
+        if rt.rank == 0:
+            with a.write(slice(0, WORDS)) as v:
+                v[:] = 0.0  # rank 0 homes page 0
+        mem.barrier()
+        got: Any = None
+        if rt.rank == 2:
+            try:
+                mem._request(0, PageRequest(mem._next_rid(), 0, [0, 5, 0]), PageReply, "page 0", timeout=20)
+            except DsmError as exc:
+                got = str(exc)
+        elif rt.rank == 1:
+            deadline = time.monotonic() + 20
+            while not memories[0].handler.waiting:  # rank 2's request is waiting at the home
+                assert time.monotonic() < deadline, "rank 2's page request never waited at its home"
+                time.sleep(0.001)  # polling another thread-rank's state: nothing signals it
+            got = _refused(mem, DiffRequest(mem._next_rid(), 5, [0], [GOOD]))
+        mem.barrier()
+        return got
+
+    started = time.monotonic()
+    _, writer_error, requester_error = run_ranks(3, body, "async", plugins=host)
+    assert writer_error == ""  # the diff was applied and acked
+    assert "plugin 'serverefuser' failed in dsm_page_served: RuntimeError: not to rank 2" in requester_error
+    assert time.monotonic() - started < 15, "rank 2 waited for its request's timeout"
 
 
 def test_a_good_diff_message_is_applied_whole_with_one_ack() -> None:

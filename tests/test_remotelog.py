@@ -680,7 +680,7 @@ def test_a_batch_is_one_write_and_a_record_is_committed_only_when_whole(tail: in
         batch = [encode(RecordKind.NOTICES, 0, bytes([i + 1]) * (8 * i + 8), serial=i) for i in range(3)]
         sizes = [len(r) for r in batch]
         wrs: list[Any] = []
-        writer._place(0, LOG, tail, tail, [bytearray(r) for r in batch], 0, wrs)
+        writer._place(0, LOG, tail, [bytearray(r) for r in batch], 0, wrs)
         ring.control[0] = tail + sum(sizes)  # the FETCH_AND_ADD's share
         assert len(wrs) == (2 if tail == 320 else 1)
         middle = sizes[0] + sizes[1] - 3  # a byte of the second record's payload
@@ -889,6 +889,42 @@ def test_a_home_whose_log_ring_its_own_diffs_filled_retries_its_discard_before_i
         assert tries == [1]
         writer.retry = lambda: rings[1].set_head(64)  # ... and one that passes the hole
         writer.wait_for_room(1, LOG, 64)
+    finally:
+        ctx.close()
+
+
+def test_a_discard_retried_while_a_batch_waits_for_room_does_not_overwrite_the_batch() -> None:
+    """A batch for two rings: ring 0 of another home, and ring 1, full of this rank's own home's records.  Waiting
+    for room in ring 1, the writer retries its stopped discard, which READs ring 1 into the staging buffer --
+    where ring 0's records were already staged, before every ring's room was made first: their WRITE then
+    carried ring 1's bytes, and ring 0's record was lost without an error."""
+    from ckpt import verbs
+    from ckpt_remotelog._writer import LOG, OWN
+
+    ctx = verbs.Context(name=f"simib{FIRST_HCA}")
+    try:
+        pd = verbs.PD(ctx)
+        rings, own = [LogRing(pd, 1024), LogRing(pd, 1024)], LogRing(pd, 1024)
+        peers = [{LOG: rings[0].address(), OWN: own.address()}, {LOG: rings[1].address(), OWN: own.address()}]
+        _, writer = _loop_writer(pd, peers, 1024)
+        writer.memory.rt = SimpleNamespace(checkpoint_rank=lambda rank: None)
+        late = encode(RecordKind.DIFF, 0, b"B" * 64, interval=2, gid=8)
+        for size in (200, 200, 200, 64, 32, 8, 0):  # ring 1 full of committed records: no room for `late`
+            while rings[1].append_local(encode(RecordKind.DIFF, 0, b"z" * size, interval=1, gid=5)):
+                pass
+        assert rings[1].tail - rings[1].head + len(late) > rings[1].capacity
+
+        def retry() -> None:  # what `RemoteLog.retry_discard` does: read the ring, then pass what is covered
+            records, _ = writer.read_ring(1, LOG, holes=True)
+            rings[1].set_head(records[-1].position + records[-1].size)
+
+        writer.retry = retry
+        writer.add(0, LOG, encode(RecordKind.DIFF, 0, b"A" * 64, interval=2, gid=7))  # staged first
+        writer.add(1, LOG, late)  # needs room
+        writer.start()
+        writer.complete()
+        assert [(r.gid, r.payload) for r in rings[0].records()] == [(7, b"A" * 64)]
+        assert [r.gid for r in rings[1].records()] == [8]
     finally:
         ctx.close()
 

@@ -207,6 +207,8 @@ class RemoteLog(Discard):
             older = "this image was written by an older ckpt_remotelog (another log record format)"
             raise DsmError(f"{older}: it cannot resume")
         self.__dict__.update({"pending": None, "retry_at": 0.0, **state})  # (images from before `retry_discard`)
+        if self.writer.retry is None:  # an image from before `retry_now`
+            self.writer.retry = self.retry_now
         self.register()  # before the memory decides which DSM hooks fire (it is unpickled after this)
 
     def log_home(self, rank: int) -> int:

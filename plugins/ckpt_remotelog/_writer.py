@@ -232,18 +232,24 @@ class RingWriter:
             claim, tail = _claim(peer, which), int(self.landing[self._slot(peer, which)])
             if peer not in lost and (self.claims[claim] < 0 or self.claims[claim] > tail):
                 self.claims[claim] = tail
+        placing = []
         for (peer, which), batch in rings.items():
             if peer in lost:  # its rings died with it: its recovery marks them lost, their owners checkpoint
                 log.info("rank %d: %d log record(s) for lost rank %d dropped", self.memory.rank, len(batch), peer)
                 continue
             slot = self._slot(peer, which)
             tail, head = int(self.landing[slot]), int(self.landing[slot + 1])
+            # every ring's room before anything is staged: a wait may read a ring into the staging buffer (the
+            # retry of a stopped discard, `wait_for_room`), which would overwrite records staged before it
+            self._room(peer, which, tail, head, sum(len(r) for r in batch))
+            placing.append((peer, which, tail, batch))
+        for peer, which, tail, batch in placing:
             if big:  # too much for the staging buffer at once: ring by ring, each written and waited for
                 alone: list[verbs.SendWR] = []
-                self._place(peer, which, tail, head, batch, 0, alone)
+                self._place(peer, which, tail, batch, 0, alone)
                 self.memory.client.run(peer, alone, self.memory.seq)
             else:
-                at = self._place(peer, which, tail, head, batch, at, writes.setdefault(peer, []))
+                at = self._place(peer, which, tail, batch, at, writes.setdefault(peer, []))
         for peer, wrs in writes.items():
             self._post(peer, wrs, self.writing)  # a failed peer is skipped: see above
         self.memory.counters.count("log_write", total)
@@ -294,22 +300,24 @@ class RingWriter:
         self.start()
         self.complete()
 
-    def _place(
-        self, peer: int, which: str, tail: int, head: int, batch: list[bytearray], at: int, wrs: list[verbs.SendWR]
-    ) -> int:
-        """Stage `batch` from staging offset `at` and add its WRITEs to `wrs`; the next free offset.
+    def _room(self, peer: int, which: str, tail: int, head: int, need: int) -> None:
+        """Past the ring's high-water mark ask for its owner's checkpoint; past its capacity wait for room."""
+        capacity = self.peers[peer][which]["capacity"]
+        if tail + need - head > HIGH_WATER * capacity:
+            self.ask(peer, which, head)
+        if tail + need - head > capacity:
+            self.wait_for_room(peer, which, tail + need - capacity)
+
+    def _place(self, peer: int, which: str, tail: int, batch: list[bytearray], at: int, wrs: list[verbs.SendWR]) -> int:
+        """Stage `batch` from staging offset `at` and add its WRITEs to `wrs`; the next free offset (`_room`
+        has made room for it).
 
         The records are consecutive in the ring and each is sealed (`_records.seal`: commit word and
         check), so they go in one WRITE (two across the ring's end): a record is committed once all of
         its bytes are placed, whatever order a WRITE places them in.
         """
         ring = self.peers[peer][which]
-        capacity, lkey = ring["capacity"], self.staging_mr.lkey
-        need = sum(len(r) for r in batch)
-        if tail + need - head > HIGH_WATER * capacity:
-            self.ask(peer, which, head)
-        if tail + need - head > capacity:
-            self.wait_for_room(peer, which, tail + need - capacity)
+        lkey, need = self.staging_mr.lkey, sum(len(r) for r in batch)
         base = self.staging_mr.buf + at
         self.staging[at : at + need] = np.frombuffer(sealed(batch, tail), dtype=np.uint8)
         wrs += _spanned(_write, ring, tail, need, lambda _, data_off: base + data_off, lkey)
