@@ -23,6 +23,18 @@ GOOD = Diff.of_runs([(0, np.float64(7.0).tobytes())]).encode()  # page 0's first
 DAMAGED = b"\xff\xff\xff\x00" + b"x" * 16  # a count larger than its payload
 
 
+def _with(plugin: object, name: str) -> Any:
+    """Each rank's plugin host (`run_ranks`' `plugins`): the DSM hookspecs and one `plugin` object."""
+
+    def host(rank: int) -> PluginHost:
+        plugins = PluginHost()
+        plugins.add_hookspecs(dsm.hookspecs)
+        plugins.register(plugin, name)
+        return plugins
+
+    return host
+
+
 def _refused(mem: dsm.Memory, request: DiffRequest) -> str:
     """Send `request` to rank 0 as a writer would; the error the home answered with ("" if it acked)."""
     try:
@@ -97,13 +109,7 @@ class Refuser:
 
 
 def test_a_plugin_that_refuses_a_diff_message_leaves_every_page_as_it_was() -> None:
-    def host(rank: int) -> PluginHost:
-        plugins = PluginHost()
-        plugins.add_hookspecs(dsm.hookspecs)
-        plugins.register(Refuser(), "refuser")
-        return plugins
-
-    home, errors = run_ranks(2, send_each([(1, [0, 1], [GOOD, GOOD])]), "async", plugins=host)
+    home, errors = run_ranks(2, send_each([(1, [0, 1], [GOOD, GOOD])]), "async", plugins=_with(Refuser(), "refuser"))
     assert "plugin 'refuser' failed in dsm_diffs_received: RuntimeError: no room for this message" in errors[0]
     assert home == (0.0, 0, 0, 0)
 
@@ -121,13 +127,9 @@ def test_a_plugin_that_refuses_one_page_of_a_message_leaves_the_pages_before_it_
     """Every `dsm_diff_received` fires before any page changes: a refusal of the second page must not leave the
     first applied (and stamped) with no ack for it."""
 
-    def host(rank: int) -> PluginHost:
-        plugins = PluginHost()
-        plugins.add_hookspecs(dsm.hookspecs)
-        plugins.register(PageRefuser(), "pagerefuser")
-        return plugins
-
-    home, errors = run_ranks(2, send_each([(1, [0, 1], [GOOD, GOOD])]), "async", plugins=host)
+    home, errors = run_ranks(
+        2, send_each([(1, [0, 1], [GOOD, GOOD])]), "async", plugins=_with(PageRefuser(), "pagerefuser")
+    )
     assert "plugin 'pagerefuser' failed in dsm_diff_received: RuntimeError: not page 1" in errors[0]
     assert home == (0.0, 0, 0, 0)
 
@@ -146,12 +148,6 @@ def test_a_page_request_that_waited_for_a_diff_and_then_fails_gets_its_own_error
     The diff comes and the waiting request is served -- and refused by a plugin.  Rank 2 must get that error at
     once; it used to go to the diff's writer instead, leaving rank 2 to its request's timeout."""
     memories: list[Any] = [None] * 3
-
-    def host(rank: int) -> PluginHost:
-        plugins = PluginHost()
-        plugins.add_hookspecs(dsm.hookspecs)
-        plugins.register(ServeRefuser(), "serverefuser")
-        return plugins
 
     def body(mem: dsm.Memory, rt: ThreadRuntime) -> Any:
         memories[rt.rank] = mem
@@ -176,7 +172,7 @@ def test_a_page_request_that_waited_for_a_diff_and_then_fails_gets_its_own_error
         return got
 
     started = time.monotonic()
-    _, writer_error, requester_error = run_ranks(3, body, "async", plugins=host)
+    _, writer_error, requester_error = run_ranks(3, body, "async", plugins=_with(ServeRefuser(), "serverefuser"))
     assert writer_error == ""  # the diff was applied and acked
     assert "plugin 'serverefuser' failed in dsm_page_served: RuntimeError: not to rank 2" in requester_error
     assert time.monotonic() - started < 15, "rank 2 waited for its request's timeout"

@@ -9,10 +9,12 @@ what the rank used so far is already at its log home.  The rings are then read b
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -868,10 +870,10 @@ def _loop_writer(pd: Any, peers: list[dict[str, dict[str, int]]], staging: int) 
     )
 
 
-def test_a_home_whose_log_ring_its_own_diffs_filled_retries_its_discard_before_it_fails() -> None:
-    """`wait_for_room` where the full ring's owner is the writer itself: no checkpoint can come mid-step, but the
-    discard of its last checkpoint, stopped at a hole, may pass it now (`RemoteLog.retry_now`).  Room made by
-    that retry lets the record go; none, and it fails at once."""
+@contextlib.contextmanager
+def _two_rings() -> Iterator[tuple[list[LogRing], Any, Any]]:
+    """Two 1 KiB log rings, at peers 0 and 1, and rank 0's `RingWriter` over a `_LoopNic` (`_loop_writer`):
+    every ring's owner is rank 0, the writer; single-rank checkpoints exist, and are never taken."""
     from ckpt import verbs
     from ckpt_remotelog._writer import LOG, OWN
 
@@ -880,8 +882,20 @@ def test_a_home_whose_log_ring_its_own_diffs_filled_retries_its_discard_before_i
         pd = verbs.PD(ctx)
         rings, own = [LogRing(pd, 1024), LogRing(pd, 1024)], LogRing(pd, 1024)
         peers = [{LOG: rings[0].address(), OWN: own.address()}, {LOG: rings[1].address(), OWN: own.address()}]
-        _, writer = _loop_writer(pd, peers, 1024)  # every ring's owner is rank 0, the writer
+        nic, writer = _loop_writer(pd, peers, 1024)
         writer.memory.rt = SimpleNamespace(checkpoint_rank=lambda rank: None)
+        yield rings, nic, writer
+    finally:
+        ctx.close()
+
+
+def test_a_home_whose_log_ring_its_own_diffs_filled_retries_its_discard_before_it_fails() -> None:
+    """`wait_for_room` where the full ring's owner is the writer itself: no checkpoint can come mid-step, but the
+    discard of its last checkpoint, stopped at a hole, may pass it now (`RemoteLog.retry_now`).  Room made by
+    that retry lets the record go; none, and it fails at once."""
+    from ckpt_remotelog._writer import LOG
+
+    with _two_rings() as (rings, _, writer):  # every ring's owner is rank 0, the writer
         tries: list[int] = []
         writer.retry = lambda: tries.append(1)  # a retry that passes nothing
         with pytest.raises(DsmError, match="only its own checkpoint, which it cannot take mid-step"):
@@ -889,8 +903,6 @@ def test_a_home_whose_log_ring_its_own_diffs_filled_retries_its_discard_before_i
         assert tries == [1]
         writer.retry = lambda: rings[1].set_head(64)  # ... and one that passes the hole
         writer.wait_for_room(1, LOG, 64)
-    finally:
-        ctx.close()
 
 
 def test_a_discard_retried_while_a_batch_waits_for_room_does_not_overwrite_the_batch() -> None:
@@ -898,16 +910,9 @@ def test_a_discard_retried_while_a_batch_waits_for_room_does_not_overwrite_the_b
     for room in ring 1, the writer retries its stopped discard, which READs ring 1 into the staging buffer --
     where ring 0's records were already staged, before every ring's room was made first: their WRITE then
     carried ring 1's bytes, and ring 0's record was lost without an error."""
-    from ckpt import verbs
-    from ckpt_remotelog._writer import LOG, OWN
+    from ckpt_remotelog._writer import LOG
 
-    ctx = verbs.Context(name=f"simib{FIRST_HCA}")
-    try:
-        pd = verbs.PD(ctx)
-        rings, own = [LogRing(pd, 1024), LogRing(pd, 1024)], LogRing(pd, 1024)
-        peers = [{LOG: rings[0].address(), OWN: own.address()}, {LOG: rings[1].address(), OWN: own.address()}]
-        _, writer = _loop_writer(pd, peers, 1024)
-        writer.memory.rt = SimpleNamespace(checkpoint_rank=lambda rank: None)
+    with _two_rings() as (rings, _, writer):
         late = encode(RecordKind.DIFF, 0, b"B" * 64, interval=2, gid=8)
         for size in (200, 200, 200, 64, 32, 8, 0):  # ring 1 full of committed records: no room for `late`
             while rings[1].append_local(encode(RecordKind.DIFF, 0, b"z" * size, interval=1, gid=5)):
@@ -925,23 +930,15 @@ def test_a_discard_retried_while_a_batch_waits_for_room_does_not_overwrite_the_b
         writer.complete()
         assert [(r.gid, r.payload) for r in rings[0].records()] == [(7, b"A" * 64)]
         assert [r.gid for r in rings[1].records()] == [8]
-    finally:
-        ctx.close()
 
 
 def test_a_ring_read_first_waits_for_the_writes_that_gather_from_its_staging_buffer() -> None:
     """`read_ring` READs into the staging buffer a batch's WRITEs gather their bytes from (on the packet path, as
     they are transmitted).  A discard's retry can come while such WRITEs are in flight (`dsm_waiting`, while a
     diff's acknowledgment is awaited): the read waits for them first."""
-    from ckpt import verbs
-    from ckpt_remotelog._writer import LOG, OWN
+    from ckpt_remotelog._writer import LOG
 
-    ctx = verbs.Context(name=f"simib{FIRST_HCA}")
-    try:
-        pd = verbs.PD(ctx)
-        rings, own = [LogRing(pd, 1024), LogRing(pd, 1024)], LogRing(pd, 1024)
-        peers = [{LOG: rings[0].address(), OWN: own.address()}, {LOG: rings[1].address(), OWN: own.address()}]
-        nic, writer = _loop_writer(pd, peers, 1024)
+    with _two_rings() as (_, nic, writer):
         writer.add(1, LOG, encode(RecordKind.DIFF, 0, b"d" * 16, interval=1, gid=7))
         writer.start()
         writer.write()  # the batch's WRITE is posted, not waited for
@@ -951,8 +948,6 @@ def test_a_ring_read_first_waits_for_the_writes_that_gather_from_its_staging_buf
         first_read = next(k for k, e in enumerate(nic.events) if e[0] == "post")
         assert ("wait",) in nic.events[:first_read] and not writer.writing
         assert [r.kind for r in records] == [RecordKind.DIFF]
-    finally:
-        ctx.close()
 
 
 @pytest.mark.parametrize("elsewhere", [True, False], ids=["diffs-at-two-log-homes", "diffs-at-its-own-log-home"])
