@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import threading
 import time
 from typing import Any
 
@@ -12,6 +13,7 @@ from dsm_util import run_ranks
 
 import ckpt
 import dsm
+import dsm._handler
 from ckpt.runtime.plugins import PluginHost
 from ckpt.testing import ThreadRuntime
 from dsm import Diff, DsmError
@@ -143,14 +145,23 @@ class ServeRefuser:
             raise RuntimeError("not to rank 2")
 
 
-def test_a_page_request_that_waited_for_a_diff_and_then_fails_gets_its_own_error() -> None:
+def test_a_page_request_that_waited_for_a_diff_and_then_fails_gets_its_own_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Rank 2 asks for page 0 holding rank 1's interval 5, which has not arrived: the request waits at the home.
     The diff comes and the waiting request is served -- and refused by a plugin.  Rank 2 must get that error at
     once; it used to go to the diff's writer instead, leaving rank 2 to its request's timeout."""
-    memories: list[Any] = [None] * 3
+    queued = threading.Event()  # rank 2's request waits at the home
+    page = dsm._handler.Handler._page
+
+    def watched(self: Any, src: int, rid: int, gid: int, need: list[int]) -> None:
+        page(self, src, rid, gid, need)
+        if self.waiting:
+            queued.set()
+
+    monkeypatch.setattr(dsm._handler.Handler, "_page", watched)
 
     def body(mem: dsm.Memory, rt: ThreadRuntime) -> Any:
-        memories[rt.rank] = mem
         a = mem.array(WORDS, np.float64)
         if rt.rank == 0:
             with a.write(slice(0, WORDS)) as v:
@@ -163,10 +174,7 @@ def test_a_page_request_that_waited_for_a_diff_and_then_fails_gets_its_own_error
             except DsmError as exc:
                 got = str(exc)
         elif rt.rank == 1:
-            deadline = time.monotonic() + 20
-            while not memories[0].handler.waiting:  # rank 2's request is waiting at the home
-                assert time.monotonic() < deadline, "rank 2's page request never waited at its home"
-                time.sleep(0.001)  # polling another thread-rank's state: nothing signals it
+            assert queued.wait(20), "rank 2's page request never waited at its home"
             got = _refused(mem, DiffRequest(mem._next_rid(), 5, [0], [GOOD]))
         mem.barrier()
         return got
