@@ -196,23 +196,29 @@ class ReplayRun:
         )
 
     def stacks(self) -> str:
-        """Every live rank's threads' stacks (SIGUSR1: tests/programs/dsm_replayed.py), for a run that hangs."""
+        """Every live rank's DSM state (SIGUSR2) and threads' stacks (SIGUSR1), for a run that hangs
+        (tests/programs/dsm_replayed.py)."""
         assert self.job is not None
         state = self.job.poll_status() or {"ranks": []}
-        files = {}
+        files: dict[int, list[Path]] = {}
         for entry in state["ranks"]:
-            path = Path(f"{self.stats_prefix}.stacks.{entry['pid']}")
+            paths = [Path(f"{self.stats_prefix}.{kind}.{entry['pid']}") for kind in ("dsm", "stacks")]
             try:
+                os.kill(entry["pid"], signal.SIGUSR2)
                 os.kill(entry["pid"], signal.SIGUSR1)
             except ProcessLookupError:
                 continue
-            files[entry["rank"]] = path
+            files[entry["rank"]] = paths
+        written = [p for paths in files.values() for p in paths]
         try:
-            wait_for(lambda: all(p.exists() and p.stat().st_size for p in files.values()), 10, "the stacks")
+            wait_for(lambda: all(p.exists() and p.stat().st_size for p in written), 10, "the stacks")
         except AssertionError:
             pass  # show what there is
-        shown = [f"--- rank {r} ---\n{p.read_text() if p.exists() else '(none)'}" for r, p in sorted(files.items())]
-        return "\n--- stacks (SIGUSR1) ---\n" + "\n".join(shown)
+        shown = [
+            f"--- rank {r} ---\n" + "".join(p.read_text() if p.exists() else f"(no {p.name})\n" for p in paths)
+            for r, paths in sorted(files.items())
+        ]
+        return "\n--- DSM state (SIGUSR2) and stacks (SIGUSR1) ---\n" + "\n".join(shown)
 
     def check(self, condition: object, what: str) -> None:
         if not condition:

@@ -20,12 +20,14 @@ is in its failure message: CKPT_TEST_SEED=<seed> replays the campaign.
 
 from __future__ import annotations
 
+import importlib
 import random
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from dsm_cases import PROTOCOLS
+from dsm_util import run_ranks
 from ib_cases import random_seed
 from replay_util import (
     CASES,
@@ -42,7 +44,8 @@ from replay_util import (
     run_recovering,
 )
 
-from ckpt.testing import Job
+import dsm
+from ckpt.testing import Job, ThreadRuntime
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 SEED = random_seed()
@@ -113,6 +116,30 @@ def test_without_a_fault_nobody_replays_and_the_answer_is_the_uninterrupted_one(
         assert (s["pid"], s["incarnation"], s["recovered"]) == (first[rank], 0, False), s
         assert s["replayed_acquires"] == s["replayed_barriers"] == s["regenerated_pages"] == s["versions_served"] == 0
         assert s["log_records"] > 0, s  # remote logging was on
+
+
+# ----------------------------------------------------------------- the harness's dump of a hung run
+def test_a_hung_runs_dump_shows_each_ranks_links_requests_and_queues(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What `ReplayRun.stacks` shows besides the stacks (SIGUSR2 in tests/programs/dsm_replayed.py), read from
+    live memories: a request still waiting for its reply, where it stands, and the handler's queues."""
+    monkeypatch.setenv(PROGRAM_ENV, "sor")  # dsm_held picks its program at import
+    monkeypatch.syspath_prepend(str(PROGRAM.parent))
+    replayed = importlib.import_module("dsm_replayed")
+
+    def body(mem: dsm.Memory, rt: ThreadRuntime) -> list[str]:
+        if rt.rank == 0:
+            mem.pending[99] = (1, None, mem.client.link[1])  # as `_send_request` files one
+            try:
+                return list(replayed._dsm_state(mem))
+            finally:
+                mem.pending.pop(99)
+        return []
+
+    lines = "\n".join(run_ranks(2, body, "async")[0])
+    assert "client: state ['up', 'up'] link [0, 0]" in lines, lines
+    assert "request 99 sent on link 0; the link to rank 1 is up, link 0" in lines, lines
+    assert "waiting page requests (rank, rid, gid, need) []" in lines, lines
+    assert "replay: none" in lines, lines
 
 
 # ----------------------------------------------------------------- the harness's own plugin, under abort
