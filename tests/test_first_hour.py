@@ -145,8 +145,9 @@ def test_the_readme_job_that_survives_a_rank_failure(fresh_clone: Path, tmp_path
     out = done.stdout + done.stderr
     assert done.returncode == 0 and "Traceback" not in out, out
     assert "rank 2 (pid" in done.stderr and "respawning it from checkpoint 1 as incarnation 1" in done.stderr, out
-    program = str(fresh_clone / "examples" / "montecarlo.py")
-    assert results(done.stdout) == ckpt.testing.uninterrupted(tmp_path / "plain", 4, program, "1000"), out
+    program, steps = str(fresh_clone / "examples" / "montecarlo.py"), re.search(r"montecarlo\.py (\d+) &", match[1])
+    assert steps is not None, "the block's job is not examples/montecarlo.py STEPS in the background"
+    assert results(done.stdout) == ckpt.testing.uninterrupted(tmp_path / "plain", 4, program, steps[1]), out
     status = json.loads(done.stdout[done.stdout.index("{") :])
     assert [r["incarnation"] for r in status["ranks"]] == [0, 0, 1, 0], status
 
