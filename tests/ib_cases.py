@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from ckpt.testing import run
+from ckpt.testing import run, wait_for
 from harness import PROGRAMS
 
 RANKS = 4
@@ -101,8 +101,8 @@ class Case:
 # The checkpointing tests hold the job (HOLD_ENV) until their last checkpoint is taken, so a fast run
 # cannot end before it, and checkpoint early (`checkpoint_at`) so that the checkpoints fall mid-run.
 # Runs with no checkpoint take a third of the steps (`short`): nothing has to fall mid-run there.
-# ib_ring.py is examples/ring.py with its step held; the ring's option adds 0.5 ms of CPU work per
-# step, which does not change its result.
+# ib_ring.py is examples/ring.py with its step held; the ring's option paces each step by a 0.5 ms sleep
+# (not the example's CPU work: the suite is CPU-bound), which does not change its result.
 CASES = [
     Case("ring", PROGRAMS / "ib_ring.py", ("500",), lambda n: expected_ring(RANKS, n), 1500, 20),
     Case("pingpong", PROGRAMS / "ib_pingpong.py", ("8",), lambda n: expected_pingpong(RANKS, n, 8), 500, 10),
@@ -133,10 +133,31 @@ def take(ckpt_dir: Path, how: str) -> None:
     assert "written" in taken.stdout, taken.stdout
 
 
+def gated_steps(last_gate: int) -> int:
+    """The steps of a run whose checkpoints wait at gates (`Pauses`), the last before step `last_gate`: three
+    times as many steps again run on the restored queue pairs, and no more (the suite is CPU-bound)."""
+    return 4 * last_gate
+
+
 def traced(directory: Path, rank: int, generation: int) -> dict[str, Any]:
     """What ckpt_ib recorded for a rank's generation ($CKPT_IB_TRACE_DIR): real IDs and the provider."""
     data: dict[str, Any] = json.loads((directory / f"ib.{rank}.{generation}.json").read_text())
     return data
+
+
+class Pauses:
+    """Steps where a job of tests/programs idles until the test opens the gate (`ib_common.pausable`): `env`,
+    `wait(step)`, `open(step)`."""
+
+    def __init__(self, tmp_path: Path, *steps: int) -> None:
+        self.prefix = tmp_path / "pause"
+        self.env = {"CKPT_TEST_PAUSE": str(self.prefix), "CKPT_TEST_PAUSE_AT": ",".join(map(str, steps))}
+
+    def wait(self, step: int) -> None:
+        wait_for(Path(f"{self.prefix}.{step}.reached").exists, 60, f"the job to pause before step {step}")
+
+    def open(self, step: int) -> None:
+        Path(f"{self.prefix}.{step}").touch()
 
 
 class Hold:

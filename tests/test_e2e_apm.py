@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 from dsm_cases import CASES as DSM_CASES
-from ib_cases import CASES, RANKS, Hold, launch_args, random_seed, take
-from test_e2e_dsm import PROGRAM_ENV, Pauses, uninterrupted
+from ib_cases import CASES, RANKS, Hold, Pauses, launch_args, random_seed, take
+from test_e2e_dsm import PROGRAM_ENV, uninterrupted
 
 from ckpt.testing import Job, kill_pids, results, run, wait_for
 from harness import PROGRAMS, start_fabric

@@ -19,27 +19,13 @@ from pathlib import Path
 import pytest
 from dsm_cases import CASES, RESTARTS, DsmCase
 from dsm_util import expected_lines
-from ib_cases import RANKS, Hold, launch_args, random_seed, take
+from ib_cases import RANKS, Hold, Pauses, launch_args, random_seed, take
 
-from ckpt.testing import Job, results, run, wait_for
+from ckpt.testing import Job, results, run
 from harness import PROGRAMS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 PROGRAM_ENV = "CKPT_TEST_DSM_PROGRAM"
-
-
-class Pauses:
-    """Steps where a dsm_held.py job idles until the test opens the gate: `env`, `wait(step)`, `open(step)`."""
-
-    def __init__(self, tmp_path: Path, *steps: int) -> None:
-        self.prefix = tmp_path / "pause"
-        self.env = {"CKPT_TEST_PAUSE": str(self.prefix), "CKPT_TEST_PAUSE_AT": ",".join(map(str, steps))}
-
-    def wait(self, step: int) -> None:
-        wait_for(Path(f"{self.prefix}.{step}.reached").exists, 60, f"the job to pause before step {step}")
-
-    def open(self, step: int) -> None:
-        Path(f"{self.prefix}.{step}").touch()
 
 
 def uninterrupted(case: DsmCase, protocol: str) -> dict[int, str]:

@@ -20,10 +20,12 @@ from ib_cases import (
     TRACE_ENV,
     Case,
     Hold,
+    Pauses,
     by_name_in_ci,
     expected_atomics,
     expected_pingpong,
     expected_seq,
+    gated_steps,
     launch_args,
     random_seed,
     take,
@@ -70,11 +72,14 @@ def test_variants_run_uninterrupted_and_native(argv: tuple[str, ...], expected: 
 def test_checkpoint_then_resume_gives_the_uninterrupted_result(
     case: Case, start_job: Callable[..., Job], tmp_path: Path
 ) -> None:
-    ckpt_dir, steps, hold = tmp_path / "ckpt", case.steps, Hold(tmp_path)
-    job = start_job(*launch_args(ckpt_dir, case.argv(steps)), ckpt_dir=ckpt_dir, extra_env=hold.env)
-    job.wait_step(case.checkpoint_at)
-    take(ckpt_dir, "--wait")
-    take(ckpt_dir, "--wait")  # a second one, from the resumed state
+    first, second = case.checkpoint_at, 2 * case.checkpoint_at
+    ckpt_dir, steps = tmp_path / "ckpt", gated_steps(second)
+    hold, pauses = Hold(tmp_path), Pauses(tmp_path, first, second)
+    job = start_job(*launch_args(ckpt_dir, case.argv(steps)), ckpt_dir=ckpt_dir, extra_env={**hold.env, **pauses.env})
+    for at in (first, second):  # the second from the resumed state
+        pauses.wait(at)
+        take(ckpt_dir, "--wait")
+        pauses.open(at)
     hold.release()
     assert job.wait() == 0, job.stderr
     assert results(job.stdout) == case.expect(steps)
@@ -84,12 +89,12 @@ def test_checkpoint_then_resume_gives_the_uninterrupted_result(
 def test_kill_then_restart_gives_the_uninterrupted_result_with_new_real_ids(
     case: Case, start_job: Callable[..., Job], tmp_path: Path
 ) -> None:
-    ckpt_dir, trace, steps = tmp_path / "ckpt", tmp_path / "trace", case.steps
+    ckpt_dir, trace, steps = tmp_path / "ckpt", tmp_path / "trace", gated_steps(case.checkpoint_at)
     trace.mkdir()
-    hold = Hold(tmp_path)
-    env = {TRACE_ENV: str(trace), **hold.env}
+    hold, pauses = Hold(tmp_path), Pauses(tmp_path, case.checkpoint_at)  # the checkpoint falls mid-run
+    env = {TRACE_ENV: str(trace), **hold.env, **pauses.env}
     job = start_job(*launch_args(ckpt_dir, case.argv(steps)), ckpt_dir=ckpt_dir, extra_env=env)
-    job.wait_step(case.checkpoint_at)
+    pauses.wait(case.checkpoint_at)
     shown = run("fabric", "status", "--dir", str(ckpt_dir), "--json")
     assert shown.returncode == 0, shown.stderr
     pids = job.rank_pids()
@@ -98,6 +103,7 @@ def test_kill_then_restart_gives_the_uninterrupted_result_with_new_real_ids(
     }
     take(ckpt_dir, "--kill")
     assert job.wait() == 0, job.stderr
+    pauses.open(case.checkpoint_at)
     hold.release()
     again = start_job("restart", "--ckpt-dir", str(ckpt_dir), ckpt_dir=ckpt_dir, extra_env=env)
     assert again.wait() == 0, again.stderr

@@ -12,7 +12,20 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from ib_cases import BY_NAME, CASES, RANKS, TRACE_ENV, Case, Hold, expected_seq, launch_args, take, traced
+from ib_cases import (
+    BY_NAME,
+    CASES,
+    RANKS,
+    TRACE_ENV,
+    Case,
+    Hold,
+    Pauses,
+    expected_seq,
+    gated_steps,
+    launch_args,
+    take,
+    traced,
+)
 
 from ckpt.testing import Job, results, run
 from harness import PROGRAMS
@@ -41,22 +54,23 @@ def _switch(
     start_job: Callable[..., Job], tmp_path: Path, case: Case, transports: list[str], *, explicit: bool = True
 ) -> None:
     """Launch on transports[0], then for each next one: checkpoint --kill, restart on it; the last run ends."""
-    ckpt_dir, trace, steps, hold = tmp_path / "ckpt", tmp_path / "trace", case.steps, Hold(tmp_path)
+    gates = [case.checkpoint_at * generation for generation in range(1, len(transports))]
+    pauses = Pauses(tmp_path, *gates)  # each checkpoint falls mid-run, however fast the steps are
+    ckpt_dir, trace, steps, hold = tmp_path / "ckpt", tmp_path / "trace", gated_steps(gates[-1]), Hold(tmp_path)
     trace.mkdir()
-    env = {TRACE_ENV: str(trace), **hold.env}
+    env = {TRACE_ENV: str(trace), **hold.env, **pauses.env}
     job = start_job(
         *launch_args(ckpt_dir, case.argv(steps), "--transport", transports[0]), ckpt_dir=ckpt_dir, extra_env=env
     )
-    at = case.checkpoint_at
-    for generation, transport in enumerate(transports[1:], start=1):
-        job.wait_step(at)
+    for generation, (transport, at) in enumerate(zip(transports[1:], gates, strict=True), start=1):
+        pauses.wait(at)
         take(ckpt_dir, "--kill")
         assert job.wait() == 0, job.stderr
+        pauses.open(at)
         if generation == len(transports) - 1:
             hold.release()
         how = ["--transport", transport] if explicit else []
         job = start_job("restart", *how, "--ckpt-dir", str(ckpt_dir), ckpt_dir=ckpt_dir, extra_env=env)
-        at += case.checkpoint_at
     assert job.wait() == 0, job.stderr
     assert results(job.stdout) == case.expect(steps)
     for generation, transport in enumerate(transports):
@@ -90,11 +104,13 @@ def test_a_restart_keeps_the_transport_of_its_checkpoint(start_job: Callable[...
 def test_restart_one_rank_under_pdb_over_tcp(start_job: Callable[..., Job], tmp_path: Path) -> None:
     """The docs/ib2tcp.md walkthrough: checkpointed on simib, restarted over TCP with rank 2 in pdb."""
     case = next(c for c in CASES if c.name == "ring")
-    ckpt_dir, steps, hold = tmp_path / "ckpt", case.steps, Hold(tmp_path)
-    job = start_job(*launch_args(ckpt_dir, case.argv(steps)), ckpt_dir=ckpt_dir, extra_env=hold.env)
-    job.wait_step(case.checkpoint_at)
+    ckpt_dir, steps = tmp_path / "ckpt", gated_steps(case.checkpoint_at)
+    hold, pauses = Hold(tmp_path), Pauses(tmp_path, case.checkpoint_at)
+    job = start_job(*launch_args(ckpt_dir, case.argv(steps)), ckpt_dir=ckpt_dir, extra_env={**hold.env, **pauses.env})
+    pauses.wait(case.checkpoint_at)
     take(ckpt_dir, "--kill")
     assert job.wait() == 0, job.stderr
+    pauses.open(case.checkpoint_at)
     hold.release()
 
     wrong = run("restart", "--debug", str(RANKS), "--ckpt-dir", str(ckpt_dir))

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 from dsm_cases import CASES, DsmCase
-from ib_cases import Hold, launch_args, take
-from test_e2e_dsm import PROGRAM_ENV, Pauses, uninterrupted
+from ib_cases import Hold, Pauses, launch_args, take
+from test_e2e_dsm import PROGRAM_ENV, uninterrupted
 
 from ckpt.testing import Job, one_error_line, results, run
 from harness import PROGRAMS, small_disk

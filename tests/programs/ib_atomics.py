@@ -19,7 +19,7 @@ Result of every rank: "counter=<ranks*steps*FAA_PER_STEP*INC> fetched=ok reads=<
 from __future__ import annotations
 
 import numpy as np
-from ib_common import ACCESS, Deadline, connect_links, held, poll
+from ib_common import ACCESS, Deadline, connect_links, held, pausable, poll
 
 import ckpt
 from ckpt import verbs
@@ -82,6 +82,7 @@ class Atomics(ckpt.Program):
         self.i = 0
 
     @held
+    @pausable
     def step(self, rt: ckpt.Runtime) -> bool:
         last = self.steps + self.lag
         if self.i < self.steps:

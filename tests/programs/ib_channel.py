@@ -13,7 +13,7 @@ step boundaries.  Values mix as in examples/ring.py, so the result is the ring's
 from __future__ import annotations
 
 import numpy as np
-from ib_common import WAIT_LIMIT, Deadline, connect_links, held, poll
+from ib_common import WAIT_LIMIT, Deadline, connect_links, held, pausable, poll
 
 import ckpt
 from ckpt import verbs
@@ -50,6 +50,7 @@ class ChannelRing(ckpt.Program):
         self.i = 0
 
     @held
+    @pausable
     def step(self, rt: ckpt.Runtime) -> bool:
         slot = self.i % DEPTH
         self.send_buf[slot] = self.value

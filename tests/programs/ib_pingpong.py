@@ -19,7 +19,7 @@ import time
 import zlib
 
 import numpy as np
-from ib_common import Deadline, connect_links, held, poll
+from ib_common import Deadline, connect_links, held, pausable, poll
 
 import ckpt
 from ckpt import verbs
@@ -73,6 +73,7 @@ class PingPong(ckpt.Program):
         self.i = 0
 
     @held
+    @pausable
     def step(self, rt: ckpt.Runtime) -> bool:
         if not self.late:
             for _ in range(self.rounds):

@@ -19,7 +19,7 @@ often the job was checkpointed, resumed or restarted.
 from __future__ import annotations
 
 import numpy as np
-from ib_common import ACCESS, Deadline, connect_links, held, poll
+from ib_common import ACCESS, Deadline, connect_links, held, pausable, poll
 
 import ckpt
 from ckpt import verbs
@@ -75,6 +75,7 @@ class SequenceNumbers(ckpt.Program):
         self.i = 0
 
     @held
+    @pausable
     def step(self, rt: ckpt.Runtime) -> bool:
         for p in self.peers:
             for _ in range(self.per_step):

@@ -13,7 +13,7 @@ with a limit it never reaches, so a modify-SRQ is part of the state.
 from __future__ import annotations
 
 import numpy as np
-from ib_common import Deadline, connect_links, held, poll
+from ib_common import Deadline, connect_links, held, pausable, poll
 
 import ckpt
 from ckpt import verbs
@@ -46,6 +46,7 @@ class SharedReceiveQueue(ckpt.Program):
         self.i = 0
 
     @held
+    @pausable
     def step(self, rt: ckpt.Runtime) -> bool:
         for qp in self.qps:
             slot = self.sent % DEPTH
