@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from ib_cases import RANKS, TRACE_ENV, Case, Hold, expected_seq, launch_args, take, traced
+from ib_cases import RANKS, TRACE_ENV, Case, Hold, Pauses, expected_seq, gated_steps, launch_args, take, traced
 
 from ckpt.testing import Job, one_error_line, results, run, uninterrupted
 from harness import PROGRAMS
@@ -34,28 +34,28 @@ def _counted(ckpt_dir: Path, generation: int) -> list[dict[str, object]]:
 def test_a_plugin_transport_checkpoints_and_restarts_onto_simib_and_back(
     start_job: Callable[..., Job], tmp_path: Path
 ) -> None:
-    steps = SEQ.steps  # held until its last restart: the checkpoints at steps 10 and 20 fall mid-run
+    transports = ["counted", "simib", "counted"]
+    gates = [SEQ.checkpoint_at, 2 * SEQ.checkpoint_at]  # the job waits at each until it is checkpointed: mid-run
+    steps = gated_steps(gates[-1])
     plain = uninterrupted(tmp_path / "plain", RANKS, *PLUGIN, "--transport", "counted", *SEQ.argv(steps))
     assert plain == SEQ.expect(steps)
 
-    ckpt_dir, trace, hold = tmp_path / "ckpt", tmp_path / "trace", Hold(tmp_path)
+    ckpt_dir, trace, hold, pauses = tmp_path / "ckpt", tmp_path / "trace", Hold(tmp_path), Pauses(tmp_path, *gates)
     trace.mkdir()
-    env = {TRACE_ENV: str(trace), **hold.env}
+    env = {TRACE_ENV: str(trace), **hold.env, **pauses.env}
     job = start_job(
         *launch_args(ckpt_dir, SEQ.argv(steps), *PLUGIN, "--transport", "counted"), ckpt_dir=ckpt_dir, extra_env=env
     )
-    transports = ["counted", "simib", "counted"]
-    at = SEQ.checkpoint_at
-    for generation, transport in enumerate(transports[1:], start=1):
-        job.wait_step(at)
+    for generation, (transport, at) in enumerate(zip(transports[1:], gates, strict=True), start=1):
+        pauses.wait(at)
         take(ckpt_dir, "--kill")
         assert job.wait() == 0, job.stderr
+        pauses.open(at)
         if generation == len(transports) - 1:
             hold.release()
         # the restart reloads ckpt_counted by itself: the manifest recorded the --with-plugin module
         restart = ["restart", "--transport", transport, "--ckpt-dir", str(ckpt_dir)]
         job = start_job(*restart, ckpt_dir=ckpt_dir, extra_env=env)
-        at += SEQ.checkpoint_at
     job.finishes_with(plain)
 
     for generation, transport in enumerate(transports):
