@@ -442,6 +442,81 @@ def test_a_home_that_fills_its_own_log_ring_mid_step_fails_at_once(protocol: str
     assert seconds < 10, f"the home waited {seconds:.1f} s for a checkpoint only it could take"
 
 
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_a_writer_whose_owners_ring_is_full_fails_at_once_while_that_owner_waits_in_a_barrier(protocol: str) -> None:
+    """Rank 1 fills rank 0's log ring (with diffs of rank 0's page) while rank 0 waits in a barrier for it: only
+    rank 0's checkpoint can empty the ring, at its next step boundary, after that barrier.  Waiting for room
+    could only end in the 60 s timeout; rank 1 reads rank 0's barrier word and fails at once."""
+    failed: list[tuple[str, float]] = []
+
+    def body(rt: ThreadRuntime) -> None:
+        rt.checkpoint_rank = lambda owner: None  # type: ignore[attr-defined]  (asked, never at a step boundary)
+        memory = dsm.attach(rt, protocol)
+        a = memory.array((512,), np.float64)  # one page
+        lock = memory.lock()
+        if rt.rank == 0:
+            with a.write(slice(0, 512)) as v:
+                v[:] = 0  # rank 0 becomes the page's home
+        memory.barrier()
+        if rt.rank == 0:
+            memory.barrier()  # waits for rank 1, which fills rank 0's log ring meanwhile
+            return
+        started = time.monotonic()
+        try:
+            for i in range(200):
+                with lock, a.write(slice(0, 512)) as v:
+                    v[:] = i + 1  # a whole page's diff per interval, in rank 0's log ring at rank 1
+        except ckpt.PluginError as exc:  # the DsmError, out of the plugin's hook
+            failed.append((str(exc), time.monotonic() - started))
+        memory.barrier()  # rank 0 goes on (its ring is not emptied: nothing more is logged into it)
+
+    run_threads(
+        2,
+        body,
+        first_device=FIRST_HCA,
+        plugins=_plain_hosts,
+        options={"dsm_protocol": protocol, "logging": "remote", "log_ring_bytes": 16384},
+    )
+    assert len(failed) == 1, "rank 0's log ring never filled"
+    message, seconds = failed[0]
+    assert "the log ring of rank 0 at rank 1 is full" in message and "waits in barrier 2" in message, message
+    assert "raise --log-ring-bytes" in message, message
+    assert seconds < 10, f"the writer waited {seconds:.1f} s for a checkpoint its owner could not take"
+
+
+def test_a_writer_blocked_on_a_full_ring_keeps_waiting_while_its_owner_may_still_make_room() -> None:
+    """The owner's barrier word (`RemoteLog._publish_barrier`) makes a writer blocked on its full log ring fail at
+    once only when the owner waits in a barrier the writer has not entered and no discard of the owner's last
+    checkpoint is left to retry.  One the writer has passed (the owner has not taken in its reply yet) ends
+    without the writer; a stopped discard, retried while the owner waits, may pass a dead writer's hole."""
+    cases = [(0, False), (1, False), (1, True)]  # (barrier after the writer's epoch, a stopped discard pending)
+
+    def body(rt: ThreadRuntime) -> list[bool]:
+        memory = dsm.attach(rt, "async")
+        memory.barrier()  # epoch 1 on both ranks
+        log: RemoteLog = memory.extensions["remotelog"]
+        verdicts = []
+        for ahead, pending in cases:
+            if rt.rank == 0:
+                log.in_barrier, log.pending = memory.epoch + ahead, {"stopped": True} if pending else None
+                log._publish_barrier()
+            rt.barrier()  # rank 0's word is set
+            if rt.rank == 1:
+                try:
+                    log.writer._owner_not_in_barrier(0, "full")
+                    verdicts.append(False)
+                except DsmError:
+                    verdicts.append(True)
+            rt.barrier()  # rank 1 has read it
+        log.in_barrier, log.pending = 0, None
+        memory.barrier()
+        return verdicts
+
+    options = {"dsm_protocol": "async", "logging": "remote"}
+    failed_at_once = run_threads(2, body, first_device=FIRST_HCA, plugins=_plain_hosts, options=options)[1]
+    assert failed_at_once == [False, True, False]
+
+
 def test_a_homes_own_diffs_ask_for_a_coordinated_checkpoint_again_after_each_release() -> None:
     """onesided: a home whose pages only it writes keeps its own HOME_DIFFs beside its home diff log.  Past half
     the ring's capacity they ask for a coordinated checkpoint; the checkpoint releases them, and the next fill

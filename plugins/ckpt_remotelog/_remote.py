@@ -119,7 +119,7 @@ from ._records import (
 from ._replay import LogReplay
 from ._ring import MIN_CAPACITY, REMOTE, LogRing
 from ._versions import HomeVersions
-from ._writer import CLAIMS, HIGH_WATER, HOME, IDLE, LOG, OWN, RingWriter
+from ._writer import CLAIMS, HIGH_WATER, HOME, IDLE, LOG, OWN, WAITS, RingWriter
 
 log = logging.getLogger(__name__)
 REASK = 5.0  # seconds after which a writer blocked on a full ring asks its owner's checkpoint again
@@ -171,8 +171,22 @@ class RemoteLog(Discard):
         self.claims[:] = IDLE
         self.claims_mr = verbs.MR(memory.pd, self.claims, REMOTE)
         claims = {"addr": self.claims_mr.buf, "rkey": self.claims_mr.rkey, "capacity": 0}
+        # this rank's barrier word, read by a writer that waits for room in this rank's log ring
+        # (`RingWriter.wait_for_room`): 1 + the epoch of the barrier it waits in once nothing but its next
+        # checkpoint can empty the ring (no discard of its last one is left to retry), else 0 -- and it cannot
+        # take that checkpoint inside a barrier that waits for the writer
+        self.waits = verbs.shared_array(1, np.int64)
+        self.waits_mr = verbs.MR(memory.pd, self.waits, REMOTE)
+        self.in_barrier = 0  # the epoch of the barrier this rank waits in, from its arrival on
+        waits = {"addr": self.waits_mr.buf, "rkey": self.waits_mr.rkey, "capacity": 0}
         self.peers: list[dict[str, dict[str, int]]] = memory.rt.allgather(
-            {LOG: self.ring.address(), HOME: self.home_log.address(), OWN: self.own_ring.address(), CLAIMS: claims}
+            {
+                LOG: self.ring.address(),
+                HOME: self.home_log.address(),
+                OWN: self.own_ring.address(),
+                CLAIMS: claims,
+                WAITS: waits,
+            }
         )
         own_home = self.log_home(self.rank)
         self.writer = RingWriter(
@@ -277,6 +291,14 @@ class RemoteLog(Discard):
         full log ring, behind the hole the last discard stopped at."""
         if self.pending is not None:
             self.retry_discard(throttle=True)
+            self._publish_barrier()
+
+    def _publish_barrier(self) -> None:
+        """Set the barrier word (see `__init__`): a writer blocked on this rank's full log ring while it waits in
+        a barrier fails at once, unless a retried discard may still make room."""
+        if getattr(self, "waits", None) is not None:  # (an image from before the barrier word has none)
+            in_barrier = getattr(self, "in_barrier", 0)
+            self.waits[0] = in_barrier + 1 if in_barrier and self.pending is None else 0
 
     @ckpt.hookimpl
     def dsm_diffs_received(self, writer: int, interval: int, diffs: list[tuple[int, Diff]]) -> None:
@@ -321,9 +343,13 @@ class RemoteLog(Discard):
         self.writer.flush()  # the manager can observe the arrival: logged before it leaves
         if self.pending is not None:
             self.retry_discard(throttle=False)  # a writer this barrier waits for may wait for room in the ring
+        self.in_barrier = epoch  # until `dsm_barrier_passed`
+        self._publish_barrier()
 
     @ckpt.hookimpl
     def dsm_barrier_passed(self, epoch: int) -> None:
+        self.in_barrier = 0
+        self._publish_barrier()
         if self.replayed(RecordKind.BARRIER, epoch):
             self.notices = []
             return

@@ -70,6 +70,7 @@ FULL_TIMEOUT = 60.0  # seconds a writer waits for room in a full ring
 HIGH_WATER = 0.5  # a reservation past this fill asks for the owner's checkpoint
 OWN_READ = 64 << 10  # bytes of the own ring a recovery reads first (`RingWriter.read_own`)
 CLAIMS = "claims"  # the peers' entry of the claim words
+WAITS = "waits"  # the peers' entry of the barrier word (`RemoteLog.waits`; absent in images from before it)
 IDLE, IN_FLIGHT = -2, -1  # claims: nothing reserved and unwritten; a FETCH_AND_ADD whose answer is not back
 NO_CLAIM = 1 << 62  # `lowest_claim` when no live rank claims anything
 
@@ -394,6 +395,7 @@ class RingWriter:
         pause = 1e-4
         while (head := self.read_word(peer, which, 8)) < head_needed:
             self.ask(peer, which, head, again=True)  # blocked: ask again now and then
+            self._owner_not_in_barrier(owner, full)
             if time.monotonic() > deadline:
                 raise DsmError(
                     f"{full} and rank {owner} did not checkpoint within {FULL_TIMEOUT:.0f} s: "
@@ -401,6 +403,22 @@ class RingWriter:
                 )
             time.sleep(pause)  # polling a remote word: the owner's discard is an RDMA WRITE, nothing signals here
             pause = min(pause * 2, 0.05)
+
+    def _owner_not_in_barrier(self, owner: int, full: str) -> None:
+        """Raise if `owner` waits in a barrier this rank has not entered: it waits for this rank, which waits for
+        its checkpoint, which it can take only at its next step boundary -- after that barrier.
+
+        Its barrier word (`RemoteLog.waits`) may still name a barrier this rank has passed (its reply not yet
+        taken in there): that one ends without this rank, so the wait goes on.
+        """
+        if WAITS not in self.peers[owner] or self.memory.client.state[owner] != UP:
+            return  # an image from before the barrier word; or a failed owner, whose next incarnation starts over
+        waiting = self.read_word(owner, WAITS, 0) - 1
+        if waiting > self.memory.epoch:
+            raise DsmError(
+                f"{full}, only rank {owner}'s own checkpoint can empty it, and rank {owner} waits in barrier "
+                f"{waiting}, which waits for this rank: raise --log-ring-bytes"
+            )
 
     # ------------------------------------------------------------------ single words, whole rings (synchronous)
     @contextlib.contextmanager
