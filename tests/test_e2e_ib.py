@@ -160,29 +160,42 @@ def test_exactly_once_across_20_checkpoints_and_5_restarts(start_job: Callable[.
 
 
 # ------------------------------------------------------------------ what is in flight at the checkpoint
+IN_FLIGHT_STEPS = gated_steps(20)  # the last gate, before step 20
+
+
 @pytest.mark.parametrize(
-    ("argv", "expected", "at"),
+    ("argv", "expected"),
     [
-        ((str(PROGRAMS / "ib_atomics.py"), "600", "inflight"), expected_atomics(RANKS, 600), 10),
-        ((str(PROGRAMS / "ib_pingpong.py"), "150", "4", "late"), expected_pingpong(RANKS, 150, 4), 10),
+        ((str(PROGRAMS / "ib_atomics.py"), str(IN_FLIGHT_STEPS), "inflight"), expected_atomics(RANKS, IN_FLIGHT_STEPS)),
+        (
+            (str(PROGRAMS / "ib_pingpong.py"), str(IN_FLIGHT_STEPS), "4", "late"),
+            expected_pingpong(RANKS, IN_FLIGHT_STEPS, 4),
+        ),
     ],
     ids=["reads-and-atomics", "rnr-retrying-sends"],
 )
 def test_checkpoint_with_operations_in_flight_resumes_and_restarts(
-    argv: tuple[str, ...], expected: dict[int, str], at: int, start_job: Callable[..., Job], tmp_path: Path
+    argv: tuple[str, ...], expected: dict[int, str], start_job: Callable[..., Job], tmp_path: Path
 ) -> None:
-    ckpt_dir, hold = tmp_path / "ckpt", Hold(tmp_path)
-    job = start_job(*launch_args(ckpt_dir, argv), ckpt_dir=ckpt_dir, extra_env=hold.env)
-    job.wait_step(at)
+    """Each checkpoint at a gate, where every rank idles before a real step with the last step's operations
+    still outstanding (inflight: polled only in the next step; late: pings in RNR retry until the ponger's
+    next step posts their receives)."""
+    ckpt_dir, hold, pauses = tmp_path / "ckpt", Hold(tmp_path), Pauses(tmp_path, 10, 15, 20)
+    env = {**hold.env, **pauses.env}
+    job = start_job(*launch_args(ckpt_dir, argv), ckpt_dir=ckpt_dir, extra_env=env)
+    pauses.wait(10)
     take(ckpt_dir, "--wait")
-    job.wait_step(at + 5)
+    pauses.open(10)
+    pauses.wait(15)
     take(ckpt_dir, "--kill")
     assert job.wait() == 0, job.stderr
-    again = start_job("restart", "--ckpt-dir", str(ckpt_dir), ckpt_dir=ckpt_dir, extra_env=hold.env)
-    again.wait_step(at + 10)
+    pauses.open(15)
+    again = start_job("restart", "--ckpt-dir", str(ckpt_dir), ckpt_dir=ckpt_dir, extra_env=env)
+    pauses.wait(20)
     take(ckpt_dir, "--kill")
     assert again.wait() == 0, again.stderr
+    pauses.open(20)
     hold.release()
-    third = start_job("restart", "--ckpt-dir", str(ckpt_dir), ckpt_dir=ckpt_dir, extra_env=hold.env)
+    third = start_job("restart", "--ckpt-dir", str(ckpt_dir), ckpt_dir=ckpt_dir, extra_env=env)
     assert third.wait() == 0, third.stderr
     assert results(third.stdout) == expected
