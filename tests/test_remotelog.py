@@ -14,7 +14,7 @@ import itertools
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -399,11 +399,13 @@ def test_a_tiny_ring_asks_for_the_owners_checkpoint_waits_and_loses_nothing(prot
     assert sum(1 for r in own if r.kind == RecordKind.NOTICES) == intervals
 
 
-@pytest.mark.parametrize("protocol", PROTOCOLS)
-def test_a_home_that_fills_its_own_log_ring_mid_step_fails_at_once(protocol: str) -> None:
-    """Rank 0 writes its own page in many intervals of one step: its diffs fill its log ring at rank 1, which only
-    rank 0's own checkpoint can empty -- and rank 0, mid-step, cannot take it.  Waiting for room could only end
-    in the 60 s timeout (an IS of 2**18 keys did, on 4 MiB rings); it fails at once, saying what to raise."""
+def _fill_rank_0s_log_ring(
+    protocol: str, writer: int, other: Callable[[dsm.Memory, threading.Event], None]
+) -> tuple[str, float]:
+    """Rank `writer` writes rank 0's one page in 200 intervals of one step, a whole page's diff each: they fill
+    rank 0's log ring at rank 1 (16 KiB), which only rank 0's own checkpoint can empty (asked for, never
+    taken).  The other rank runs `other(memory, done)`; `done` is set once the writer stopped writing.  The
+    writer's error and how long it wrote, or ("", seconds) if nothing failed."""
     failed: list[tuple[str, float]] = []
     done = threading.Event()
 
@@ -416,69 +418,50 @@ def test_a_home_that_fills_its_own_log_ring_mid_step_fails_at_once(protocol: str
             with a.write(slice(0, 512)) as v:
                 v[:] = 0  # rank 0 becomes the page's home
         memory.barrier()
-        if rt.rank == 1:
-            assert done.wait(30)
+        if rt.rank != writer:
+            other(memory, done)
             return
         started = time.monotonic()
         try:
             for i in range(200):
                 with lock, a.write(slice(0, 512)) as v:
-                    v[:] = i + 1  # a whole page's diff per interval
+                    v[:] = i + 1
         except ckpt.PluginError as exc:  # the DsmError, out of the plugin's hook
             failed.append((str(exc), time.monotonic() - started))
         finally:
             done.set()
+        if writer != 0:
+            memory.barrier()  # the one rank 0 waits in: it goes on (nothing more is logged into its ring)
 
-    run_threads(
-        2,
-        body,
-        first_device=FIRST_HCA,
-        plugins=_plain_hosts,
-        options={"dsm_protocol": protocol, "logging": "remote", "log_ring_bytes": 16384},
-    )
-    assert len(failed) == 1, "the home's own log ring never filled"
-    message, seconds = failed[0]
+    options = {"dsm_protocol": protocol, "logging": "remote", "log_ring_bytes": 16384}
+    run_threads(2, body, first_device=FIRST_HCA, plugins=_plain_hosts, options=options)
+    return failed[0] if failed else ("", 0.0)
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_a_home_that_fills_its_own_log_ring_mid_step_fails_at_once(protocol: str) -> None:
+    """Rank 0 fills its own log ring with its own diffs, mid-step, where it cannot take the checkpoint that would
+    empty it.  Waiting for room could only end in the 60 s timeout (an IS of 2**18 keys did, on 4 MiB rings);
+    it fails at once, saying what to raise."""
+
+    def wait_for_the_writer(memory: dsm.Memory, done: threading.Event) -> None:
+        assert done.wait(30)
+
+    message, seconds = _fill_rank_0s_log_ring(protocol, 0, wait_for_the_writer)
     assert "the log ring of rank 0 at rank 1 is full" in message and "raise --log-ring-bytes" in message, message
     assert seconds < 10, f"the home waited {seconds:.1f} s for a checkpoint only it could take"
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_a_writer_whose_owners_ring_is_full_fails_at_once_while_that_owner_waits_in_a_barrier(protocol: str) -> None:
-    """Rank 1 fills rank 0's log ring (with diffs of rank 0's page) while rank 0 waits in a barrier for it: only
-    rank 0's checkpoint can empty the ring, at its next step boundary, after that barrier.  Waiting for room
-    could only end in the 60 s timeout; rank 1 reads rank 0's barrier word and fails at once."""
-    failed: list[tuple[str, float]] = []
+    """Rank 1 fills rank 0's log ring while rank 0 waits in a barrier for it: rank 0's checkpoint, the only one
+    that empties the ring, can come only after that barrier.  Waiting for room could only end in the 60 s
+    timeout; rank 1 reads rank 0's barrier word and fails at once."""
 
-    def body(rt: ThreadRuntime) -> None:
-        rt.checkpoint_rank = lambda owner: None  # type: ignore[attr-defined]  (asked, never at a step boundary)
-        memory = dsm.attach(rt, protocol)
-        a = memory.array((512,), np.float64)  # one page
-        lock = memory.lock()
-        if rt.rank == 0:
-            with a.write(slice(0, 512)) as v:
-                v[:] = 0  # rank 0 becomes the page's home
+    def wait_in_a_barrier(memory: dsm.Memory, done: threading.Event) -> None:
         memory.barrier()
-        if rt.rank == 0:
-            memory.barrier()  # waits for rank 1, which fills rank 0's log ring meanwhile
-            return
-        started = time.monotonic()
-        try:
-            for i in range(200):
-                with lock, a.write(slice(0, 512)) as v:
-                    v[:] = i + 1  # a whole page's diff per interval, in rank 0's log ring at rank 1
-        except ckpt.PluginError as exc:  # the DsmError, out of the plugin's hook
-            failed.append((str(exc), time.monotonic() - started))
-        memory.barrier()  # rank 0 goes on (its ring is not emptied: nothing more is logged into it)
 
-    run_threads(
-        2,
-        body,
-        first_device=FIRST_HCA,
-        plugins=_plain_hosts,
-        options={"dsm_protocol": protocol, "logging": "remote", "log_ring_bytes": 16384},
-    )
-    assert len(failed) == 1, "rank 0's log ring never filled"
-    message, seconds = failed[0]
+    message, seconds = _fill_rank_0s_log_ring(protocol, 1, wait_in_a_barrier)
     assert "the log ring of rank 0 at rank 1 is full" in message and "waits in barrier 2" in message, message
     assert "raise --log-ring-bytes" in message, message
     assert seconds < 10, f"the writer waited {seconds:.1f} s for a checkpoint its owner could not take"
