@@ -86,8 +86,8 @@ class Case:
     program: Path
     options: tuple[str, ...]  # the program's arguments after STEPS
     expect: Callable[[int], dict[int, str]]  # steps -> what each rank prints
-    steps: int  # an uninterrupted run steps for 2-5 s
-    checkpoint_at: int  # a step every rank is past when the test checkpoints
+    steps: int  # a run long enough for a checkpoint that races it (`wait_step`) to fall mid-run, mostly
+    checkpoint_at: int  # the gate (`Pauses`) or step a test checkpoints at
 
     @property
     def short(self) -> int:
@@ -99,8 +99,9 @@ class Case:
 
 
 # The checkpointing tests hold the job (HOLD_ENV) until their last checkpoint is taken, so a fast run
-# cannot end before it, and checkpoint early (`checkpoint_at`) so that the checkpoints fall mid-run.
-# Runs with no checkpoint take a third of the steps (`short`): nothing has to fall mid-run there.
+# cannot end before it.  Most checkpoint at a gate (`Pauses`, before real step `checkpoint_at`), so the
+# checkpoint is mid-run under any load, and run `gated_steps` steps; the others (apm's, which fail a link at a
+# moment no gate decides) race `steps`.  Runs with no checkpoint take a third of the steps (`short`).
 # ib_ring.py is examples/ring.py with its step held; the ring's option paces each step by a 0.5 ms sleep
 # (not the example's CPU work: the suite is CPU-bound), which does not change its result.
 CASES = [
