@@ -71,14 +71,17 @@ def test_a_ring_gives_the_uninterrupted_answer_across_a_link_failure_at_a_random
     victim, at = rng.randint(0, RANKS - 1), rng.randint(5, steps // 4)  # early: traffic goes on long after it
     label = f"seed {SEED + index} (CKPT_TEST_SEED={SEED}): rank {victim}'s port 1 failed after step {at}"
     # the job pauses at step `at` while the test looks up the LIDs, and the link fails as the traffic resumes
-    # (one CLI call later: a moment no step boundary decides), so a loaded machine cannot let the ring end first
-    hold, pauses = Hold(tmp_path), Pauses(tmp_path, at)
+    # (one CLI call later: a moment no step boundary decides); a second gate, opened once the link is down,
+    # keeps traffic to come after the fault however fast the ring ran meanwhile
+    later = steps // 2
+    hold, pauses = Hold(tmp_path), Pauses(tmp_path, at, later)
     job = _launch(start_job, ckpt_dir, steps, env={**hold.env, **pauses.env})
     pauses.wait(at)
     lid = _lids(ckpt_dir, job)[victim][0]
     pauses.open(at)
     _link(ckpt_dir, lid, up=False)
     failed_at = job.status()["ranks"][victim]["step"]  # type: ignore[index]
+    pauses.open(later)
     label += f" (the link went down at step {failed_at})"
     wait_for(lambda: _apm(job, victim).get("migrations_automatic", 0) >= 1, 60, f"{label}: a migration")
     hold.release()
