@@ -49,6 +49,7 @@ from ckpt_remotelog._records import (
     walk,
 )
 from ckpt_remotelog._ring import CONTROL, LogRing, circular_write
+from ckpt_remotelog._writer import LOG
 from dsm import Diff, DsmError
 from dsm._messages import NAMES
 from dsm.programs import program_class
@@ -405,7 +406,7 @@ def _fill_rank_0s_log_ring(
     """Rank `writer` writes rank 0's one page in 200 intervals of one step, a whole page's diff each: they fill
     rank 0's log ring at rank 1 (16 KiB), which only rank 0's own checkpoint can empty (asked for, never
     taken).  The other rank runs `other(memory, done)`; `done` is set once the writer stopped writing.  The
-    writer's error and how long it wrote, or ("", seconds) if nothing failed."""
+    writer's error and how long it wrote; the test fails if nothing did."""
     failed: list[tuple[str, float]] = []
     done = threading.Event()
 
@@ -435,7 +436,8 @@ def _fill_rank_0s_log_ring(
 
     options = {"dsm_protocol": protocol, "logging": "remote", "log_ring_bytes": 16384}
     run_threads(2, body, first_device=FIRST_HCA, plugins=_plain_hosts, options=options)
-    return failed[0] if failed else ("", 0.0)
+    assert len(failed) == 1, "rank 0's log ring never filled"
+    return failed[0]
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
@@ -467,26 +469,31 @@ def test_a_writer_whose_owners_ring_is_full_fails_at_once_while_that_owner_waits
     assert seconds < 10, f"the writer waited {seconds:.1f} s for a checkpoint its owner could not take"
 
 
+NO_ROOM = 1 << 40  # a head the ring never reaches
+
+
 def test_a_writer_blocked_on_a_full_ring_keeps_waiting_while_its_owner_may_still_make_room() -> None:
     """The owner's barrier word (`RemoteLog._publish_barrier`) makes a writer blocked on its full log ring fail at
     once only when the owner waits in a barrier the writer has not entered and no discard of the owner's last
     checkpoint is left to retry.  One the writer has passed (the owner has not taken in its reply yet) ends
     without the writer; a stopped discard, retried while the owner waits, may pass a dead writer's hole."""
-    cases = [(0, False), (1, False), (1, True)]  # (barrier after the writer's epoch, a stopped discard pending)
+    # (barrier after the writer's epoch, a stopped discard pending, the head the writer needs): the last case is
+    # the owner's last retry having made room just before it set the word (the head is read again)
+    cases = [(0, False, NO_ROOM), (1, False, NO_ROOM), (1, True, NO_ROOM), (1, False, 0)]
 
     def body(rt: ThreadRuntime) -> list[bool]:
         memory = dsm.attach(rt, "async")
         memory.barrier()  # epoch 1 on both ranks
         log: RemoteLog = memory.extensions["remotelog"]
         verdicts = []
-        for ahead, pending in cases:
+        for ahead, pending, needed in cases:
             if rt.rank == 0:
                 log.in_barrier, log.pending = memory.epoch + ahead, {"stopped": True} if pending else None
                 log._publish_barrier()
             rt.barrier()  # rank 0's word is set
             if rt.rank == 1:
                 try:
-                    log.writer._owner_not_in_barrier(0, "full")
+                    log.writer._owner_not_in_barrier(0, "full", log.log_home(0), LOG, needed)
                     verdicts.append(False)
                 except DsmError:
                     verdicts.append(True)
@@ -497,7 +504,7 @@ def test_a_writer_blocked_on_a_full_ring_keeps_waiting_while_its_owner_may_still
 
     options = {"dsm_protocol": "async", "logging": "remote"}
     failed_at_once = run_threads(2, body, first_device=FIRST_HCA, plugins=_plain_hosts, options=options)[1]
-    assert failed_at_once == [False, True, False]
+    assert failed_at_once == [False, True, False, False]
 
 
 def test_a_homes_own_diffs_ask_for_a_coordinated_checkpoint_again_after_each_release() -> None:
@@ -726,7 +733,7 @@ def test_a_batch_is_one_write_and_a_record_is_committed_only_when_whole(tail: in
     from types import SimpleNamespace
 
     from ckpt import verbs
-    from ckpt_remotelog._writer import IDLE, LOG, OWN, RingWriter
+    from ckpt_remotelog._writer import IDLE, OWN, RingWriter
 
     ctx = verbs.Context(name=f"simib{FIRST_HCA}")
     try:

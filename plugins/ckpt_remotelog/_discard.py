@@ -119,7 +119,7 @@ class Discard:
         writer's (a rank recovering, a claim's answer in flight).  It used to stay there until this rank's
         next checkpoint.  But that checkpoint is asked for only once the ring's head has moved since the last
         ask, or by a writer already blocked on the full ring.  That writer may be one this rank waits for at a
-        barrier: then no step boundary comes, and the writer fails after 60 s (docs/remotelog.md).  So the
+        barrier: then no step boundary comes, and the writer would fail (docs/remotelog.md).  So the
         same checkpoint's coverage is applied again until the discard passes the hole.  What that checkpoint
         covers, every later image of this process covers too (a process restored from an image has nothing
         pending).  A try reads first whether it can move at all -- a committed record where the hole was, or

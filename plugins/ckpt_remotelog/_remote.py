@@ -70,7 +70,8 @@ coordinated checkpoint releases it; counted in ``log_full_checkpoints``); one th
 re-reading ``head``, for the owner to checkpoint and discard.  That wait cannot be
 unbounded: the owner may be blocked on this very writer (a lock it holds, a barrier it
 has not reached), so after `FULL_TIMEOUT` seconds it fails with a DsmError naming the
-ring and the option to raise, rather than hang.  Without single-rank checkpoints
+ring and the option to raise, rather than hang -- at once when the owner's barrier word
+says it waits in a barrier this writer has not entered (`_publish_barrier`).  Without single-rank checkpoints
 (``rt.checkpoint_rank``) it fails at once: a coordinated checkpoint needs this writer
 at a step boundary, which it cannot reach while it waits.  An own record that does not
 fit its own ring fails at once too, and so does a DIFF record of a home's own writes that does not fit
@@ -212,6 +213,7 @@ class RemoteLog(Discard):
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["asked"] = {}  # times of this process's clock
+        state["in_barrier"] = 0  # (set only inside a barrier, which no checkpoint interrupts, but never stale)
         state.update(pending=None, retry_at=0.0)  # a discard of this process's (one from the image: at its checkpoint)
         return state
 
@@ -220,7 +222,10 @@ class RemoteLog(Discard):
             # its rings' records have no check (or own rings are missing): they would read as never written
             older = "this image was written by an older ckpt_remotelog (another log record format)"
             raise DsmError(f"{older}: it cannot resume")
-        self.__dict__.update({"pending": None, "retry_at": 0.0, **state})  # (images from before `retry_discard`)
+        # (images from before `retry_discard`, and from before the barrier word)
+        self.__dict__.update({"pending": None, "retry_at": 0.0, "waits": None, "in_barrier": 0, **state})
+        if self.waits is not None:
+            self.waits[0] = 0  # a process restored from an image waits in no barrier
         if self.writer.retry is None:  # an image from before `retry_now`
             self.writer.retry = self.retry_now
         self.register()  # before the memory decides which DSM hooks fire (it is unpickled after this)
@@ -295,10 +300,15 @@ class RemoteLog(Discard):
 
     def _publish_barrier(self) -> None:
         """Set the barrier word (see `__init__`): a writer blocked on this rank's full log ring while it waits in
-        a barrier fails at once, unless a retried discard may still make room."""
-        if getattr(self, "waits", None) is not None:  # (an image from before the barrier word has none)
-            in_barrier = getattr(self, "in_barrier", 0)
-            self.waits[0] = in_barrier + 1 if in_barrier and self.pending is None else 0
+        a barrier fails at once, unless a retried discard may still make room.
+
+        Program thread only (the barrier hooks and `dsm_waiting`, which the handler thread never fires); the
+        checkpoint thread changes `pending` only at a step boundary, outside every barrier.  Not covered (the
+        writer waits out `FULL_TIMEOUT` as before): a barrier whose arrival a recovery replayed and whose
+        exit it did not (no `dsm_barrier_arriving`), and an owner waiting for a lock the writer holds.
+        """
+        if self.waits is not None:  # (an image from before the barrier word has none)
+            self.waits[0] = self.in_barrier + 1 if self.in_barrier and self.pending is None else 0
 
     @ckpt.hookimpl
     def dsm_diffs_received(self, writer: int, interval: int, diffs: list[tuple[int, Diff]]) -> None:

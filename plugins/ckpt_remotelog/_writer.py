@@ -395,7 +395,7 @@ class RingWriter:
         pause = 1e-4
         while (head := self.read_word(peer, which, 8)) < head_needed:
             self.ask(peer, which, head, again=True)  # blocked: ask again now and then
-            self._owner_not_in_barrier(owner, full)
+            self._owner_not_in_barrier(owner, full, peer, which, head_needed)
             if time.monotonic() > deadline:
                 raise DsmError(
                     f"{full} and rank {owner} did not checkpoint within {FULL_TIMEOUT:.0f} s: "
@@ -404,17 +404,20 @@ class RingWriter:
             time.sleep(pause)  # polling a remote word: the owner's discard is an RDMA WRITE, nothing signals here
             pause = min(pause * 2, 0.05)
 
-    def _owner_not_in_barrier(self, owner: int, full: str) -> None:
-        """Raise if `owner` waits in a barrier this rank has not entered: it waits for this rank, which waits for
-        its checkpoint, which it can take only at its next step boundary -- after that barrier.
+    def _owner_not_in_barrier(self, owner: int, full: str, peer: int, which: str, head_needed: int) -> None:
+        """Raise if `owner` waits in a barrier this rank has not entered, with no retry of its last discard left
+        (`RemoteLog._publish_barrier`), and the ring still has no room: the owner waits for this rank, which
+        waits for its checkpoint, which it can take only at its next step boundary -- after that barrier.
 
-        Its barrier word (`RemoteLog.waits`) may still name a barrier this rank has passed (its reply not yet
-        taken in there): that one ends without this rank, so the wait goes on.
+        The word may still name a barrier this rank has passed (its reply not yet taken in there): that one
+        ends without this rank, so the wait goes on.  The head is read again after a set word: the owner's
+        last retry moves the head (a completed RDMA WRITE) before it sets the word, so the head read before
+        the word may be older than the room that retry made.
         """
         if WAITS not in self.peers[owner] or self.memory.client.state[owner] != UP:
             return  # an image from before the barrier word; or a failed owner, whose next incarnation starts over
         waiting = self.read_word(owner, WAITS, 0) - 1
-        if waiting > self.memory.epoch:
+        if waiting > self.memory.epoch and self.read_word(peer, which, 8) < head_needed:
             raise DsmError(
                 f"{full}, only rank {owner}'s own checkpoint can empty it, and rank {owner} waits in barrier "
                 f"{waiting}, which waits for this rank: raise --log-ring-bytes"
