@@ -100,6 +100,9 @@ class Memory(Intervals):
     _plugins: PluginCalls | None
     _fire: frozenset[str]
     _in_waiting: bool
+    #: What the program thread waits for, while it does: ("lock", lock) in an acquire, ("barrier", epoch) in a
+    #: barrier (its arrival sent, live or again after a replay), else None.  For plugins, in `dsm_waiting`.
+    waiting_for: tuple[str, int] | None
 
     def __init__(self, rt: Any, protocol: str, page_size: int) -> None:
         if protocol not in PROTOCOLS:
@@ -202,7 +205,11 @@ class Memory(Intervals):
             self.hook("dsm_barrier_arriving", epoch=self.epoch, notices=notices)
         # a barrier waits for the slowest rank, however long it computes: no timeout (a dead peer is a QP error)
         request = BarrierRequest(self._next_rid(), self.epoch, self.vt, notices)
-        reply = self._request(0, request, BarrierReply, f"barrier {self.epoch}", math.inf)
+        self.waiting_for = ("barrier", self.epoch)
+        try:
+            reply = self._request(0, request, BarrierReply, f"barrier {self.epoch}", math.inf)
+        finally:
+            self.waiting_for = None
         self.last_reply = (self.epoch, list(reply.vt), reply.notices)
         self._merge(reply.vt, reply.notices, "barrier")
         self.passed_barrier()
@@ -265,7 +272,11 @@ class Memory(Intervals):
         if _replay.replaying(self) and _replay.acquire(self, lock):
             return
         acquire = AcquireRequest(self._next_rid(), lock, self.vt, self.acquires)
-        reply = self._request(lock % self.size, acquire, Grant, f"lock {lock}", math.inf)
+        self.waiting_for = ("lock", lock)
+        try:
+            reply = self._request(lock % self.size, acquire, Grant, f"lock {lock}", math.inf)
+        finally:
+            self.waiting_for = None
         # a release leaves with its diffs: the grant may have overtaken those its notices name (`_await_diffs`)
         self._merge(reply.vt, reply.notices, f"lock {lock}", overtaken=not self.release_after_diffs)
         if reply.pages:
@@ -382,6 +393,7 @@ class Memory(Intervals):
         self._stop = threading.Event()
         self._failure = None
         self._in_waiting = False
+        self.waiting_for = None
         host: PluginCalls | None = getattr(self.rt, "plugins", None)
         self._plugins = None
         self._fire = frozenset()
@@ -468,7 +480,7 @@ class Memory(Intervals):
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        for name in ("_thread", "_stop", "_failure", "_plugins", "_fire", "_in_waiting"):
+        for name in ("_thread", "_stop", "_failure", "_plugins", "_fire", "_in_waiting", "waiting_for"):
             state.pop(name, None)
         return state
 

@@ -49,7 +49,7 @@ from ckpt_remotelog._records import (
     walk,
 )
 from ckpt_remotelog._ring import CONTROL, LogRing, circular_write
-from ckpt_remotelog._writer import LOG
+from ckpt_remotelog._writer import LOG, WAITS
 from dsm import Diff, DsmError
 from dsm._messages import NAMES
 from dsm.programs import program_class
@@ -458,7 +458,7 @@ def test_a_home_that_fills_its_own_log_ring_mid_step_fails_at_once(protocol: str
 def test_a_writer_whose_owners_ring_is_full_fails_at_once_while_that_owner_waits_in_a_barrier(protocol: str) -> None:
     """Rank 1 fills rank 0's log ring while rank 0 waits in a barrier for it: rank 0's checkpoint, the only one
     that empties the ring, can come only after that barrier.  Waiting for room could only end in the 60 s
-    timeout; rank 1 reads rank 0's barrier word and fails at once."""
+    timeout; rank 1 reads rank 0's wait word and fails at once."""
 
     def wait_in_a_barrier(memory: dsm.Memory, done: threading.Event) -> None:
         memory.barrier()
@@ -472,13 +472,79 @@ def test_a_writer_whose_owners_ring_is_full_fails_at_once_while_that_owner_waits
 NO_ROOM = 1 << 40  # a head the ring never reaches
 
 
+def _blocked_writer_fails(log: RemoteLog, owner: int, needed: int = NO_ROOM) -> bool:
+    """Whether a writer blocked on `owner`'s full log ring (needing head `needed`) fails at once now."""
+    try:
+        log.writer._owner_waits_for_this_rank(owner, "full", log.log_home(owner), LOG, needed)
+    except DsmError:
+        return True
+    return False
+
+
+def _fails_within(log: RemoteLog, owner: int, seconds: float) -> bool:
+    """Whether it does within `seconds` (the owner publishes its wait once it has waited WAKE seconds)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if _blocked_writer_fails(log, owner):
+            return True
+        time.sleep(0.01)  # polling a remote word, as the blocked writer does
+    return False
+
+
+def test_a_writer_blocked_on_a_full_ring_fails_at_once_when_its_owner_waits_for_it_in_a_barrier_or_a_lock() -> None:
+    """The owner's wait word (`RemoteLog._publish_wait`), set from a real wait: rank 0 waits in a barrier rank 1
+    has not entered, then for a lock rank 1 holds -- rank 1, blocked on rank 0's full ring, would fail at once
+    -- and then for a lock rank 2 holds, which rank 1 need not release: there it keeps waiting."""
+
+    looked = threading.Event()
+
+    def body(rt: ThreadRuntime) -> list[bool]:
+        memory = dsm.attach(rt, "async")
+        log: RemoteLog = memory.extensions["remotelog"]
+        mine, theirs = memory.lock(), memory.lock()
+        memory.barrier()
+        verdicts = []
+        if rt.rank == 1:
+            verdicts.append(_fails_within(log, 0, 10))  # rank 0 waits in barrier 2
+        memory.barrier()
+        if rt.rank == 1:
+            mine.acquire()
+        elif rt.rank == 2:
+            theirs.acquire()
+        rt.barrier()  # the locks are held
+        if rt.rank == 0:
+            with mine:  # waits for rank 1
+                pass
+        elif rt.rank == 1:
+            verdicts.append(_fails_within(log, 0, 10))
+            mine.release()
+        rt.barrier()
+        if rt.rank == 0:
+            with theirs:  # waits for rank 2
+                pass
+        elif rt.rank == 1:
+            deadline = time.monotonic() + 10
+            while log.writer.read_word(0, WAITS, 0) >= 0 and time.monotonic() < deadline:
+                time.sleep(0.01)  # until rank 0 says it waits for that lock
+            verdicts.append(_blocked_writer_fails(log, 0))
+            looked.set()
+        else:
+            assert looked.wait(30)  # rank 2: rank 1 has looked; rank 0 gets the lock now
+            theirs.release()
+        memory.barrier()
+        return verdicts
+
+    options = {"dsm_protocol": "async", "logging": "remote"}
+    assert run_threads(3, body, first_device=FIRST_HCA, plugins=_plain_hosts, options=options)[1] == [True, True, False]
+
+
 def test_a_writer_blocked_on_a_full_ring_keeps_waiting_while_its_owner_may_still_make_room() -> None:
-    """The owner's barrier word (`RemoteLog._publish_barrier`) makes a writer blocked on its full log ring fail at
-    once only when the owner waits in a barrier the writer has not entered and no discard of the owner's last
-    checkpoint is left to retry.  One the writer has passed (the owner has not taken in its reply yet) ends
-    without the writer; a stopped discard, retried while the owner waits, may pass a dead writer's hole."""
-    # (barrier after the writer's epoch, a stopped discard pending, the head the writer needs): the last case is
-    # the owner's last retry having made room just before it set the word (the head is read again)
+    """The wait word makes a blocked writer fail only when no discard of the owner's last checkpoint is left to
+    retry, and only for a barrier the writer has not entered: one the writer has passed (the owner has not
+    taken in its reply yet) ends without the writer; a stopped discard, retried while the owner waits, may pass
+    a dead writer's hole -- and its last retry may have made room just before the word was set (the writer
+    reads the head again)."""
+    # (barrier after the writer's epoch, a stopped discard pending, the head the writer needs)
     cases = [(0, False, NO_ROOM), (1, False, NO_ROOM), (1, True, NO_ROOM), (1, False, 0)]
 
     def body(rt: ThreadRuntime) -> list[bool]:
@@ -488,17 +554,13 @@ def test_a_writer_blocked_on_a_full_ring_keeps_waiting_while_its_owner_may_still
         verdicts = []
         for ahead, pending, needed in cases:
             if rt.rank == 0:
-                log.in_barrier, log.pending = memory.epoch + ahead, {"stopped": True} if pending else None
-                log._publish_barrier()
+                memory.waiting_for, log.pending = ("barrier", memory.epoch + ahead), {"stopped": 1} if pending else None
+                log._publish_wait()
             rt.barrier()  # rank 0's word is set
             if rt.rank == 1:
-                try:
-                    log.writer._owner_not_in_barrier(0, "full", log.log_home(0), LOG, needed)
-                    verdicts.append(False)
-                except DsmError:
-                    verdicts.append(True)
+                verdicts.append(_blocked_writer_fails(log, 0, needed))
             rt.barrier()  # rank 1 has read it
-        log.in_barrier, log.pending = 0, None
+        memory.waiting_for, log.pending = None, None
         memory.barrier()
         return verdicts
 

@@ -70,10 +70,11 @@ coordinated checkpoint releases it; counted in ``log_full_checkpoints``); one th
 re-reading ``head``, for the owner to checkpoint and discard.  That wait cannot be
 unbounded: the owner may be blocked on this very writer (a lock it holds, a barrier it
 has not reached), so after `FULL_TIMEOUT` seconds it fails with a DsmError naming the
-ring and the option to raise, rather than hang -- at once when the owner's barrier word
-says it waits in a barrier this writer has not entered (`_publish_barrier`).  Without single-rank checkpoints
-(``rt.checkpoint_rank``) it fails at once: a coordinated checkpoint needs this writer
-at a step boundary, which it cannot reach while it waits.  An own record that does not
+ring and the option to raise, rather than hang -- at once when the owner's wait word
+says it waits in a barrier this writer has not entered, or for a lock it holds
+(`_publish_wait`).  Without single-rank checkpoints (``rt.checkpoint_rank``) it fails at
+once: a coordinated checkpoint needs this writer at a step boundary, which it cannot reach
+while it waits.  An own record that does not
 fit its own ring fails at once too, and so does a DIFF record of a home's own writes that does not fit
 its log ring: in both the owner is the writer, mid-step.  A record is
 never dropped: the reservation stays, and the job stops with the error.  A home's own
@@ -172,13 +173,12 @@ class RemoteLog(Discard):
         self.claims[:] = IDLE
         self.claims_mr = verbs.MR(memory.pd, self.claims, REMOTE)
         claims = {"addr": self.claims_mr.buf, "rkey": self.claims_mr.rkey, "capacity": 0}
-        # this rank's barrier word, read by a writer that waits for room in this rank's log ring
-        # (`RingWriter.wait_for_room`): 1 + the epoch of the barrier it waits in once nothing but its next
-        # checkpoint can empty the ring (no discard of its last one is left to retry), else 0 -- and it cannot
-        # take that checkpoint inside a barrier that waits for the writer
+        # this rank's wait word, read by a writer that waits for room in this rank's log ring
+        # (`RingWriter.wait_for_room`), once nothing but this rank's next checkpoint can empty the ring (no
+        # discard of its last one is left to retry): 1 + the epoch of the barrier it waits in, -(1 + the lock)
+        # it waits for, else 0 -- it cannot take that checkpoint inside a wait that waits for that writer
         self.waits = verbs.shared_array(1, np.int64)
         self.waits_mr = verbs.MR(memory.pd, self.waits, REMOTE)
-        self.in_barrier = 0  # the epoch of the barrier this rank waits in, from its arrival on
         waits = {"addr": self.waits_mr.buf, "rkey": self.waits_mr.rkey, "capacity": 0}
         self.peers: list[dict[str, dict[str, int]]] = memory.rt.allgather(
             {
@@ -213,7 +213,6 @@ class RemoteLog(Discard):
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["asked"] = {}  # times of this process's clock
-        state["in_barrier"] = 0  # (set only inside a barrier, which no checkpoint interrupts, but never stale)
         state.update(pending=None, retry_at=0.0)  # a discard of this process's (one from the image: at its checkpoint)
         return state
 
@@ -222,10 +221,10 @@ class RemoteLog(Discard):
             # its rings' records have no check (or own rings are missing): they would read as never written
             older = "this image was written by an older ckpt_remotelog (another log record format)"
             raise DsmError(f"{older}: it cannot resume")
-        # (images from before `retry_discard`, and from before the barrier word)
-        self.__dict__.update({"pending": None, "retry_at": 0.0, "waits": None, "in_barrier": 0, **state})
+        # (images from before `retry_discard`, and from before the wait word)
+        self.__dict__.update({"pending": None, "retry_at": 0.0, "waits": None, **state})
         if self.waits is not None:
-            self.waits[0] = 0  # a process restored from an image waits in no barrier
+            self.waits[0] = 0  # a process restored from an image waits for nothing
         if self.writer.retry is None:  # an image from before `retry_now`
             self.writer.retry = self.retry_now
         self.register()  # before the memory decides which DSM hooks fire (it is unpickled after this)
@@ -293,22 +292,28 @@ class RemoteLog(Discard):
     @ckpt.hookimpl
     def dsm_waiting(self, what: str) -> None:
         """The program waits in a barrier or for a lock: the rank it waits for may be blocked on this rank's
-        full log ring, behind the hole the last discard stopped at."""
+        full log ring, behind the hole the last discard stopped at -- or, with no such hole, on nothing but
+        this rank's next checkpoint, which it says in its wait word."""
         if self.pending is not None:
             self.retry_discard(throttle=True)
-            self._publish_barrier()
+        self._publish_wait()
 
-    def _publish_barrier(self) -> None:
-        """Set the barrier word (see `__init__`): a writer blocked on this rank's full log ring while it waits in
-        a barrier fails at once, unless a retried discard may still make room.
+    def _publish_wait(self) -> None:
+        """Set the wait word (see `__init__`) from `memory.waiting_for`: a writer blocked on this rank's full log
+        ring fails at once if this rank waits for it, unless a retried discard may still make room.
 
-        Program thread only (the barrier hooks and `dsm_waiting`, which the handler thread never fires); the
-        checkpoint thread changes `pending` only at a step boundary, outside every barrier.  Not covered (the
-        writer waits out `FULL_TIMEOUT` as before): a barrier whose arrival a recovery replayed and whose
-        exit it did not (no `dsm_barrier_arriving`), and an owner waiting for a lock the writer holds.
+        Program thread only (the lock and barrier hooks and `dsm_waiting`, which the handler thread never
+        fires); the checkpoint thread changes `pending` only at a step boundary, outside every wait.  Set once
+        the wait has lasted WAKE seconds (`dsm_waiting`), cleared when it ends.
         """
-        if self.waits is not None:  # (an image from before the barrier word has none)
-            self.waits[0] = self.in_barrier + 1 if self.in_barrier and self.pending is None else 0
+        if self.waits is None:  # (an image from before the wait word has none)
+            return
+        waiting = self.memory.waiting_for if self.pending is None else None
+        if waiting is None:
+            self.waits[0] = 0
+        else:
+            kind, what = waiting
+            self.waits[0] = what + 1 if kind == "barrier" else -(what + 1)
 
     @ckpt.hookimpl
     def dsm_diffs_received(self, writer: int, interval: int, diffs: list[tuple[int, Diff]]) -> None:
@@ -324,6 +329,7 @@ class RemoteLog(Discard):
 
     @ckpt.hookimpl
     def dsm_lock_acquired(self, lock: int, seconds: float) -> None:
+        self._publish_wait()  # waits for nothing now
         token = int(self.memory.tokens.get(lock, 0))
         if self.replayed(RecordKind.NOTICES, lock, token):
             self.notices = []
@@ -353,13 +359,10 @@ class RemoteLog(Discard):
         self.writer.flush()  # the manager can observe the arrival: logged before it leaves
         if self.pending is not None:
             self.retry_discard(throttle=False)  # a writer this barrier waits for may wait for room in the ring
-        self.in_barrier = epoch  # until `dsm_barrier_passed`
-        self._publish_barrier()
 
     @ckpt.hookimpl
     def dsm_barrier_passed(self, epoch: int) -> None:
-        self.in_barrier = 0
-        self._publish_barrier()
+        self._publish_wait()  # waits for nothing now
         if self.replayed(RecordKind.BARRIER, epoch):
             self.notices = []
             return

@@ -70,7 +70,7 @@ FULL_TIMEOUT = 60.0  # seconds a writer waits for room in a full ring
 HIGH_WATER = 0.5  # a reservation past this fill asks for the owner's checkpoint
 OWN_READ = 64 << 10  # bytes of the own ring a recovery reads first (`RingWriter.read_own`)
 CLAIMS = "claims"  # the peers' entry of the claim words
-WAITS = "waits"  # the peers' entry of the barrier word (`RemoteLog.waits`; absent in images from before it)
+WAITS = "waits"  # the peers' entry of the wait word (`RemoteLog.waits`; absent in images from before it)
 IDLE, IN_FLIGHT = -2, -1  # claims: nothing reserved and unwritten; a FETCH_AND_ADD whose answer is not back
 NO_CLAIM = 1 << 62  # `lowest_claim` when no live rank claims anything
 
@@ -395,7 +395,7 @@ class RingWriter:
         pause = 1e-4
         while (head := self.read_word(peer, which, 8)) < head_needed:
             self.ask(peer, which, head, again=True)  # blocked: ask again now and then
-            self._owner_not_in_barrier(owner, full, peer, which, head_needed)
+            self._owner_waits_for_this_rank(owner, full, peer, which, head_needed)
             if time.monotonic() > deadline:
                 raise DsmError(
                     f"{full} and rank {owner} did not checkpoint within {FULL_TIMEOUT:.0f} s: "
@@ -404,24 +404,30 @@ class RingWriter:
             time.sleep(pause)  # polling a remote word: the owner's discard is an RDMA WRITE, nothing signals here
             pause = min(pause * 2, 0.05)
 
-    def _owner_not_in_barrier(self, owner: int, full: str, peer: int, which: str, head_needed: int) -> None:
-        """Raise if `owner` waits in a barrier this rank has not entered, with no retry of its last discard left
-        (`RemoteLog._publish_barrier`), and the ring still has no room: the owner waits for this rank, which
-        waits for its checkpoint, which it can take only at its next step boundary -- after that barrier.
+    def _owner_waits_for_this_rank(self, owner: int, full: str, peer: int, which: str, head_needed: int) -> None:
+        """Raise if `owner` waits in a barrier this rank has not entered, or for a lock this rank holds, with no
+        retry of its last discard left (`RemoteLog._publish_wait`), and the ring still has no room: the owner
+        waits for this rank, which waits for its checkpoint, which it can take only at its next step boundary
+        -- after that wait.
 
         The word may still name a barrier this rank has passed (its reply not yet taken in there): that one
-        ends without this rank, so the wait goes on.  The head is read again after a set word: the owner's
-        last retry moves the head (a completed RDMA WRITE) before it sets the word, so the head read before
-        the word may be older than the room that retry made.
+        ends without this rank, so the wait goes on.  A lock the word names is one the owner has not been
+        granted (it clears the word first), so while this rank holds it, the owner waits.  The head is read
+        again after a set word: the owner's last retry moves the head (a completed RDMA WRITE) before it sets
+        the word, so the head read before the word may be older than the room that retry made.
         """
         if WAITS not in self.peers[owner] or self.memory.client.state[owner] != UP:
-            return  # an image from before the barrier word; or a failed owner, whose next incarnation starts over
-        waiting = self.read_word(owner, WAITS, 0) - 1
-        if waiting > self.memory.epoch and self.read_word(peer, which, 8) < head_needed:
-            raise DsmError(
-                f"{full}, only rank {owner}'s own checkpoint can empty it, and rank {owner} waits in barrier "
-                f"{waiting}, which waits for this rank: raise --log-ring-bytes"
-            )
+            return  # an image from before the wait word; or a failed owner, whose next incarnation starts over
+        word = self.read_word(owner, WAITS, 0)
+        if word > 0 and word - 1 > self.memory.epoch:
+            why = f"rank {owner} waits in barrier {word - 1}, which waits for this rank"
+        elif word < 0 and -word - 1 in self.memory.held:
+            why = f"rank {owner} waits for lock {-word - 1}, which this rank holds"
+        else:
+            return
+        if self.read_word(peer, which, 8) < head_needed:
+            only = f"only rank {owner}'s own checkpoint can empty it"
+            raise DsmError(f"{full}, {only}, and {why}: raise --log-ring-bytes")
 
     # ------------------------------------------------------------------ single words, whole rings (synchronous)
     @contextlib.contextmanager
