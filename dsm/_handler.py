@@ -409,7 +409,8 @@ class Handler:
         for gid, data in zip(gids, encoded, strict=True):
             region, page = self._region(gid)
             pages.append((gid, region, page, Diff.decode(data, region.page_size)))
-        self.mem.hook("dsm_diffs_received", writer=src, interval=interval, diffs=[(g, d) for g, _, _, d in pages])
+        if self.mem.fires("dsm_diffs_received"):  # (the list only for an implementation: this is every diff's path)
+            self.mem.hook("dsm_diffs_received", writer=src, interval=interval, diffs=[(g, d) for g, _, _, d in pages])
         for gid, _, _, diff in pages:
             self.mem.hook("dsm_diff_received", writer=src, gid=gid, interval=interval, diff=diff)
         try:

@@ -100,9 +100,6 @@ class Memory(Intervals):
     _plugins: PluginCalls | None
     _fire: frozenset[str]
     _in_waiting: bool
-    #: What the program thread waits for, while it does: ("lock", lock) in an acquire, ("barrier", epoch) in a
-    #: barrier (its arrival sent, live or again after a replay), else None.  For plugins, in `dsm_waiting`.
-    waiting_for: tuple[str, int] | None
 
     def __init__(self, rt: Any, protocol: str, page_size: int) -> None:
         if protocol not in PROTOCOLS:
@@ -205,11 +202,7 @@ class Memory(Intervals):
             self.hook("dsm_barrier_arriving", epoch=self.epoch, notices=notices)
         # a barrier waits for the slowest rank, however long it computes: no timeout (a dead peer is a QP error)
         request = BarrierRequest(self._next_rid(), self.epoch, self.vt, notices)
-        self.waiting_for = ("barrier", self.epoch)
-        try:
-            reply = self._request(0, request, BarrierReply, f"barrier {self.epoch}", math.inf)
-        finally:
-            self.waiting_for = None
+        reply = self._wait_for("barrier", self.epoch, 0, request, BarrierReply)
         self.last_reply = (self.epoch, list(reply.vt), reply.notices)
         self._merge(reply.vt, reply.notices, "barrier")
         self.passed_barrier()
@@ -272,11 +265,7 @@ class Memory(Intervals):
         if _replay.replaying(self) and _replay.acquire(self, lock):
             return
         acquire = AcquireRequest(self._next_rid(), lock, self.vt, self.acquires)
-        self.waiting_for = ("lock", lock)
-        try:
-            reply = self._request(lock % self.size, acquire, Grant, f"lock {lock}", math.inf)
-        finally:
-            self.waiting_for = None
+        reply = self._wait_for("lock", lock, lock % self.size, acquire, Grant)
         # a release leaves with its diffs: the grant may have overtaken those its notices name (`_await_diffs`)
         self._merge(reply.vt, reply.notices, f"lock {lock}", overtaken=not self.release_after_diffs)
         if reply.pages:
@@ -368,6 +357,10 @@ class Memory(Intervals):
         _fetch.fetch(self, region, page)
 
     # ------------------------------------------------------------------ hooks and the handler thread
+    def fires(self, name: str) -> bool:
+        """Whether DSM hook `name` has an implementation: a caller may skip building its arguments."""
+        return name in self._fire and self._plugins is not None
+
     def hook(self, name: str, **kwargs: Any) -> None:
         """Fire DSM hook `name` through the rank's plugin host (its order; a failure is a PluginError naming the
         plugin), if any plugin implements it: a set look-up is all the hot path pays otherwise."""

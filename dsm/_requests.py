@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from typing import NamedTuple, TypeVar
 
 from ._errors import DsmError
@@ -40,6 +41,9 @@ class RequestClient:
     replies: dict[int, Reply]
     pending: dict[int, tuple[int, Request, int]]
     reconnections_seen: int
+    #: What the program thread waits for, while it does: ("lock", lock) in an acquire, ("barrier", epoch) in a
+    #: barrier (its arrival sent, live or again after a replay), else None.  For plugins, in `dsm_waiting`.
+    waiting_for: tuple[str, int] | None
 
     def _check(self, synchronising: str = "") -> None:
         raise NotImplementedError
@@ -54,6 +58,15 @@ class RequestClient:
 
     def _request(self, dst: int, msg: Request, expect: type[_R], what: str, timeout: float = FETCH_TIMEOUT) -> _R:
         return self._request_many([(dst, msg, what)], expect, timeout)[0]
+
+    def _wait_for(self, kind: str, n: int, dst: int, request: Request, expect: type[_R]) -> _R:
+        """Send `request` and wait for its reply as long as it takes (the slowest rank's computing, or a lock's
+        holder), with `waiting_for` saying (kind, n) meanwhile."""
+        self.waiting_for = (kind, n)
+        try:
+            return self._request(dst, request, expect, f"{kind} {n}", math.inf)
+        finally:
+            self.waiting_for = None
 
     def _request_many(
         self, requests: list[tuple[int, Request, str]], expect: type[_R], timeout: float = FETCH_TIMEOUT
