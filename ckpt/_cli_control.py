@@ -23,6 +23,8 @@ from ckpt.coordinator import client as coord_client
 STARTING_WAIT = 30.0
 #: ... and for a job to appear in a directory that has none yet (`ckpt launch ... &` was just typed).
 APPEARING_WAIT = 5.0
+#: A job's states once it is over: nothing a rank reported while it ran is shown then.
+ENDED = ("failed", "killed", "finished")
 
 
 def _latest_hint(ckpt_dir: Path) -> str:
@@ -205,11 +207,16 @@ def _print_status(state: dict[str, Any]) -> None:
             f"incarnation {r.get('incarnation', 0):<3} {r['host']}{image}{replaying}"
         )
     for r in state["ranks"]:
-        if r["state"] == "failed" and state["state"] not in ("failed", "killed", "finished"):
+        if r["state"] == "failed" and state["state"] not in ENDED:
             click.echo(
                 f"rank {r['rank']} failed (incarnation {r.get('incarnation', 0)} was lost); its next incarnation "
                 f"is {r.get('incarnation', 0) + 1} (ckpt restart --rank {r['rank']}, if no launcher respawns it)"
             )
+    if state["state"] not in ENDED:
+        now = time.time()
+        for r in state["ranks"]:
+            for line in _long_waits(r, now):
+                click.echo(line)
     for hold in state.get("checkpoint_holds") or []:
         click.echo(f"checkpoints held by rank {hold['rank']}: {hold['reason']}")
     fallbacks = state.get("fallbacks")
@@ -233,6 +240,21 @@ def _print_status(state: dict[str, Any]) -> None:
         click.echo("last checkpoint: none")
     if state["message"]:
         click.echo(f"last event: {state['message']}")
+
+
+def _long_waits(rank: dict[str, Any], now: float) -> list[str]:
+    """What a live rank has waited for a while, as its plugins report it (STATS_NS `<rank>/<plugin>` maps with
+    ``waits``: ``[{what, since}]``, outermost first, and the ``incarnation`` that waits; docs/plugins.md)."""
+    if rank["state"] == "failed":
+        return []
+    lines = []
+    for name, value in sorted((rank.get("plugins") or {}).items()):
+        if not isinstance(value, dict) or value.get("incarnation", 0) != rank.get("incarnation", 0):
+            continue  # a lost incarnation's report
+        for wait in value.get("waits") or []:
+            waited = max(0.0, now - float(wait["since"]))
+            lines.append(f"rank {rank['rank']} has waited {waited:.1f} s for {wait['what']} ({name})")
+    return lines
 
 
 @click.command()

@@ -59,7 +59,7 @@ import ckpt
 from ckpt import verbs
 from ckpt.plugin import PluginCalls, Runtime
 
-from . import _fetch, _onesided, _reconnect, _replay, hookspecs
+from . import _fetch, _onesided, _reconnect, _replay, _waits, hookspecs
 from ._diff import diff_unit
 from ._errors import DsmError
 from ._handler import Handler
@@ -82,6 +82,7 @@ from ._region import DIRTY, INVALID, Region, gid_of
 from ._replay import PageVersions, Replay
 from ._requests import WINDOW
 from ._stats import Counters, Statistics
+from ._waits import WaitReport
 
 log = logging.getLogger("dsm")
 PROTOCOLS = ("async", "onesided")
@@ -98,6 +99,7 @@ class Memory(Intervals):
     _stop: threading.Event
     _failure: BaseException | None
     _plugins: PluginCalls | None
+    _wait_report: WaitReport | None
     _fire: frozenset[str]
     _in_waiting: bool
 
@@ -234,6 +236,8 @@ class Memory(Intervals):
         long as the job); tests and long-lived processes that attach many times do.
         """
         self._halt()
+        if self._wait_report is not None:
+            self._wait_report.close()
         if self._plugins is not None:
             self._plugins.unregister(self)
         self._plugins = None
@@ -387,6 +391,8 @@ class Memory(Intervals):
         self._failure = None
         self._in_waiting = False
         self.waiting_for = None
+        self._wait_report = _waits.report(self.rt, self.rank)
+        self.client.on_stuck = None if self._wait_report is None else self._wait_report.begin
         host: PluginCalls | None = getattr(self.rt, "plugins", None)
         self._plugins = None
         self._fire = frozenset()
@@ -473,7 +479,7 @@ class Memory(Intervals):
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        for name in ("_thread", "_stop", "_failure", "_plugins", "_fire", "_in_waiting", "waiting_for"):
+        for name in ("_thread", "_stop", "_failure", "_plugins", "_fire", "_in_waiting", "waiting_for", "_wait_report"):
             state.pop(name, None)
         return state
 

@@ -73,6 +73,7 @@ from ckpt import verbs
 
 from ._errors import DsmError
 from ._messages import Message
+from ._waits import STUCK_AFTER
 
 log = logging.getLogger("dsm")
 
@@ -113,6 +114,9 @@ class Endpoint:
     state: list[str]
     failed_at: dict[int, float]
     live: dict[int, int]
+    #: Set by the owner for a wait that lasts (`dsm._waits`): called with (what, seconds so far) once the wait has
+    #: lasted STUCK_AFTER seconds; the function it returns is called when the wait ends.  None: not reported.
+    on_stuck: Callable[[str, float], Callable[[], None]] | None
 
     def __init__(self, ctx: verbs.Context, pd: verbs.PD, size: int, slot: int, nrecv: int, nsend: int) -> None:
         self.size, self.slot, self.nrecv, self.nsend = size, slot, nrecv, nsend
@@ -136,6 +140,7 @@ class Endpoint:
         self.state = [UP] * self.size
         self.failed_at = {}
         self.live = {qp.qp_num: j for j, qp in enumerate(self.qps)}  # qp_num -> peer, current QPs only
+        self.on_stuck = None
 
     def new_qp(self) -> verbs.QP:
         """A QP of this endpoint in RESET (a peer's first one, or a replacement after the peer failed)."""
@@ -311,37 +316,46 @@ class Endpoint:
         (not counting time while a peer is failed and may come back: that is bounded by
         RECOVERY_TIMEOUT since its failure, unless `recovery_bound` is False -- the handler's
         idle wait, which waits on no peer in particular and must outlive any recovery).  `on_idle()`
-        is called each time a sleep of WAKE seconds ends with nothing arrived.
+        is called each time a sleep of WAKE seconds ends with nothing arrived.  A wait that lasts STUCK_AFTER
+        seconds is reported through `on_stuck` until it ends.
         """
-        deadline = time.monotonic() + timeout
+        started = time.monotonic()
+        deadline = started + timeout
         idle = 0
-        while not done():
-            if stop is not None and stop():
-                return False
-            if self.poll():
-                idle = 0
-                continue
-            idle += 1
-            if idle < SPIN:
-                continue
-            if not self.armed:
-                self.cq.req_notify()
-                self.armed = True
-                continue  # a completion may have come between the poll and the arming
-            try:
-                self.channel.get_cq_event(self.cq, WAKE)
-                self.cq.ack_events(1)
-                self.armed = False
-            except verbs.PyverbsRDMAError:
-                if on_idle is not None:
-                    on_idle()
-                now = time.monotonic()
-                if self.failed_at and recovery_bound:
-                    self._check_recovery(now, what)
-                    deadline = max(deadline, now + timeout)
-                if now > deadline:
-                    raise DsmError(f"DSM: no progress for {timeout:.0f} s waiting for {what}") from None
-        return True
+        reported: Callable[[], None] | None = None
+        try:
+            while not done():
+                if stop is not None and stop():
+                    return False
+                if self.poll():
+                    idle = 0
+                    continue
+                idle += 1
+                if idle < SPIN:
+                    continue
+                if not self.armed:
+                    self.cq.req_notify()
+                    self.armed = True
+                    continue  # a completion may have come between the poll and the arming
+                try:
+                    self.channel.get_cq_event(self.cq, WAKE)
+                    self.cq.ack_events(1)
+                    self.armed = False
+                except verbs.PyverbsRDMAError:
+                    if on_idle is not None:
+                        on_idle()
+                    now = time.monotonic()
+                    if reported is None and self.on_stuck is not None and now - started >= STUCK_AFTER:
+                        reported = self.on_stuck(what, now - started)
+                    if self.failed_at and recovery_bound:
+                        self._check_recovery(now, what)
+                        deadline = max(deadline, now + timeout)
+                    if now > deadline:
+                        raise DsmError(f"DSM: no progress for {timeout:.0f} s waiting for {what}") from None
+            return True
+        finally:
+            if reported is not None:
+                reported()
 
     def _check_recovery(self, now: float, what: str) -> None:
         for peer, since in list(self.failed_at.items()):
@@ -393,7 +407,7 @@ class Endpoint:
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        for name in ("lock", "state", "failed_at", "live"):
+        for name in ("lock", "state", "failed_at", "live", "on_stuck"):
             del state[name]
         state["armed"] = False  # a restarted CQ is not armed; at a checkpoint a re-arm is harmless
         return state

@@ -150,3 +150,22 @@ def test_ckpt_plugins_names_the_transports_and_commands_of_the_installed_plugins
     assert exited.value.code == 0
     out = capsys.readouterr().out
     assert "transports: simib (default)" in out and "commands: fabric" in out and "transports: tcp" in out
+
+
+def _rank(state: str = "running", incarnation: int = 0, **plugins: object) -> dict[str, object]:
+    return {"rank": 2, "state": state, "incarnation": incarnation, "plugins": plugins}
+
+
+def test_status_shows_a_live_ranks_long_waits_as_its_plugins_report_them() -> None:
+    from ckpt._cli_control import _long_waits
+
+    dsm = {"waits": [{"what": "barrier 4", "since": 90.0}, {"what": "room in the log rings", "since": 97.5}]}
+    assert _long_waits(_rank(dsm={**dsm, "incarnation": 0}, apm={"rearms": 1}), now=100.0) == [
+        "rank 2 has waited 10.0 s for barrier 4 (dsm)",
+        "rank 2 has waited 2.5 s for room in the log rings (dsm)",
+    ]
+    assert _long_waits(_rank(incarnation=1, dsm={**dsm, "incarnation": 0}), now=100.0) == []  # a lost incarnation's
+    assert _long_waits(_rank(state="failed", dsm={**dsm, "incarnation": 0}), now=100.0) == []
+    assert _long_waits(_rank(dsm={"waits": [], "incarnation": 0}, other=[1, 2]), now=100.0) == []
+    skewed = {"waits": [{"what": "lock 1", "since": 105.0}], "incarnation": 0}  # another host's clock runs ahead
+    assert _long_waits(_rank(dsm=skewed), now=100.0) == ["rank 2 has waited 0.0 s for lock 1 (dsm)"]

@@ -17,7 +17,8 @@ import pytest
 from dsm_util import run_ranks
 
 import dsm
-from ckpt.testing import ThreadRuntime
+from ckpt.plugin import STATS_NS
+from ckpt.testing import ThreadRuntime, wait_for
 from dsm import DsmError
 from dsm._messages import Ack, ReleaseRequest
 
@@ -740,3 +741,57 @@ def test_a_home_that_twins_its_own_pages_sends_no_notice_for_one_rewritten_uncha
         return unchanged, mem.vt[0] - before, a[:2].tolist()
 
     assert run_ranks(2, body, protocol) == [(0, 1, [8, 7])] * 2
+
+
+# ----------------------------------------------------------------- long waits, reported
+def test_a_long_wait_is_reported_while_it_lasts_and_cleared_when_it_ends(
+    protocol: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 1 waits for a lock rank 0 holds, then in a barrier rank 0 has not reached: each wait, once it has
+    lasted STUCK_AFTER, is in the KV as `ckpt status` reads it (STATS_NS `1/dsm`), and gone once it ends."""
+    import dsm._net
+
+    monkeypatch.setattr(dsm._net, "STUCK_AFTER", 0.2)
+
+    def body(mem: dsm.Memory, rt: ThreadRuntime) -> Any:
+        lock = mem.lock()
+        if rt.rank == 0:
+            lock.acquire()
+        mem.barrier()
+        if rt.rank == 1:
+            with lock:
+                pass
+            mem.barrier()
+            return None
+
+        def reported() -> list[Any]:
+            value = rt.kv.get(STATS_NS, "1/dsm")
+            return [] if value is None else [(w["what"], w["since"]) for w in value["waits"]]
+
+        shown = wait_for(reported, 10, "rank 1's wait for the lock")
+        unlocked = time.time()
+        lock.release()
+        in_barrier = wait_for(lambda: [w for w in reported() if w[0].startswith("barrier")], 10, "the barrier")
+        still = reported()
+        mem.barrier()
+        wait_for(lambda: rt.kv.get(STATS_NS, "1/dsm")["waits"] == [], 10, "rank 1's report cleared")
+        return lock.id, shown, unlocked, in_barrier, still, rt.kv.get(STATS_NS, "1/dsm")["incarnation"]
+
+    started = time.time()
+    (lock_id, shown, unlocked, in_barrier, still, incarnation), _ = run_ranks(2, body, protocol)
+    assert [what for what, _ in shown] == [f"lock {lock_id}"]
+    assert started <= shown[0][1] <= unlocked - 0.2  # since the wait began, as a wall-clock time
+    assert [what for what, _ in still] == [in_barrier[0][0]]  # the lock's wait is over and no longer shown
+    assert incarnation == 0
+
+
+def test_a_wait_shorter_than_stuck_after_is_never_reported(protocol: str) -> None:
+    def body(mem: dsm.Memory, rt: ThreadRuntime) -> Any:
+        lock = mem.lock()
+        for _ in range(20):
+            with lock:
+                pass
+        mem.barrier()
+        return rt.kv.get(STATS_NS, f"{rt.rank}/dsm")
+
+    assert run_ranks(2, body, protocol) == [None, None]

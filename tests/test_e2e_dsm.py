@@ -11,7 +11,9 @@ own answer against plain numpy (`numpy=match`).
 
 from __future__ import annotations
 
+import json
 import random
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +23,7 @@ from dsm_cases import CASES, RESTARTS, DsmCase
 from dsm_util import expected_lines
 from ib_cases import RANKS, Hold, Pauses, launch_args, random_seed, take
 
-from ckpt.testing import Job, results, run
+from ckpt.testing import Job, results, run, wait_for
 from harness import PROGRAMS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -123,3 +125,36 @@ def test_checkpoints_at_random_moments_of_a_lock_heavy_run(
     hold.release()
     assert job.wait(timeout=240) == 0, job.stderr
     assert results(job.stdout) == uninterrupted(case, protocol), f"seed {seed}"
+
+
+WAIT_LINE = re.compile(r"^rank (\d+) has waited ([\d.]+) s for (.+) \(dsm\)$", re.MULTILINE)
+
+
+def test_status_shows_what_each_rank_waits_for_in_the_dsm(start_job: Callable[..., Job], tmp_path: Path) -> None:
+    """Rank 0 stalls outside the DSM holding a lock, then before a barrier: `ckpt status` shows the other ranks
+    waiting for the lock, then for the barrier (never rank 0, and never a wait that is over); `--json` has the
+    same as `ranks[i].plugins.dsm`."""
+    ckpt_dir, gate = tmp_path / "ckpt", tmp_path / "gate"
+    argv = ["launch", "-n", "3", "--ckpt-dir", str(ckpt_dir), str(PROGRAMS / "dsm_stall.py"), str(gate)]
+    job = start_job(*argv, ckpt_dir=ckpt_dir)
+
+    def waiting() -> dict[int, str]:
+        shown = run("status", "--ckpt-dir", str(ckpt_dir))
+        return {int(m[1]): m[3] for m in WAIT_LINE.finditer(shown.stdout)}
+
+    wait_for(lambda: waiting() == {1: "lock 0", 2: "lock 0"}, 60, "ranks 1 and 2 shown waiting for lock 0", 0.3)
+    state = json.loads(run("status", "--json", "--ckpt-dir", str(ckpt_dir)).stdout)
+    report = state["ranks"][1]["plugins"]["dsm"]
+    assert [w["what"] for w in report["waits"]] == ["lock 0"] and report["incarnation"] == 0
+    assert time.time() - report["waits"][0]["since"] >= 2.0  # STUCK_AFTER
+    gate.with_suffix(".lock").touch()
+
+    def in_one_barrier() -> str | None:  # ranks 1 and 2, the lock's wait over, both in the same barrier
+        seen = waiting()
+        same = seen.keys() == {1, 2} and seen[1] == seen[2]
+        return seen[1] if same and seen[1].startswith("barrier ") else None
+
+    wait_for(in_one_barrier, 60, "ranks 1 and 2 shown waiting in the barrier, and no longer for the lock", 0.3)
+    gate.with_suffix(".barrier").touch()
+    assert job.wait() == 0, job.stderr
+    assert results(job.stdout) == {r: "counter 3 lock 0" for r in range(3)}

@@ -1,0 +1,129 @@
+"""dsm._waits: the report of a rank's long waits, published off the waiting thread, the latest list last."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from ckpt.plugin import STATS_NS
+from ckpt.testing import FakeKeyValue, wait_for
+from dsm._waits import WaitReport, report
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class Published:
+    """A publish function that records every value (and can be made to fail or to block)."""
+
+    def __init__(self) -> None:
+        self.values: list[list[dict[str, Any]]] = []
+        self.attempts = 0
+        self.fail = False
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def __call__(self, value: list[dict[str, Any]]) -> None:
+        self.gate.wait(10)
+        self.attempts += 1
+        if self.fail:
+            raise ConnectionError("the coordinator is gone")
+        self.values.append(value)
+
+    def last(self) -> list[str] | None:
+        return None if not self.values else [w["what"] for w in self.values[-1]]
+
+
+def test_a_wait_is_published_with_when_it_began_and_gone_once_it_ends() -> None:
+    published = Published()
+    waits = WaitReport(published)
+    before = time.time()
+    end = waits.begin("lock 3", waited=2.5)
+    wait_for(lambda: published.last() == ["lock 3"], 5, "the wait published")
+    (value,) = published.values
+    assert before - 2.5 <= value[0]["since"] <= time.time() - 2.5
+    end()
+    wait_for(lambda: published.last() == [], 5, "the wait's end published")
+
+
+def test_nested_waits_are_listed_outermost_first_and_each_ends_alone() -> None:
+    published = Published()
+    waits = WaitReport(published)
+    outer = waits.begin("barrier 4", waited=3.0)
+    inner = waits.begin("room in the log rings", waited=2.0)
+    wait_for(lambda: published.last() == ["barrier 4", "room in the log rings"], 5, "both waits")
+    outer()
+    wait_for(lambda: published.last() == ["room in the log rings"], 5, "the outer one gone")
+    inner()
+    wait_for(lambda: published.last() == [], 5, "none")
+
+
+def test_the_latest_list_is_published_last_even_when_it_changes_during_a_publish() -> None:
+    """A wait that begins and ends while a publish is under way (a slow coordinator): the last value the thread
+    publishes is the current list, never a stale one."""
+    published = Published()
+    waits = WaitReport(published)
+    published.gate.clear()  # the first publish blocks
+    first = waits.begin("page 0x10003 from rank 2", waited=2.0)
+    second = waits.begin("one-sided operations on rank 2", waited=2.0)
+    second()
+    first()
+    published.gate.set()
+    wait_for(lambda: published.last() == [], 5, "the empty list, last")
+    assert len(published.values) <= 2  # changes made during one publish are coalesced into the next
+
+
+def test_a_publish_that_fails_does_not_stop_the_next_one() -> None:
+    published = Published()
+    waits = WaitReport(published)
+    published.fail = True
+    end = waits.begin("lock 1", waited=2.0)
+    wait_for(lambda: published.attempts == 1, 5, "a failed publish")
+    assert not published.values
+    published.fail = False
+    end()
+    wait_for(lambda: published.last() == [], 5, "the next publish")
+
+
+def test_close_stops_the_publishing_thread() -> None:
+    published = Published()
+    waits = WaitReport(published)
+    waits.begin("lock 1", waited=2.0)
+    wait_for(lambda: published.values, 5, "the first publish")
+    thread = waits._thread
+    assert thread is not None and thread.is_alive()
+    waits.close()
+    thread.join(5)
+    assert not thread.is_alive()
+
+
+def test_no_thread_is_started_until_a_wait_lasts() -> None:
+    waits = WaitReport(Published())
+    assert waits._thread is None
+
+
+class Runtime:
+    def __init__(self, kv: Any, incarnation: int = 0) -> None:
+        self.kv, self.incarnation = kv, incarnation
+
+
+def test_report_publishes_under_the_ranks_dsm_key_with_its_incarnation_then() -> None:
+    """The incarnation is the runtime's when the report is published: a recovered rank's memory is restored
+    (and its report made) before the runtime knows its new incarnation."""
+    kv = FakeKeyValue()
+    rt = Runtime(kv)
+    waits = report(rt, rank=3)
+    assert waits is not None
+    rt.incarnation = 1
+    end = waits.begin("barrier 7", waited=2.0)
+    wait_for(lambda: kv.get(STATS_NS, "3/dsm"), 5, "the KV entry")
+    value = kv.get(STATS_NS, "3/dsm")
+    assert [w["what"] for w in value["waits"]] == ["barrier 7"] and value["incarnation"] == 1
+    end()
+    wait_for(lambda: kv.get(STATS_NS, "3/dsm")["waits"] == [], 5, "cleared")
+
+
+def test_report_is_none_without_a_store() -> None:
+    assert report(object(), rank=0) is None
