@@ -23,8 +23,8 @@ from ckpt.coordinator import client as coord_client
 STARTING_WAIT = 30.0
 #: ... and for a job to appear in a directory that has none yet (`ckpt launch ... &` was just typed).
 APPEARING_WAIT = 5.0
-#: A job's states once it is over: nothing a rank reported while it ran is shown then.
-ENDED = ("failed", "killed", "finished")
+#: A job's states once it is over (and a rank's, for `_long_waits`): nothing reported while it ran is shown then.
+ENDED = ("failed", "killed", "finished", "fallback")
 
 
 def _latest_hint(ckpt_dir: Path) -> str:
@@ -245,15 +245,18 @@ def _print_status(state: dict[str, Any]) -> None:
 def _long_waits(rank: dict[str, Any], now: float) -> list[str]:
     """What a live rank has waited for a while, as its plugins report it (STATS_NS `<rank>/<plugin>` maps with
     ``waits``: ``[{what, since}]``, outermost first, and the ``incarnation`` that waits; docs/plugins.md)."""
-    if rank["state"] == "failed":
+    if rank["state"] in ENDED:  # its last report may not have been cleared before it ended
         return []
     lines = []
     for name, value in sorted((rank.get("plugins") or {}).items()):
         if not isinstance(value, dict) or value.get("incarnation", 0) != rank.get("incarnation", 0):
             continue  # a lost incarnation's report
-        for wait in value.get("waits") or []:
-            waited = max(0.0, now - float(wait["since"]))
-            lines.append(f"rank {rank['rank']} has waited {waited:.1f} s for {wait['what']} ({name})")
+        waits = value.get("waits")
+        for wait in waits if isinstance(waits, list) else []:
+            since = wait.get("since") if isinstance(wait, dict) else None
+            if isinstance(since, int | float) and not isinstance(since, bool) and "what" in wait:
+                waited = max(0.0, now - since)
+                lines.append(f"rank {rank['rank']} has waited {waited:.1f} s for {wait['what']} ({name})")
     return lines
 
 

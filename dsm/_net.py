@@ -344,9 +344,9 @@ class Endpoint:
                 except verbs.PyverbsRDMAError:
                     if on_idle is not None:
                         on_idle()
+                    if reported is None:
+                        reported = self.report_stuck(what, started)
                     now = time.monotonic()
-                    if reported is None and self.on_stuck is not None and now - started >= STUCK_AFTER:
-                        reported = self.on_stuck(what, now - started)
                     if self.failed_at and recovery_bound:
                         self._check_recovery(now, what)
                         deadline = max(deadline, now + timeout)
@@ -356,6 +356,19 @@ class Endpoint:
         finally:
             if reported is not None:
                 reported()
+
+    def report_stuck(self, what: str, started: float) -> Callable[[], None] | None:
+        """Report a wait for `what` that began at `started` (`time.monotonic()`) once it has lasted STUCK_AFTER:
+        the function that ends the report, else None (too early, no `on_stuck`, or the report itself failed --
+        never the wait: it is asked again at the next idle moment)."""
+        waited = time.monotonic() - started
+        if self.on_stuck is None or waited < STUCK_AFTER:
+            return None
+        try:
+            return self.on_stuck(what, waited)
+        except Exception as exc:  # e.g. no thread can be started to publish it
+            log.debug("dsm: the wait for %s was not reported: %s", what, exc)
+            return None
 
     def _check_recovery(self, now: float, what: str) -> None:
         for peer, since in list(self.failed_at.items()):

@@ -4,16 +4,19 @@
 # "running" and its step stands still.  What tells the cause is what each rank
 # waits for -- three ranks in barrier 7 and the fourth on a page from rank 2
 # point at rank 2 at once.  Every wait of the program thread's endpoint
-# (`Endpoint.wait`: a reply, a lock, a barrier, one-sided operations, room in a
-# log ring) that has lasted STUCK_AFTER seconds is added here, and removed when
-# it ends; the list goes to the coordinator's KV under STATS_NS "<rank>/dsm"
-# ({"waits": [{"what", "since"}], "incarnation"}), which `ckpt status` prints.
+# (`Endpoint.wait`: a reply, a lock, a barrier, one-sided operations) and remote
+# logging's wait for room in a full log ring (`Endpoint.report_stuck`) that has
+# lasted STUCK_AFTER seconds is added here, and removed when it ends; the list
+# goes to the coordinator's KV under STATS_NS "<rank>/dsm" ({"waits": [{"what",
+# "since"}], "incarnation"}), which `ckpt status` prints.
 #
 # A publish is a round trip to the coordinator, which may be slow or stopped:
 # never on the waiting thread.  One daemon thread (started at the first long
 # wait) publishes the latest list whenever it changed, so a wait that ends
 # while a publish is under way is published ended right after it, and nothing
 # on the DSM's hot path pays anything (`Endpoint.wait` reads the clock once).
+# A process that exits mid-publish may leave its last list unpublished:
+# `ckpt status` shows no waits of a finished, killed or failed rank.
 
 from __future__ import annotations
 
@@ -46,11 +49,15 @@ class WaitReport:
         entry = (what, time.time() - waited)
         with self._changed:
             self._waits.append(entry)
-            self._bump()
+            try:
+                self._bump()
+            except BaseException:
+                self._waits.remove(entry)  # not reported after all: the caller has nothing to end it with
+                raise
         return lambda: self._end(entry)
 
     def close(self) -> None:
-        """Stop the publishing thread (the memory is closed): what it had not published yet is dropped."""
+        """Stop the publishing thread once it has published the latest list (the memory is closed)."""
         with self._changed:
             self._closed = True
             self._changed.notify()
@@ -63,8 +70,9 @@ class WaitReport:
     def _bump(self) -> None:
         self._version += 1
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="dsm-wait-report", daemon=True)
-            self._thread.start()
+            thread = threading.Thread(target=self._run, name="dsm-wait-report", daemon=True)
+            thread.start()  # may raise (no thread to be had): the next change tries again
+            self._thread = thread
         self._changed.notify()
 
     def _run(self) -> None:
@@ -73,7 +81,7 @@ class WaitReport:
             with self._changed:
                 while not self._closed and self._version == published:
                     self._changed.wait()
-                if self._closed:
+                if self._version == published:  # closed, and the latest list is out
                     return
                 published = self._version
                 value = [{"what": what, "since": since} for what, since in self._waits]
@@ -85,13 +93,12 @@ class WaitReport:
 
 def report(rt: Any, rank: int) -> WaitReport | None:
     """The report of rank `rank`'s long waits, published through ``rt.kv``; None without a KV (no coordinator)."""
-    kv = getattr(rt, "kv", None)
-    if kv is None:
+    if getattr(rt, "kv", None) is None:
         return None
     key = f"{rank}/dsm"
 
     def publish(waits: list[dict[str, Any]]) -> None:
-        # the incarnation now, not at attach: a recovered rank's memory is restored before it is told its own
-        kv.publish(STATS_NS, key, {"waits": waits, "incarnation": int(getattr(rt, "incarnation", 0) or 0)})
+        # the store and the incarnation as they are now, not at attach (a runtime double may start a generation)
+        rt.kv.publish(STATS_NS, key, {"waits": waits, "incarnation": int(getattr(rt, "incarnation", 0) or 0)})
 
     return WaitReport(publish)

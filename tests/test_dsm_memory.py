@@ -762,13 +762,15 @@ def test_a_long_wait_is_reported_while_it_lasts_and_cleared_when_it_ends(
             with lock:
                 pass
             mem.barrier()
-            return None
+            # a report was made: its thread and callback are still this process's alone
+            return set(mem.__getstate__()), set(mem.client.__getstate__())
 
         def reported() -> list[Any]:
             value = rt.kv.get(STATS_NS, "1/dsm")
             return [] if value is None else [(w["what"], w["since"]) for w in value["waits"]]
 
-        shown = wait_for(reported, 10, "rank 1's wait for the lock")
+        # (a slow setup barrier may have been reported first)
+        shown = wait_for(lambda: [w for w in reported() if w[0].startswith("lock")], 10, "rank 1's wait for the lock")
         unlocked = time.time()
         lock.release()
         in_barrier = wait_for(lambda: [w for w in reported() if w[0].startswith("barrier")], 10, "the barrier")
@@ -778,20 +780,34 @@ def test_a_long_wait_is_reported_while_it_lasts_and_cleared_when_it_ends(
         return lock.id, shown, unlocked, in_barrier, still, rt.kv.get(STATS_NS, "1/dsm")["incarnation"]
 
     started = time.time()
-    (lock_id, shown, unlocked, in_barrier, still, incarnation), _ = run_ranks(2, body, protocol)
+    (lock_id, shown, unlocked, in_barrier, still, incarnation), (pickled, pickled_client) = run_ranks(2, body, protocol)
+    assert "_wait_report" not in pickled and "on_stuck" not in pickled_client
     assert [what for what, _ in shown] == [f"lock {lock_id}"]
     assert started <= shown[0][1] <= unlocked - 0.2  # since the wait began, as a wall-clock time
     assert [what for what, _ in still] == [in_barrier[0][0]]  # the lock's wait is over and no longer shown
     assert incarnation == 0
 
 
-def test_a_wait_shorter_than_stuck_after_is_never_reported(protocol: str) -> None:
+def test_a_wait_shorter_than_stuck_after_is_never_reported(protocol: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 1 waits about 0.3 s for a lock (long enough for its wait to go idle and ask whether to report):
+    under a STUCK_AFTER of 5 s nothing is published."""
+    import dsm._net
+
+    monkeypatch.setattr(dsm._net, "STUCK_AFTER", 5.0)
+    held = threading.Event()
+
     def body(mem: dsm.Memory, rt: ThreadRuntime) -> Any:
         lock = mem.lock()
-        for _ in range(20):
+        if rt.rank == 0:
+            lock.acquire()
+        mem.barrier()
+        if rt.rank == 0:
+            held.wait(0.3)  # rank 1 waits this long for the lock
+            lock.release()
+        else:
             with lock:
                 pass
         mem.barrier()
-        return rt.kv.get(STATS_NS, f"{rt.rank}/dsm")
+        return mem._wait_report is not None and mem._wait_report._thread is None
 
-    assert run_ranks(2, body, protocol) == [None, None]
+    assert run_ranks(2, body, protocol) == [True, True]  # no report was begun: no thread to publish one

@@ -99,6 +99,58 @@ def test_close_stops_the_publishing_thread() -> None:
     assert not thread.is_alive()
 
 
+def test_close_publishes_the_latest_list_before_the_thread_ends() -> None:
+    """A wait that ended while a publish was under way, then the memory closed: the empty list still goes out."""
+    published = Published()
+    waits = WaitReport(published)
+    published.gate.clear()
+    end = waits.begin("lock 1", waited=2.0)
+    thread = waits._thread
+    assert thread is not None
+    end()
+    waits.close()
+    published.gate.set()
+    thread.join(5)
+    assert not thread.is_alive() and published.last() == []
+
+
+def test_a_thread_that_cannot_start_fails_the_report_not_the_next_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    published = Published()
+    waits = WaitReport(published)
+    start = threading.Thread.start
+
+    def no_thread(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", no_thread)
+    with pytest.raises(RuntimeError):
+        waits.begin("lock 1", waited=2.0)
+    monkeypatch.setattr(threading.Thread, "start", start)
+    waits.begin("barrier 2", waited=2.0)
+    wait_for(lambda: published.last() == ["barrier 2"], 5, "the second, once a thread started")  # not the first
+
+
+def test_a_report_that_fails_is_not_the_waits_failure() -> None:
+    """`Endpoint.report_stuck`: too early, nobody to tell, or the report raising -- None, and the wait goes on."""
+    from types import SimpleNamespace
+
+    from dsm._net import STUCK_AFTER, Endpoint
+
+    def broken(what: str, waited: float) -> Any:
+        raise RuntimeError("can't start new thread")
+
+    long_ago = time.monotonic() - STUCK_AFTER - 1
+    assert Endpoint.report_stuck(SimpleNamespace(on_stuck=broken), "lock 1", long_ago) is None  # type: ignore[arg-type]
+    assert Endpoint.report_stuck(SimpleNamespace(on_stuck=None), "lock 1", long_ago) is None  # type: ignore[arg-type]
+    ends = []
+    told = SimpleNamespace(on_stuck=lambda what, waited: lambda: ends.append(what))
+    assert Endpoint.report_stuck(told, "lock 1", time.monotonic()) is None  # type: ignore[arg-type]
+    end = Endpoint.report_stuck(told, "lock 1", long_ago)  # type: ignore[arg-type]
+    assert end is not None
+    end()
+    assert ends == ["lock 1"]
+
+
 def test_no_thread_is_started_until_a_wait_lasts() -> None:
     waits = WaitReport(Published())
     assert waits._thread is None

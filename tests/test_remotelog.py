@@ -52,6 +52,7 @@ from ckpt_remotelog._ring import CONTROL, LogRing, circular_write
 from ckpt_remotelog._writer import LOG, WAITS
 from dsm import Diff, DsmError
 from dsm._messages import NAMES
+from dsm._net import Endpoint
 from dsm.programs import program_class
 
 pytestmark = pytest.mark.timeout(120)
@@ -946,6 +947,9 @@ class _LoopNic:
         self.pending: set[int] = set()
         self.events: list[tuple[Any, ...]] = []  # ("post", peer, [(opcode, remote addr)]) and ("wait",)
         self.qps = [SimpleNamespace(post_send=lambda wr, peer=peer: self._post(peer, wr)) for peer in range(peers)]
+        self.on_stuck = None
+
+    report_stuck = Endpoint.report_stuck  # (a long wait is reported as by the DSM's endpoint, through `on_stuck`)
 
     def _post(self, peer: int, wr: Any) -> None:
         import ctypes
@@ -1027,6 +1031,32 @@ def test_a_home_whose_log_ring_its_own_diffs_filled_retries_its_discard_before_i
         assert tries == [1]
         writer.retry = lambda: rings[1].set_head(64)  # ... and one that passes the hole
         writer.wait_for_room(1, LOG, 64)
+
+
+def test_a_writer_waiting_for_room_in_a_full_ring_is_reported_until_the_room_comes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`ckpt status` shows a writer's wait for its ring owner's checkpoint once it lasts (dsm._waits), and no
+    longer once the owner's discard made room."""
+    import dsm._net
+    from ckpt_remotelog._writer import LOG
+
+    monkeypatch.setattr(dsm._net, "STUCK_AFTER", 0.05)
+    with _two_rings() as (rings, nic, writer):
+        writer.owner = lambda peer, which: 1  # the ring at peer 1 is rank 1's: only its checkpoint makes room
+        writer.ask = lambda *args, **kwargs: None
+        shown: list[tuple[str, str]] = []
+
+        def on_stuck(what: str, waited: float) -> Any:
+            assert waited >= 0.05
+            shown.append(("shown", what))
+            rings[1].set_head(64)  # the owner's discard, once the wait is shown
+            return lambda: shown.append(("gone", what))
+
+        nic.on_stuck = on_stuck
+        writer.wait_for_room(1, LOG, 64)
+    what = "room in the log ring of rank 1 at rank 1"
+    assert shown == [("shown", what), ("gone", what)]
 
 
 def test_a_discard_retried_while_a_batch_waits_for_room_does_not_overwrite_the_batch() -> None:

@@ -391,18 +391,28 @@ class RingWriter:
                 f"{full} ({capacity} bytes logged since rank {owner}'s last checkpoint) and only its own checkpoint, "
                 "which it cannot take mid-step, can empty it: raise --log-ring-bytes"
             )
-        deadline = time.monotonic() + FULL_TIMEOUT
+        started = time.monotonic()
+        deadline = started + FULL_TIMEOUT
         pause = 1e-4
-        while (head := self.read_word(peer, which, 8)) < head_needed:
-            self.ask(peer, which, head, again=True)  # blocked: ask again now and then
-            self._owner_waits_for_this_rank(owner, full, peer, which, head_needed)
-            if time.monotonic() > deadline:
-                raise DsmError(
-                    f"{full} and rank {owner} did not checkpoint within {FULL_TIMEOUT:.0f} s: "
-                    "raise --log-ring-bytes or checkpoint more often"
-                )
-            time.sleep(pause)  # polling a remote word: the owner's discard is an RDMA WRITE, nothing signals here
-            pause = min(pause * 2, 0.05)
+        reported: Callable[[], None] | None = None  # `ckpt status` shows the wait once it lasts (dsm._waits)
+        try:
+            while (head := self.read_word(peer, which, 8)) < head_needed:
+                self.ask(peer, which, head, again=True)  # blocked: ask again now and then
+                self._owner_waits_for_this_rank(owner, full, peer, which, head_needed)
+                if time.monotonic() > deadline:
+                    raise DsmError(
+                        f"{full} and rank {owner} did not checkpoint within {FULL_TIMEOUT:.0f} s: "
+                        "raise --log-ring-bytes or checkpoint more often"
+                    )
+                if reported is None:
+                    reported = self.memory.client.report_stuck(
+                        f"room in the {what} of rank {owner} at rank {peer}", started
+                    )
+                time.sleep(pause)  # polling a remote word: the owner's discard is an RDMA WRITE, nothing signals here
+                pause = min(pause * 2, 0.05)
+        finally:
+            if reported is not None:
+                reported()
 
     def _owner_waits_for_this_rank(self, owner: int, full: str, peer: int, which: str, head_needed: int) -> None:
         """Raise if `owner` waits in a barrier this rank has not entered, or for a lock this rank holds, with no
