@@ -243,21 +243,30 @@ def _print_status(state: dict[str, Any]) -> None:
 
 
 def _long_waits(rank: dict[str, Any], now: float) -> list[str]:
-    """What a live rank has waited for a while, as its plugins report it (STATS_NS `<rank>/<plugin>` maps with
-    ``waits``: ``[{what, since}]``, outermost first, and the ``incarnation`` that waits; docs/plugins.md)."""
+    """What a live rank has waited for a while, and what it has seen stand still, as its plugins report it
+    (STATS_NS `<rank>/<plugin>` maps with ``waits`` and ``facts``, each ``[{what, since}]``, and the
+    ``incarnation`` that reports; docs/plugins.md)."""
     if rank["state"] in ENDED:  # its last report may not have been cleared before it ended
         return []
     lines = []
     for name, value in sorted((rank.get("plugins") or {}).items()):
         if not isinstance(value, dict) or value.get("incarnation", 0) != rank.get("incarnation", 0):
             continue  # a lost incarnation's report
-        waits = value.get("waits")
-        for wait in waits if isinstance(waits, list) else []:
-            since = wait.get("since") if isinstance(wait, dict) else None
-            if isinstance(since, int | float) and not isinstance(since, bool) and "what" in wait:
-                waited = max(0.0, now - since)
-                lines.append(f"rank {rank['rank']} has waited {waited:.1f} s for {wait['what']} ({name})")
+        for what, waited in _since(value.get("waits"), now):
+            lines.append(f"rank {rank['rank']} has waited {waited:.1f} s for {what} ({name})")
+        for what, waited in _since(value.get("facts"), now):
+            lines.append(f"at rank {rank['rank']}: {what} (for {waited:.1f} s, {name})")
     return lines
+
+
+def _since(entries: Any, now: float) -> list[tuple[str, float]]:
+    """(what, seconds since) of a report's ``[{what, since}]`` list; anything else in it is skipped."""
+    out = []
+    for entry in entries if isinstance(entries, list) else []:
+        since = entry.get("since") if isinstance(entry, dict) else None
+        if isinstance(since, int | float) and not isinstance(since, bool) and "what" in entry:
+            out.append((str(entry["what"]), max(0.0, now - since)))
+    return out
 
 
 @click.command()

@@ -522,6 +522,21 @@ class Handler:
         if state.queue:
             self._grant(state, *state.queue.popleft())
 
+    def standing(self) -> dict[Any, str]:
+        """What waits here now, for `ckpt status` (`dsm._waits.Standing`): each lock with ranks queued for it,
+        and, on rank 0, a barrier some ranks have arrived at; keyed by what it is about."""
+        facts: dict[Any, str] = {}
+        with self.mutex:
+            for lock, state in self.locks.items():
+                if state.queue:
+                    holder = f"held by rank {state.holder}" if state.holder >= 0 else "not held"
+                    facts[("lock", lock)] = f"lock {lock} is {holder}, wanted by {_ranks([e[0] for e in state.queue])}"
+            if self.arrivals:
+                epoch, arrived = self.arrivals[0][2], sorted({a[0] for a in self.arrivals})
+                missing = [r for r in range(self.mem.size) if r not in arrived]
+                facts[("barrier", epoch)] = f"barrier {epoch} waits for {_ranks(missing)} ({_ranks(arrived)} arrived)"
+        return facts
+
     def prune(self, floor: list[int]) -> None:
         """Forget notices every rank has had since the barrier whose vector timestamp is `floor`."""
         with self.mutex:
@@ -598,3 +613,7 @@ def _holder(lock: int, claimants: list[Claim]) -> Claim:
         ranks = " and ".join(f"rank {c[0]}" for c in claimants)
         raise DsmError(f"lock {lock} is held by both {ranks}, recovered at once: which released it cannot be told")
     return min(last, key=lambda c: c[0])  # (several: equal timestamps, see above)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(str(r) for r in ranks)}"

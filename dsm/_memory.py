@@ -82,13 +82,27 @@ from ._region import DIRTY, INVALID, Region, gid_of
 from ._replay import PageVersions, Replay
 from ._requests import WINDOW
 from ._stats import Counters, Statistics
-from ._waits import WaitReport
+from ._waits import Standing, WaitReport
 
 log = logging.getLogger("dsm")
 PROTOCOLS = ("async", "onesided")
 HOOKS = [name for name in dir(hookspecs) if name.startswith("dsm_")]
 #: The hooks the handler thread fires: they go on while this rank replays (it serves the others meanwhile).
 HANDLER_HOOKS = frozenset({"dsm_diffs_received", "dsm_diff_received", "dsm_diff_applied", "dsm_page_served"})
+
+
+#: `Memory`'s attributes `_live` makes, never pickled.
+PER_PROCESS = (
+    "_thread",
+    "_stop",
+    "_failure",
+    "_plugins",
+    "_fire",
+    "_in_waiting",
+    "waiting_for",
+    "_wait_report",
+    "_standing",
+)
 
 
 class Memory(Intervals):
@@ -100,6 +114,7 @@ class Memory(Intervals):
     _failure: BaseException | None
     _plugins: PluginCalls | None
     _wait_report: WaitReport | None
+    _standing: Standing | None
     _fire: frozenset[str]
     _in_waiting: bool
 
@@ -384,6 +399,11 @@ class Memory(Intervals):
         finally:
             self._in_waiting = False
 
+    def _look(self) -> None:
+        """The handler thread: what stands still at this home, for `ckpt status` (`dsm._waits.Standing`)."""
+        if self._standing is not None:
+            self._standing.look(self.handler.standing(), time.monotonic())
+
     def _live(self) -> None:
         """Per-process parts (thread, plugin host registration): at attach, and again after unpickling."""
         self._thread = None
@@ -393,6 +413,7 @@ class Memory(Intervals):
         self.waiting_for = None
         self._wait_report = _waits.report(self.rt, self.rank)
         self.client.on_stuck = None if self._wait_report is None else self._wait_report.begin
+        self._standing = None if self._wait_report is None else _waits.Standing(self._wait_report)
         host: PluginCalls | None = getattr(self.rt, "plugins", None)
         self._plugins = None
         self._fire = frozenset()
@@ -430,13 +451,20 @@ class Memory(Intervals):
         try:
             # idle, it waits on no peer: a failed peer's RECOVERY_TIMEOUT bounds the waits of calls, not this
             while not self._stop.is_set() and server.wait(
-                lambda: bool(server.inbox), "requests", math.inf, self._stop.is_set, recovery_bound=False
+                lambda: bool(server.inbox),
+                "requests",
+                math.inf,
+                self._stop.is_set,
+                recovery_bound=False,
+                on_idle=self._look,
             ):
                 # stop between requests: in an independent checkpoint the peers run on and may keep
                 # the inbox full; what is left waits there (it is pickled) until RESUME
                 while server.inbox and not self._stop.is_set():
                     peer, msg, _, link = server.inbox.pop(0)
                     self.handler.serve(peer, msg, link)  # dropped there if its incarnation died since
+                if self._standing is not None and time.monotonic() - self._standing.looked >= _waits.LOOK_EVERY:
+                    self._look()
         except BaseException as exc:  # reported on the program thread at its next DSM call
             self._failure = exc
             log.error("rank %d: the DSM protocol handler failed: %s", self.rank, exc)
@@ -479,7 +507,7 @@ class Memory(Intervals):
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        for name in ("_thread", "_stop", "_failure", "_plugins", "_fire", "_in_waiting", "waiting_for", "_wait_report"):
+        for name in PER_PROCESS:
             state.pop(name, None)
         return state
 

@@ -8,7 +8,10 @@
 # logging's wait for room in a full log ring (`Endpoint.report_stuck`) that has
 # lasted STUCK_AFTER seconds is added here, and removed when it ends; the list
 # goes to the coordinator's KV under STATS_NS "<rank>/dsm" ({"waits": [{"what",
-# "since"}], "incarnation"}), which `ckpt status` prints.
+# "since"}], "facts": [...], "incarnation"}), which `ckpt status` prints.  The
+# facts are the home's side (`Standing`): a lock ranks queue for and who holds
+# it, a barrier some ranks have reached -- which makes a lock-order deadlock
+# plain (two locks, each held by a rank the other waits for).
 #
 # A publish is a round trip to the coordinator, which may be slow or stopped:
 # never on the waiting thread.  One daemon thread (started at the first long
@@ -31,14 +34,17 @@ from ckpt.plugin import STATS_NS
 log = logging.getLogger("dsm")
 
 STUCK_AFTER = 2.0  # seconds a wait lasts before it is reported
+LOOK_EVERY = 0.25  # seconds between a busy home's looks at what stands (`Standing`)
 
 
 class WaitReport:
-    """The long waits in progress on one rank, and the thread that publishes them (`publish([{what, since}])`)."""
+    """The long waits in progress on one rank and what its home has seen stand still (`Standing`), and the
+    thread that publishes them (`publish(waits, facts)`, each a list of ``{what, since}``)."""
 
-    def __init__(self, publish: Callable[[list[dict[str, Any]]], None]) -> None:
+    def __init__(self, publish: Callable[[list[dict[str, Any]], list[dict[str, Any]]], None]) -> None:
         self._publish = publish
         self._waits: list[tuple[str, float]] = []  # (what, since: wall-clock seconds), outermost first
+        self._facts: list[tuple[str, float]] = []  # (what, since), set whole by `set_facts`
         self._changed = threading.Condition()
         self._version = 0  # bumped by every change; the thread publishes until it has caught up
         self._thread: threading.Thread | None = None
@@ -55,6 +61,13 @@ class WaitReport:
                 self._waits.remove(entry)  # not reported after all: the caller has nothing to end it with
                 raise
         return lambda: self._end(entry)
+
+    def set_facts(self, facts: list[tuple[str, float]]) -> None:
+        """What this rank's handler has seen stand still for STUCK_AFTER (what, since: wall-clock), replacing
+        the last list (the handler thread's, `Standing`)."""
+        with self._changed:
+            self._facts = list(facts)
+            self._bump()
 
     def close(self) -> None:
         """Stop the publishing thread once it has published the latest list (the memory is closed)."""
@@ -84,9 +97,10 @@ class WaitReport:
                 if self._version == published:  # closed, and the latest list is out
                     return
                 published = self._version
-                value = [{"what": what, "since": since} for what, since in self._waits]
+                waits = [{"what": what, "since": since} for what, since in self._waits]
+                facts = [{"what": what, "since": since} for what, since in self._facts]
             try:
-                self._publish(value)
+                self._publish(waits, facts)
             except Exception as exc:  # the coordinator is gone or refused it: the wait goes on regardless
                 log.debug("dsm: the wait report was not published: %s", exc)
 
@@ -97,8 +111,35 @@ def report(rt: Any, rank: int) -> WaitReport | None:
         return None
     key = f"{rank}/dsm"
 
-    def publish(waits: list[dict[str, Any]]) -> None:
+    def publish(waits: list[dict[str, Any]], facts: list[dict[str, Any]]) -> None:
         # the store and the incarnation as they are now, not at attach (a runtime double may start a generation)
-        rt.kv.publish(STATS_NS, key, {"waits": waits, "incarnation": int(getattr(rt, "incarnation", 0) or 0)})
+        incarnation = int(getattr(rt, "incarnation", 0) or 0)
+        rt.kv.publish(STATS_NS, key, {"waits": waits, "facts": facts, "incarnation": incarnation})
 
     return WaitReport(publish)
+
+
+class Standing:
+    """A home's view of what stands still, for `ckpt status`: a lock with ranks queued for it, a barrier some
+    ranks have arrived at (`Handler.standing`), each reported once it has lasted STUCK_AFTER.
+
+    Looked at by the handler thread when it goes idle and, at most every LOOK_EVERY seconds, between the
+    requests it serves (a busy home must also take back what has moved on).  A fact is keyed by what it is
+    about (a lock, a barrier), so it keeps its start while its text changes (another rank joins the queue).
+    """
+
+    def __init__(self, report: WaitReport) -> None:
+        self.report = report
+        self.first: dict[Any, float] = {}  # key -> when (monotonic) it was first seen standing
+        self.shown: list[str] = []
+        self.looked = 0.0
+
+    def look(self, facts: dict[Any, str], now: float) -> None:
+        """`facts` (key -> text) stand now (`time.monotonic()`): publish those that have lasted, if they changed."""
+        self.looked = now
+        self.first = {key: self.first.get(key, now) for key in facts}
+        due = sorted((self.first[key], text) for key, text in facts.items() if now - self.first[key] >= STUCK_AFTER)
+        if [text for _, text in due] != self.shown:
+            self.shown = [text for _, text in due]
+            wall = time.time() - now
+            self.report.set_facts([(text, wall + since) for since, text in due])

@@ -169,6 +169,10 @@ def test_status_shows_a_live_ranks_long_waits_as_its_plugins_report_them() -> No
     assert _long_waits(_rank(dsm={"waits": [], "incarnation": 0}, other=[1, 2]), now=100.0) == []
     skewed = {"waits": [{"what": "lock 1", "since": 105.0}], "incarnation": 0}  # another host's clock runs ahead
     assert _long_waits(_rank(dsm=skewed), now=100.0) == ["rank 2 has waited 0.0 s for lock 1 (dsm)"]
+    home = {"waits": [], "facts": [{"what": "lock 0 is held by rank 3, wanted by ranks 1, 2", "since": 95.0}]}
+    assert _long_waits(_rank(dsm={**home, "incarnation": 0}), now=100.0) == [
+        "at rank 2: lock 0 is held by rank 3, wanted by ranks 1, 2 (for 5.0 s, dsm)"
+    ]
     for ended in ("finished", "killed", "failed"):  # a rank that ended may not have cleared its last report
         assert _long_waits(_rank(state=ended, dsm={**dsm, "incarnation": 0}), now=100.0) == []
 
@@ -182,6 +186,8 @@ def test_status_shows_a_live_ranks_long_waits_as_its_plugins_report_them() -> No
         {"waits": [{"since": 1.0}]},
         {"waits": ["lock 1"]},
         {"waits": [{"what": "x", "since": True}]},
+        {"facts": "lock 0"},
+        {"facts": [{"what": "x", "since": None}]},
     ],
 )
 def test_status_skips_what_is_not_a_wait_rather_than_fail(value: dict[str, object]) -> None:

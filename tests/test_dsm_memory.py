@@ -748,10 +748,13 @@ def test_a_long_wait_is_reported_while_it_lasts_and_cleared_when_it_ends(
     protocol: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Rank 1 waits for a lock rank 0 holds, then in a barrier rank 0 has not reached: each wait, once it has
-    lasted STUCK_AFTER, is in the KV as `ckpt status` reads it (STATS_NS `1/dsm`), and gone once it ends."""
+    lasted STUCK_AFTER, is in the KV as `ckpt status` reads it (STATS_NS `1/dsm`), and gone once it ends; and
+    rank 0, the lock's home and the barrier manager, says what stands there (its `facts`)."""
     import dsm._net
+    import dsm._waits
 
     monkeypatch.setattr(dsm._net, "STUCK_AFTER", 0.2)
+    monkeypatch.setattr(dsm._waits, "STUCK_AFTER", 0.2)
 
     def body(mem: dsm.Memory, rt: ThreadRuntime) -> Any:
         lock = mem.lock()
@@ -769,19 +772,43 @@ def test_a_long_wait_is_reported_while_it_lasts_and_cleared_when_it_ends(
             value = rt.kv.get(STATS_NS, "1/dsm")
             return [] if value is None else [(w["what"], w["since"]) for w in value["waits"]]
 
+        def facts() -> list[str]:  # rank 0's, as the lock's home and the barrier manager
+            value = rt.kv.get(STATS_NS, "0/dsm")
+            return [] if value is None else [f["what"] for f in value["facts"]]
+
         # (a slow setup barrier may have been reported first)
         shown = wait_for(lambda: [w for w in reported() if w[0].startswith("lock")], 10, "rank 1's wait for the lock")
+        held = wait_for(lambda: [f for f in facts() if f.startswith("lock")], 10, "the lock's home says it is held")
         unlocked = time.time()
         lock.release()
         in_barrier = wait_for(lambda: [w for w in reported() if w[0].startswith("barrier")], 10, "the barrier")
-        still = reported()
+        arrived = wait_for(lambda: [f for f in facts() if f.startswith("barrier")], 10, "the manager's arrivals")
+        still, still_facts = reported(), facts()
         mem.barrier()
         wait_for(lambda: rt.kv.get(STATS_NS, "1/dsm")["waits"] == [], 10, "rank 1's report cleared")
-        return lock.id, shown, unlocked, in_barrier, still, rt.kv.get(STATS_NS, "1/dsm")["incarnation"]
+        wait_for(lambda: facts() == [], 10, "rank 0's facts cleared")
+        return (
+            lock.id,
+            shown,
+            unlocked,
+            in_barrier,
+            still,
+            rt.kv.get(STATS_NS, "1/dsm")["incarnation"],
+            (
+                held,
+                arrived,
+                still_facts,
+            ),
+        )
 
     started = time.time()
-    (lock_id, shown, unlocked, in_barrier, still, incarnation), (pickled, pickled_client) = run_ranks(2, body, protocol)
-    assert "_wait_report" not in pickled and "on_stuck" not in pickled_client
+    ranks = run_ranks(2, body, protocol)
+    (lock_id, shown, unlocked, in_barrier, still, incarnation, (held, arrived, still_facts)), pickles = ranks
+    assert not {"_wait_report", "_standing"} & pickles[0] and "on_stuck" not in pickles[1]
+    epoch = in_barrier[0][0].removeprefix("barrier ")
+    assert held == [f"lock {lock_id} is held by rank 0, wanted by rank 1"]
+    assert arrived == [f"barrier {epoch} waits for rank 0 (rank 1 arrived)"]
+    assert still_facts == arrived  # the lock's stand is over and taken back
     assert [what for what, _ in shown] == [f"lock {lock_id}"]
     assert started <= shown[0][1] <= unlocked - 0.2  # since the wait began, as a wall-clock time
     assert [what for what, _ in still] == [in_barrier[0][0]]  # the lock's wait is over and no longer shown

@@ -8,9 +8,10 @@ from typing import Any
 
 import pytest
 
+import dsm._waits
 from ckpt.plugin import STATS_NS
 from ckpt.testing import FakeKeyValue, wait_for
-from dsm._waits import WaitReport, report
+from dsm._waits import Standing, WaitReport, report
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -19,18 +20,20 @@ class Published:
     """A publish function that records every value (and can be made to fail or to block)."""
 
     def __init__(self) -> None:
-        self.values: list[list[dict[str, Any]]] = []
+        self.values: list[list[dict[str, Any]]] = []  # the waits of each publish
+        self.facts: list[list[dict[str, Any]]] = []
         self.attempts = 0
         self.fail = False
         self.gate = threading.Event()
         self.gate.set()
 
-    def __call__(self, value: list[dict[str, Any]]) -> None:
+    def __call__(self, waits: list[dict[str, Any]], facts: list[dict[str, Any]]) -> None:
         self.gate.wait(10)
         self.attempts += 1
         if self.fail:
             raise ConnectionError("the coordinator is gone")
-        self.values.append(value)
+        self.values.append(waits)
+        self.facts.append(facts)
 
     def last(self) -> list[str] | None:
         return None if not self.values else [w["what"] for w in self.values[-1]]
@@ -179,3 +182,27 @@ def test_report_publishes_under_the_ranks_dsm_key_with_its_incarnation_then() ->
 
 def test_report_is_none_without_a_store() -> None:
     assert report(object(), rank=0) is None
+
+
+def test_standing_facts_are_published_once_they_have_lasted_and_keep_their_start_as_their_text_changes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(dsm._waits, "STUCK_AFTER", 2.0)
+    published = Published()
+    standing = Standing(WaitReport(published))
+    lock = ("lock", 0)
+    standing.look({lock: "lock 0 is held by rank 0, wanted by rank 1"}, now=100.0)
+    standing.look({lock: "lock 0 is held by rank 0, wanted by rank 1"}, now=101.0)
+    assert published.attempts == 0  # not yet 2 s: nothing to publish
+    before = time.time()
+    standing.look({lock: "lock 0 is held by rank 0, wanted by ranks 1, 2"}, now=102.5)  # a second waiter, same lock
+    wait_for(lambda: published.facts, 5, "the fact published")
+    ((fact,),) = published.facts
+    assert fact["what"] == "lock 0 is held by rank 0, wanted by ranks 1, 2"
+    assert before - 2.5 - 0.5 <= fact["since"] <= time.time() - 2.5  # since the lock was first seen standing
+    standing.look({lock: "lock 0 is held by rank 0, wanted by ranks 1, 2"}, now=103.0)
+    standing.look({}, now=103.5)  # it moved on
+    wait_for(lambda: published.facts[-1] == [], 5, "the fact taken back")
+    assert len(published.facts) == 2  # an unchanged fact is not published again
+    standing.look({lock: "lock 0 is held by rank 2, wanted by rank 1"}, now=104.0)
+    assert standing.first == {lock: 104.0}  # a new stand starts afresh

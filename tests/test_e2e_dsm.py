@@ -128,21 +128,31 @@ def test_checkpoints_at_random_moments_of_a_lock_heavy_run(
 
 
 WAIT_LINE = re.compile(r"^rank (\d+) has waited ([\d.]+) s for (.+) \(dsm\)$", re.MULTILINE)
+FACT_LINE = re.compile(r"^at rank 0: (.+) \(for [\d.]+ s, dsm\)$", re.MULTILINE)
 
 
 def test_status_shows_what_each_rank_waits_for_in_the_dsm(start_job: Callable[..., Job], tmp_path: Path) -> None:
     """Rank 0 stalls outside the DSM holding a lock, then before a barrier: `ckpt status` shows the other ranks
-    waiting for the lock, then for the barrier (never rank 0, and never a wait that is over); `--json` has the
-    same as `ranks[i].plugins.dsm`."""
+    waiting for the lock, then for the barrier (never rank 0, and never a wait that is over), and what the
+    lock's home (rank 0, lock 0) and the barrier manager (rank 0) see standing; `--json` has the same as
+    `ranks[i].plugins.dsm`."""
     ckpt_dir, gate = tmp_path / "ckpt", tmp_path / "gate"
     argv = ["launch", "-n", "3", "--ckpt-dir", str(ckpt_dir), str(PROGRAMS / "dsm_stall.py"), str(gate)]
     job = start_job(*argv, ckpt_dir=ckpt_dir)
 
-    def waiting() -> dict[int, str]:
-        shown = run("status", "--ckpt-dir", str(ckpt_dir))
-        return {int(m[1]): m[3] for m in WAIT_LINE.finditer(shown.stdout)}
+    seen: dict[str, list[str]] = {}
 
-    wait_for(lambda: waiting() == {1: "lock 0", 2: "lock 0"}, 60, "ranks 1 and 2 shown waiting for lock 0", 0.3)
+    def waiting() -> dict[int, str]:
+        shown = run("status", "--ckpt-dir", str(ckpt_dir)).stdout
+        seen["facts"] = [m[1] for m in FACT_LINE.finditer(shown)]
+        return {int(m[1]): m[3] for m in WAIT_LINE.finditer(shown)}
+
+    def locked() -> bool:
+        return waiting() == {1: "lock 0", 2: "lock 0"} and seen["facts"] == [
+            "lock 0 is held by rank 0, wanted by ranks 1, 2"
+        ]
+
+    wait_for(locked, 60, "ranks 1 and 2 shown waiting for lock 0, and its home's view", 0.3)
     state = json.loads(run("status", "--json", "--ckpt-dir", str(ckpt_dir)).stdout)
     report = state["ranks"][1]["plugins"]["dsm"]
     assert [w["what"] for w in report["waits"]] == ["lock 0"] and report["incarnation"] == 0
@@ -150,9 +160,10 @@ def test_status_shows_what_each_rank_waits_for_in_the_dsm(start_job: Callable[..
     gate.with_suffix(".lock").touch()
 
     def in_one_barrier() -> str | None:  # ranks 1 and 2, the lock's wait over, both in the same barrier
-        seen = waiting()
-        same = seen.keys() == {1, 2} and seen[1] == seen[2]
-        return seen[1] if same and seen[1].startswith("barrier ") else None
+        waits = waiting()
+        same = waits.keys() == {1, 2} and waits[1] == waits[2] and waits[1].startswith("barrier ")
+        manager = f"{waits[1]} waits for rank 0 (ranks 1, 2 arrived)" if same else None
+        return waits[1] if same and seen["facts"] == [manager] else None
 
     wait_for(in_one_barrier, 60, "ranks 1 and 2 shown waiting in the barrier, and no longer for the lock", 0.3)
     gate.with_suffix(".barrier").touch()
