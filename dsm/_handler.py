@@ -524,13 +524,15 @@ class Handler:
 
     def standing(self) -> dict[Any, str]:
         """What waits here now, for `ckpt status` (`dsm._waits.Standing`): each lock with ranks queued for it,
-        and, on rank 0, a barrier some ranks have arrived at; keyed by what it is about."""
+        and, on rank 0, a barrier some ranks have arrived at.  Keyed by what stands: a lock by its holder and
+        acquisition too, so a contended lock that keeps changing hands never looks stuck."""
         facts: dict[Any, str] = {}
         with self.mutex:
             for lock, state in self.locks.items():
                 if state.queue:
                     holder = f"held by rank {state.holder}" if state.holder >= 0 else "not held"
-                    facts[("lock", lock)] = f"lock {lock} is {holder}, wanted by {_ranks([e[0] for e in state.queue])}"
+                    key = ("lock", lock, state.holder, state.token)
+                    facts[key] = f"lock {lock} is {holder}, wanted by {_ranks([e[0] for e in state.queue])}"
             if self.arrivals:
                 epoch, arrived = self.arrivals[0][2], sorted({a[0] for a in self.arrivals})
                 missing = [r for r in range(self.mem.size) if r not in arrived]

@@ -838,3 +838,41 @@ def test_a_wait_shorter_than_stuck_after_is_never_reported(protocol: str, monkey
         return mem._wait_report is not None and mem._wait_report._thread is None
 
     assert run_ranks(2, body, protocol) == [True, True]  # no report was begun: no thread to publish one
+
+
+def test_a_contended_lock_that_keeps_changing_hands_is_never_reported_as_standing(
+    protocol: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three ranks take one lock in turn for a second: its home sees ranks queued at nearly every look, but a
+    new holder each time -- nothing stands still, so nothing is reported (STUCK_AFTER patched to 0.2 s)."""
+    import dsm._waits
+
+    monkeypatch.setattr(dsm._waits, "STUCK_AFTER", 0.2)
+    looked: list[int] = []
+    reported: list[list[tuple[str, float]]] = []
+    look, set_facts = dsm._waits.Standing.look, dsm._waits.WaitReport.set_facts
+
+    def counting_look(self: Any, facts: dict[Any, str], now: float) -> None:
+        looked.append(len(facts))
+        look(self, facts, now)
+
+    def recording(self: Any, facts: list[tuple[str, float]]) -> None:
+        reported.append(facts)
+        set_facts(self, facts)
+
+    monkeypatch.setattr(dsm._waits.Standing, "look", counting_look)
+    monkeypatch.setattr(dsm._waits.WaitReport, "set_facts", recording)
+
+    def body(mem: dsm.Memory, rt: ThreadRuntime) -> int:
+        lock = mem.lock()
+        mem.barrier()
+        deadline, turns = time.monotonic() + 1.0, 0
+        while time.monotonic() < deadline:
+            with lock:
+                turns += 1
+        mem.barrier()
+        return turns
+
+    assert min(run_ranks(3, body, protocol)) > 10
+    assert any(looked), "the lock's home never saw a rank queued: the test did not contend"
+    assert reported == []
