@@ -532,9 +532,9 @@ class Handler:
                 if state.queue:
                     holder = f"held by rank {state.holder}" if state.holder >= 0 else "not held"
                     key = ("lock", lock, state.holder, state.token)
-                    facts[key] = f"lock {lock} is {holder}, wanted by {_ranks([e[0] for e in state.queue])}"
-            if self.arrivals:
-                epoch, arrived = self.arrivals[0][2], sorted({a[0] for a in self.arrivals})
+                    facts[key] = f"lock {lock} is {holder}, wanted by {_ranks(sorted(e[0] for e in state.queue))}"
+            for epoch in sorted({a[2] for a in self.arrivals}):  # one epoch, unless ranks are out of step
+                arrived = sorted({a[0] for a in self.arrivals if a[2] == epoch})
                 missing = [r for r in range(self.mem.size) if r not in arrived]
                 facts[("barrier", epoch)] = f"barrier {epoch} waits for {_ranks(missing)} ({_ranks(arrived)} arrived)"
         return facts

@@ -251,6 +251,11 @@ class Memory(Intervals):
         long as the job); tests and long-lived processes that attach many times do.
         """
         self._halt()
+        if self._standing is not None:
+            try:
+                self._standing.clear()  # nothing stands here any more: the handler is gone
+            except Exception as exc:
+                log.debug("dsm: rank %d's home report was not taken back: %s", self.rank, exc)
         if self._wait_report is not None:
             self._wait_report.close()
         if self._plugins is not None:
@@ -400,9 +405,17 @@ class Memory(Intervals):
             self._in_waiting = False
 
     def _look(self) -> None:
-        """The handler thread: what stands still at this home, for `ckpt status` (`dsm._waits.Standing`)."""
-        if self._standing is not None:
-            self._standing.look(self.handler.standing(), time.monotonic())
+        """The handler thread, idle or between requests: what stands still at this home, for `ckpt status`
+        (`dsm._waits.Standing`), at most every LOOK_EVERY seconds.  A report that fails is not the handler's
+        failure: it is logged, and tried again at the next look."""
+        standing = self._standing
+        now = time.monotonic()
+        if standing is None or now - standing.looked < _waits.LOOK_EVERY:
+            return
+        try:
+            standing.look(self.handler.standing(), now)
+        except Exception as exc:  # e.g. no thread to publish it with
+            log.debug("dsm: what stands at rank %d was not reported: %s", self.rank, exc)
 
     def _live(self) -> None:
         """Per-process parts (thread, plugin host registration): at attach, and again after unpickling."""
@@ -463,8 +476,7 @@ class Memory(Intervals):
                 while server.inbox and not self._stop.is_set():
                     peer, msg, _, link = server.inbox.pop(0)
                     self.handler.serve(peer, msg, link)  # dropped there if its incarnation died since
-                if self._standing is not None and time.monotonic() - self._standing.looked >= _waits.LOOK_EVERY:
-                    self._look()
+                self._look()
         except BaseException as exc:  # reported on the program thread at its next DSM call
             self._failure = exc
             log.error("rank %d: the DSM protocol handler failed: %s", self.rank, exc)

@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -123,23 +124,31 @@ class Standing:
     """A home's view of what stands still, for `ckpt status`: a lock with ranks queued for it, a barrier some
     ranks have arrived at (`Handler.standing`), each reported once it has lasted STUCK_AFTER.
 
-    Looked at by the handler thread when it goes idle and, at most every LOOK_EVERY seconds, between the
-    requests it serves (a busy home must also take back what has moved on).  A fact is keyed by what it is
-    about (a lock, a barrier), so it keeps its start while its text changes (another rank joins the queue).
+    Looked at by the handler thread, idle or between the requests it serves (a busy home must also take
+    back what has moved on), at most every LOOK_EVERY seconds: a look walks the home's locks.  A fact is
+    keyed by what stands (a lock and its holder, a barrier), so it keeps its start while its text changes
+    (another rank joins the queue), and a lock handed on starts afresh.
     """
 
     def __init__(self, report: WaitReport) -> None:
         self.report = report
         self.first: dict[Any, float] = {}  # key -> when (monotonic) it was first seen standing
         self.shown: list[str] = []
-        self.looked = 0.0
+        self.looked = -math.inf  # (monotonic) the last look
 
     def look(self, facts: dict[Any, str], now: float) -> None:
         """`facts` (key -> text) stand now (`time.monotonic()`): publish those that have lasted, if they changed."""
         self.looked = now
         self.first = {key: self.first.get(key, now) for key in facts}
         due = sorted((self.first[key], text) for key, text in facts.items() if now - self.first[key] >= STUCK_AFTER)
-        if [text for _, text in due] != self.shown:
-            self.shown = [text for _, text in due]
+        texts = [text for _, text in due]
+        if texts != self.shown:
             wall = time.time() - now
             self.report.set_facts([(text, wall + since) for since, text in due])
+            self.shown = texts  # only once it is out: a report that failed is tried again at the next look
+
+    def clear(self) -> None:
+        """Nothing stands any more (the handler stopped): take back what was reported, if anything."""
+        if self.shown:
+            self.report.set_facts([])
+            self.shown = []

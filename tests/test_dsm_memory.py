@@ -876,3 +876,34 @@ def test_a_contended_lock_that_keeps_changing_hands_is_never_reported_as_standin
     assert min(run_ranks(3, body, protocol)) > 10
     assert any(looked), "the lock's home never saw a rank queued: the test did not contend"
     assert reported == []
+
+
+def test_a_home_whose_report_fails_serves_on(protocol: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Publishing what stands at a home fails (no thread to be had): the handler logs it and serves on."""
+    import dsm._waits
+
+    monkeypatch.setattr(dsm._waits, "STUCK_AFTER", 0.0)
+    failures: list[Any] = []
+
+    def failing(self: Any, facts: list[tuple[str, float]]) -> None:
+        failures.append(facts)
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(dsm._waits.WaitReport, "set_facts", failing)
+
+    def body(mem: dsm.Memory, rt: ThreadRuntime) -> Any:
+        lock = mem.lock()
+        if rt.rank == 0:
+            lock.acquire()
+        mem.barrier()
+        if rt.rank == 0:
+            wait_for(lambda: failures, 10, "a failed report of rank 1 queued for the lock")
+            lock.release()
+        else:
+            with lock:
+                pass
+        mem.barrier()
+        return mem._failure
+
+    assert run_ranks(2, body, protocol) == [None, None]
+    assert failures

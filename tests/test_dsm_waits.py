@@ -206,3 +206,51 @@ def test_standing_facts_are_published_once_they_have_lasted_and_keep_their_start
     assert len(published.facts) == 2  # an unchanged fact is not published again
     standing.look({lock: "lock 0 is held by rank 2, wanted by rank 1"}, now=104.0)
     assert standing.first == {lock: 104.0}  # a new stand starts afresh
+
+
+def test_a_fact_whose_report_failed_is_reported_again_at_the_next_look(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dsm._waits, "STUCK_AFTER", 0.0)
+    published = Published()
+    report = WaitReport(published)
+    standing = Standing(report)
+    calls: list[int] = []
+    set_facts = report.set_facts
+
+    def failing_once(facts: list[tuple[str, float]]) -> None:
+        calls.append(len(facts))
+        if len(calls) == 1:
+            raise RuntimeError("can't start new thread")
+        set_facts(facts)
+
+    monkeypatch.setattr(report, "set_facts", failing_once)
+    with pytest.raises(RuntimeError):
+        standing.look({("barrier", 3): "barrier 3 waits for rank 2 (ranks 0, 1 arrived)"}, now=1.0)
+    standing.look({("barrier", 3): "barrier 3 waits for rank 2 (ranks 0, 1 arrived)"}, now=2.0)
+    assert calls == [1, 1]
+    wait_for(lambda: published.facts, 5, "the second try published")
+    assert [f["what"] for f in published.facts[-1]] == ["barrier 3 waits for rank 2 (ranks 0, 1 arrived)"]
+
+
+def test_closing_a_memory_takes_back_what_stood_at_its_home(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`Memory.close`: its handler is gone, so nothing stands there any more -- published before the report's
+    thread ends (a rank that goes on running must not show a lock held for ever)."""
+    import dsm
+
+    published = Published()
+    report = WaitReport(published)
+    report.set_facts([("lock 0 is held by rank 0, wanted by rank 1", time.time())])
+    wait_for(lambda: published.facts, 5, "the fact")
+    mem = dsm.Memory.__new__(dsm.Memory)
+    assert Standing(WaitReport(Published())).clear() is None  # nothing shown: nothing to take back, no thread
+    closed: list[bool] = []
+    standing = Standing(report)
+    standing.shown = ["lock 0 is held by rank 0, wanted by rank 1"]
+    ctx = type("Ctx", (), {"close": lambda self: None})()
+    mem.__dict__.update(_wait_report=report, _standing=standing, _plugins=None, ctx=ctx, rank=0)
+    monkeypatch.setattr(dsm.Memory, "_halt", lambda self: closed.append(True))
+    mem.close()
+    assert closed == [True]
+    thread = report._thread
+    assert thread is not None
+    thread.join(5)
+    assert not thread.is_alive() and published.facts[-1] == []
