@@ -533,6 +533,11 @@ class Handler:
                     holder = f"held by rank {state.holder}" if state.holder >= 0 else "not held"
                     key = ("lock", lock, state.holder, state.token)
                     facts[key] = f"lock {lock} is {holder}, wanted by {_ranks(sorted(e[0] for e in state.queue))}"
+            if self.held_back:  # this rank's replay, or the rebuild of its locks after it, is not done
+                waiting = _ranks(sorted({entry[0] for entry in self.held_back}))
+                facts[("held back", self.incarnation)] = (
+                    f"requests of {waiting} wait for this rank's replay and the rebuild of its locks"
+                )
             for epoch in sorted({a[2] for a in self.arrivals}):  # one epoch, unless ranks are out of step
                 arrived = sorted({a[0] for a in self.arrivals if a[2] == epoch})
                 missing = [r for r in range(self.mem.size) if r not in arrived]

@@ -207,6 +207,7 @@ def test_a_recovered_rank_rebuilds_its_locks_from_the_survivors_reports_once_its
     died, replayed = threading.Event(), threading.Event()
     recorder = Recorder({})
     held_back: list[int] = []
+    standing: dict[Any, str] = {}
 
     def victim(proc: RankProcess, mem: dsm.Memory, image: bytes) -> tuple[dsm.Memory, Any, list[Any]]:
         acted.wait()
@@ -232,6 +233,7 @@ def test_a_recovered_rank_rebuilds_its_locks_from_the_survivors_reports_once_its
         mem.replay = None  # the "replay" ends with live work (an interval released through lock 0)
         wait_for(lambda: len(mem.handler.held_back) == 1, HANG, "rank 2's acquire, held back at rank 1")
         held_back.append(len(mem.handler.held_back))
+        standing.update(mem.handler.standing())  # what `ckpt status` would show of it (`dsm._waits.Standing`)
         with locks[0]:
             a[WORDS] = 20  # its own home page: the notice reaches rank 2 only through lock 1's rebuilt state
             a[4 * WORDS + 1] = 41  # page 4 is rank 0's (its claim): a diff to rank 0
@@ -266,6 +268,7 @@ def test_a_recovered_rank_rebuilds_its_locks_from_the_survivors_reports_once_its
     results = job.run([rank_main] * 3, timeout=HANG * 3)
     assert results == [[-1, 20, 40, 41], [-1, 20, 40, 41], [20, 20, 40, 41]]
     assert held_back == [1]
+    assert standing == {("held back", 1): "requests of rank 2 wait for this rank's replay and the rebuild of its locks"}
     assert recorder.seen == {
         "incarnation": 1,
         "ready_published": [None, None],  # the survivors wait for the hook
