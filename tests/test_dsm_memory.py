@@ -744,6 +744,15 @@ def test_a_home_that_twins_its_own_pages_sends_no_notice_for_one_rewritten_uncha
 
 
 # ----------------------------------------------------------------- long waits, reported
+def _held_by_rank_0(mem: dsm.Memory, rt: ThreadRuntime) -> dsm.Lock:
+    """A new lock, which rank 0 holds before any other rank can ask for it (collective)."""
+    lock = mem.lock()
+    if rt.rank == 0:
+        lock.acquire()
+    mem.barrier()
+    return lock
+
+
 def test_a_long_wait_is_reported_while_it_lasts_and_cleared_when_it_ends(
     protocol: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -757,10 +766,7 @@ def test_a_long_wait_is_reported_while_it_lasts_and_cleared_when_it_ends(
     monkeypatch.setattr(dsm._waits, "STUCK_AFTER", 0.2)
 
     def body(mem: dsm.Memory, rt: ThreadRuntime) -> Any:
-        lock = mem.lock()
-        if rt.rank == 0:
-            lock.acquire()
-        mem.barrier()
+        lock = _held_by_rank_0(mem, rt)
         if rt.rank == 1:
             with lock:
                 pass
@@ -824,10 +830,7 @@ def test_a_wait_shorter_than_stuck_after_is_never_reported(protocol: str, monkey
     held = threading.Event()
 
     def body(mem: dsm.Memory, rt: ThreadRuntime) -> Any:
-        lock = mem.lock()
-        if rt.rank == 0:
-            lock.acquire()
-        mem.barrier()
+        lock = _held_by_rank_0(mem, rt)
         if rt.rank == 0:
             held.wait(0.3)  # rank 1 waits this long for the lock
             lock.release()
@@ -892,10 +895,7 @@ def test_a_home_whose_report_fails_serves_on(protocol: str, monkeypatch: pytest.
     monkeypatch.setattr(dsm._waits.WaitReport, "set_facts", failing)
 
     def body(mem: dsm.Memory, rt: ThreadRuntime) -> Any:
-        lock = mem.lock()
-        if rt.rank == 0:
-            lock.acquire()
-        mem.barrier()
+        lock = _held_by_rank_0(mem, rt)
         if rt.rank == 0:
             wait_for(lambda: failures, 10, "a failed report of rank 1 queued for the lock")
             lock.release()
