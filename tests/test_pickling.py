@@ -133,6 +133,42 @@ def test_a_failure_that_does_not_repeat_is_not_blamed() -> None:
     assert find_unpicklable(Holder(racy=FailsOnce()), "program") is None
 
 
+class ChangedUnder:
+    """Pickles only on its `pickles_at`-th try (0: never); before that it fails as a dict another thread grows
+    under the pickler does (`reason`)."""
+
+    def __init__(self, pickles_at: int, reason: str = "dictionary changed size during iteration") -> None:
+        self.pickles_at, self.reason, self.calls = pickles_at, reason, 0
+
+    def __reduce__(self) -> Any:
+        self.calls += 1
+        if self.pickles_at == 0 or self.calls < self.pickles_at:
+            raise RuntimeError(self.reason)
+        return (int, (0,))
+
+
+@pytest.mark.parametrize(
+    "racy",
+    [
+        ChangedUnder(pickles_at=5),  # fails four times in a row, as right after setup under a busy DSM handler
+        ChangedUnder(pickles_at=0, reason="OrderedDict mutated during iteration"),  # never still: busy, not bad
+        ChangedUnder(pickles_at=0, reason="deque mutated during iteration"),
+    ],
+)
+def test_state_another_thread_keeps_changing_is_not_blamed(racy: ChangedUnder) -> None:
+    assert find_unpicklable(Holder(count=1, racy=racy), "program") is None
+
+
+def test_a_lock_beside_state_that_is_changing_is_still_named() -> None:
+    culprit = find_unpicklable(Holder(racy=ChangedUnder(pickles_at=2), guard=threading.Lock()), "program")
+    assert culprit is not None and culprit.path == "program.guard" and culprit.reason == LOCK_REASON
+
+
+def test_any_other_runtime_error_is_blamed() -> None:
+    culprit = find_unpicklable(Holder(bad=ChangedUnder(pickles_at=0, reason="boom")), "program")
+    assert culprit is not None and culprit.path == "program.bad" and culprit.reason == "RuntimeError: boom"
+
+
 def test_probe_copies_no_buffer() -> None:
     """The probe drops out-of-band buffers: pickling a big array writes a few bytes only."""
     sink = _pickling._Sink()

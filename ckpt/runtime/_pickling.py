@@ -45,6 +45,7 @@ _FIND_DEPTH: Final = 32  # levels `find_unpicklable` descends, at most
 _FIND_CHECKS: Final = 2000  # objects it test-pickles, at most
 _FIND_ITEMS: Final = 10_000  # items of one container it looks at, at most
 _PATH_BUDGET: Final = 50_000  # objects the shortest-path search looks at, at most
+_RACE_TRIES: Final = 5  # pickles of one object that failed only because another thread changed it
 
 # Types whose exact instances always pickle and hold nothing (numpy arrays too, unless of dtype
 # object): never walked into, never tested.
@@ -209,6 +210,23 @@ def pickling_error(obj: object) -> Exception | None:
     return None
 
 
+def _changed_under(error: Exception) -> bool:
+    """Did pickling fail only because another thread changed a container under the pickler?"""
+    return isinstance(error, RuntimeError) and any(
+        words in str(error) for words in ("changed size during iteration", "mutated during iteration")
+    )
+
+
+def _settled_error(obj: object) -> Exception | None:
+    """`pickling_error`, tried again while it fails only because another thread changes ``obj`` under the
+    pickler (a DSM's handler serving requests): None if it pickles, or if it never failed otherwise."""
+    for _ in range(_RACE_TRIES):
+        error = pickling_error(obj)
+        if error is None or not _changed_under(error):
+            return error
+    return None  # busy, not unpicklable: a checkpoint pickles with such threads drained
+
+
 def find_unpicklable(obj: object, root: str = "") -> Unpicklable | None:
     """Name the part of ``obj`` that does not pickle; None if ``obj`` pickles.
 
@@ -216,10 +234,11 @@ def find_unpicklable(obj: object, root: str = "") -> Unpicklable | None:
     root dict's string keys are names of their own (``{"program": p}`` gives
     ``program.lock`` too).  Follows the first failing child down to 32 levels
     and test-pickles 2000 objects at most; past either, the result is not
-    exact.  An object that fails once but pickles when tried again (another
-    thread changed a dict under the pickler) is not blamed: None.
+    exact.  An object that fails once but pickles when tried again, or fails
+    only because another thread changes a dict, list or deque under the pickler
+    (a DSM handler serving requests right after setup), is not blamed: None.
     """
-    error = pickling_error(obj)
+    error = _settled_error(obj)
     if error is None:
         return None
     path, node = root, obj
@@ -235,12 +254,12 @@ def find_unpicklable(obj: object, root: str = "") -> Unpicklable | None:
             checks += 1
             if checks > _FIND_CHECKS:
                 return _found(path, node, error, exact=False)
-            child_error = pickling_error(child)
+            child_error = _settled_error(child)
             if child_error is not None:
                 path, node, error = child_path, child, child_error
                 break
         else:  # every child pickles: `node` is the culprit, if it still fails on its own
-            again = pickling_error(node)
+            again = _settled_error(node)
             if again is None:
                 return None  # it failed once only: a race with another thread, nothing unpicklable
             return _found(_shortest_path(obj, root, node) or path, node, again, exact=True)
