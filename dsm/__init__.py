@@ -12,15 +12,42 @@ See docs/dsm.md for the protocols and how to write a DSM program.
 
 from __future__ import annotations
 
+import importlib
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ._array import Lock, SharedArray
-from ._diff import Diff
 from ._errors import DsmError, ReplayDiverged
-from ._memory import PROTOCOLS, Memory
-from ._replay import PageVersions, Replay
-from ._stats import Statistics
+
+if TYPE_CHECKING:
+    from ._array import Lock, SharedArray
+    from ._diff import Diff
+    from ._memory import Memory
+    from ._replay import PageVersions, Replay
+    from ._stats import Statistics
+
+#: The protocols `attach` knows (``--dsm-protocol``).
+PROTOCOLS = ("async", "onesided")
+
+# The rest is imported when first used: every rank and `ckpt launch` load the DSM's plugins (its
+# hookspecs, remote logging's options), and most jobs never attach a shared memory.
+_LAZY = {
+    "Lock": "._array",
+    "SharedArray": "._array",
+    "Diff": "._diff",
+    "Memory": "._memory",
+    "PageVersions": "._replay",
+    "Replay": "._replay",
+    "Statistics": "._stats",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "PROTOCOLS",
@@ -45,5 +72,7 @@ def attach(rt: Any, protocol: str | None = None, page_size: int = 4096) -> Memor
     `protocol` is ``"async"`` or ``"onesided"``; by default ``ckpt launch
     --dsm-protocol``, else ``$CKPT_DSM_PROTOCOL``, else ``"async"``.
     """
+    from ._memory import Memory
+
     chosen = protocol or (getattr(rt, "options", {}) or {}).get("dsm_protocol") or os.environ.get(PROTOCOL_ENV)
     return Memory(rt, chosen or "async", page_size)

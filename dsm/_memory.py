@@ -59,7 +59,7 @@ import ckpt
 from ckpt import verbs
 from ckpt.plugin import PluginCalls, Runtime
 
-from . import _fetch, _onesided, _reconnect, _replay, _waits, hookspecs
+from . import PROTOCOLS, _fetch, _onesided, _reconnect, _replay, _waits, hookspecs
 from ._diff import diff_unit
 from ._errors import DsmError
 from ._handler import Handler
@@ -85,7 +85,6 @@ from ._stats import Counters, Statistics
 from ._waits import Standing, WaitReport
 
 log = logging.getLogger("dsm")
-PROTOCOLS = ("async", "onesided")
 HOOKS = [name for name in dir(hookspecs) if name.startswith("dsm_")]
 #: The hooks the handler thread fires: they go on while this rank replays (it serves the others meanwhile).
 HANDLER_HOOKS = frozenset({"dsm_diffs_received", "dsm_diff_received", "dsm_diff_applied", "dsm_page_served"})

@@ -13,17 +13,33 @@ hands the DSM the replay of its log (`_recover`).
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
 
 import ckpt
 from ckpt.plugin import JobInfo
 from dsm import hookspecs
 
-from ._remote import RemoteLog, own_home_refusal
-from ._ring import MIN_CAPACITY
-from ._stable import StableLog
+from ._ring import MIN_CAPACITY, own_home_refusal
+
+if TYPE_CHECKING:
+    from ._remote import RemoteLog
+    from ._stable import StableLog
 
 __all__ = ["CKPT_HOOKSPECS", "MIN_CAPACITY", "MODES", "RemoteLog", "StableLog"]
+# The logs themselves (and the DSM they need) are imported when a memory attaches with logging on: every
+# rank and `ckpt launch` load this plugin, and most jobs log nothing.
+_LAZY = {"RemoteLog": "._remote", "StableLog": "._stable"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
 __version__ = "0.1.0"
 CKPT_PLUGIN_API = 2
 CKPT_HOOKSPECS = hookspecs
@@ -112,8 +128,12 @@ def dsm_attached(memory: Any) -> None:
         # the same protocol so that the two are compared on logging alone (FT-KDSM's Figure 4)
         memory.release_after_diffs = True
     if mode == "remote":
+        from ._remote import RemoteLog
+
         ring = int(options.get("log_ring_bytes") or RING_BYTES)
         memory.extensions[EXTENSION] = RemoteLog(memory, int(options.get("log_home_offset", 1)), ring)
     elif mode == "stable":
+        from ._stable import StableLog
+
         directory = options.get("log_dir") or getattr(memory.rt, "ckpt_dir", "") or "."
         memory.extensions[EXTENSION] = StableLog(memory, str(directory))

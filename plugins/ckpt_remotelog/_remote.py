@@ -119,19 +119,12 @@ from ._records import (
     notices_payload,
 )
 from ._replay import LogReplay
-from ._ring import MIN_CAPACITY, REMOTE, LogRing
+from ._ring import MIN_CAPACITY, REMOTE, LogRing, own_home_refusal
 from ._versions import HomeVersions
 from ._writer import CLAIMS, HIGH_WATER, HOME, IDLE, LOG, OWN, WAITS, RingWriter
 
 log = logging.getLogger(__name__)
 REASK = 5.0  # seconds after which a writer blocked on a full ring asks its owner's checkpoint again
-
-
-def own_home_refusal(offset: int, size: int) -> str | None:
-    """Why `offset` cannot place log homes among `size` ranks (every rank its own log home), or None."""
-    if size > 1 and offset % size == 0:
-        return f"--log-home-offset {offset} makes every rank its own log home with {size} ranks"
-    return None
 
 
 class RemoteLog(Discard):

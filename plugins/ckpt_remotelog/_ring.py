@@ -166,3 +166,10 @@ def spans(capacity: int, position: int, length: int) -> list[tuple[int, int, int
     if first < length:
         pieces.append((0, first, length - first))
     return pieces
+
+
+def own_home_refusal(offset: int, size: int) -> str | None:
+    """Why `offset` cannot place log homes among `size` ranks (every rank its own log home), or None."""
+    if size > 1 and offset % size == 0:
+        return f"--log-home-offset {offset} makes every rank its own log home with {size} ranks"
+    return None
