@@ -175,6 +175,28 @@ def test_a_job_killed_and_restarted_twice_ends_as_an_uninterrupted_run(tmp_path:
     assert restarted == uninterrupted(tmp_path / "plain", 2, *program)
 
 
+def test_a_program_that_ends_before_its_checkpoint_is_told_apart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`restarted_results`: a program that ran to its end between `wait_step` and `ckpt checkpoint --kill`
+    gets a line that says so (and what to change), not the CLI's complaint about a job that is over."""
+    import ckpt.testing._jobs as jobs_module
+
+    class Ended:
+        process = subprocess.Popen([sys.executable, "-c", "pass"])
+
+        def wait_step(self, step: int, timeout: float = 60) -> dict[str, Any]:
+            self.process.wait()
+            return {}
+
+    refused = subprocess.CompletedProcess(["ckpt"], 1, "", "ckpt: no job is running in that directory\n")
+    monkeypatch.setattr(jobs_module, "run", lambda *args, **kwargs: refused)
+    jobs = Jobs(tmp_path)
+    monkeypatch.setattr(jobs, "start", lambda *args, **kwargs: Ended())
+    with pytest.raises(AssertionError, match="the program ended before the checkpoint asked for after step 10"):
+        jobs.restarted_results(2, "program.py", kill_at=[10])
+
+
 @pytest.mark.e2e
 def test_closing_jobs_kills_every_process_of_a_running_job(tmp_path: Path) -> None:
     jobs = Jobs(tmp_path)

@@ -284,7 +284,15 @@ class Jobs:
         job = self.start(*args, ckpt_dir=ckpt_dir, extra_env=extra_env)
         for step in kill_at:
             job.wait_step(step, timeout=timeout)  # ignores the status a killed run left behind
-            checkpoint(ckpt_dir, "--kill")
+            taken = run("checkpoint", "--kill", "--ckpt-dir", str(ckpt_dir), timeout=timeout)
+            if taken.returncode != 0:
+                assert job.process is not None
+                if job.process.poll() == 0:  # the program ran to its end between the step and the request
+                    raise AssertionError(
+                        f"the program ended before the checkpoint asked for after step {step} could be taken: "
+                        "give it more steps, or kill_at steps further from its end"
+                    )
+                raise AssertionError(taken.stderr)
             assert job.wait(timeout) == 0, job.stderr
             job = self.start("restart", "--ckpt-dir", str(ckpt_dir), ckpt_dir=ckpt_dir, extra_env=extra_env)
         assert job.wait(timeout) == 0, job.stderr
