@@ -533,6 +533,11 @@ class Handler:
                     holder = f"held by rank {state.holder}" if state.holder >= 0 else "not held"
                     key = ("lock", lock, state.holder, state.token)
                     facts[key] = f"lock {lock} is {holder}, wanted by {_ranks(sorted(e[0] for e in state.queue))}"
+            for src, rid, gid, need in self.waiting:  # async: page requests waiting here for a diff
+                region, page = self._region(gid)
+                have = region.meta[page].tolist()
+                diffs = ", ".join(f"rank {q}'s interval {i}" for q, i in enumerate(need) if i > have[q])
+                facts[("page", gid, src, rid)] = f"page {gid:#x}, wanted by rank {src}, waits for diffs: {diffs}"
             if self.held_back:  # this rank's replay, or the rebuild of its locks after it, is not done
                 waiting = _ranks(sorted({entry[0] for entry in self.held_back}))
                 facts[("held back", self.incarnation)] = (

@@ -153,10 +153,13 @@ def test_a_page_request_that_waited_for_a_diff_and_then_fails_gets_its_own_error
     once; it used to go to the diff's writer instead, leaving rank 2 to its request's timeout."""
     queued = threading.Event()  # rank 2's request waits at the home
     page = dsm._handler.Handler._page
+    homes: list[Any] = []
+    standing: list[list[str]] = []
 
     def watched(self: Any, src: int, rid: int, gid: int, need: list[int]) -> None:
         page(self, src, rid, gid, need)
         if self.waiting:
+            homes.append(self)
             queued.set()
 
     monkeypatch.setattr(dsm._handler.Handler, "_page", watched)
@@ -175,6 +178,8 @@ def test_a_page_request_that_waited_for_a_diff_and_then_fails_gets_its_own_error
                 got = str(exc)
         elif rt.rank == 1:
             assert queued.wait(20), "rank 2's page request never waited at its home"
+            # what `ckpt status` would show of it at rank 0 (beside rank 0's own arrival at the barrier)
+            standing.append([fact for fact in homes[0].standing().values() if fact.startswith("page")])
             got = _refused(mem, DiffRequest(mem._next_rid(), 5, [0], [GOOD]))
         mem.barrier()
         return got
@@ -184,6 +189,7 @@ def test_a_page_request_that_waited_for_a_diff_and_then_fails_gets_its_own_error
     assert writer_error == ""  # the diff was applied and acked
     assert "plugin 'serverefuser' failed in dsm_page_served: RuntimeError: not to rank 2" in requester_error
     assert time.monotonic() - started < 15, "rank 2 waited for its request's timeout"
+    assert standing == [["page 0x0, wanted by rank 2, waits for diffs: rank 1's interval 5"]]
 
 
 def test_a_good_diff_message_is_applied_whole_with_one_ack() -> None:
