@@ -12,9 +12,10 @@ See docs/dsm.md for the protocols and how to write a DSM program.
 
 from __future__ import annotations
 
-import importlib
 import os
 from typing import TYPE_CHECKING, Any
+
+from ckpt.plugin import lazy_exports
 
 from ._errors import DsmError, ReplayDiverged
 
@@ -30,23 +31,18 @@ PROTOCOLS = ("async", "onesided")
 
 # The rest is imported when first used: every rank and `ckpt launch` load the DSM's plugins (its
 # hookspecs, remote logging's options), and most jobs never attach a shared memory.
-_LAZY = {
-    "Lock": "._array",
-    "SharedArray": "._array",
-    "Diff": "._diff",
-    "Memory": "._memory",
-    "PageVersions": "._replay",
-    "Replay": "._replay",
-    "Statistics": "._stats",
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(
+    __name__,
+    {
+        "Lock": "._array",
+        "SharedArray": "._array",
+        "Diff": "._diff",
+        "Memory": "._memory",
+        "PageVersions": "._replay",
+        "Replay": "._replay",
+        "Statistics": "._stats",
+    },
+)
 
 
 __all__ = [

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+from pathlib import Path
 from types import FunctionType
 
 import pytest
@@ -108,3 +109,27 @@ def test_a_rank_scope_names_its_rank_and_a_job_scope_none() -> None:
     assert Phase.rank_of_scope(scope) == 2 and Phase.rank_of_scope("rank2.ckpt7:plugin:ib") == 2
     for job_wide in ("ckpt7", "gen3:RESTART", "rank:plugin", "rankx.ckpt1", "ib:published"):
         assert Phase.rank_of_scope(job_wide) is None, job_wide
+
+
+def test_lazy_exports_import_a_name_s_module_only_when_it_is_first_used(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+
+    package = tmp_path / "lazypkg"
+    package.mkdir()
+    (package / "__init__.py").write_text(
+        "from ckpt.plugin import lazy_exports\n__getattr__ = lazy_exports(__name__, {'Heavy': '._heavy'})\n"
+    )
+    (package / "_heavy.py").write_text("class Heavy:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "lazypkg", raising=False)
+    monkeypatch.delitem(sys.modules, "lazypkg._heavy", raising=False)
+    import lazypkg  # type: ignore[import-not-found]
+
+    assert "lazypkg._heavy" not in sys.modules
+    heavy = lazypkg.Heavy
+    assert "lazypkg._heavy" in sys.modules and heavy is sys.modules["lazypkg._heavy"].Heavy
+    assert vars(lazypkg)["Heavy"] is heavy  # kept: the next use is a plain attribute
+    with pytest.raises(AttributeError, match="has no attribute 'Light'"):
+        _ = lazypkg.Light

@@ -21,6 +21,7 @@ from ckpt.plugin._api import (
     hookimpl,
     hookspec,
 )
+from ckpt.plugin._lazy import lazy_exports
 from ckpt.plugin._runtime import KeyValue, PluginCalls, Runtime
 from ckpt.plugin._verbs import Directory, DirectoryFactory, ProviderFactory, VerbsOpsTable
 from ckpt.plugin._vid import VirtualIdTable
@@ -65,4 +66,5 @@ __all__ = [
     "hookimpl",
     "hookspec",
     "hookspecs",
+    "lazy_exports",
 ]

@@ -13,11 +13,10 @@ hands the DSM the replay of its log (`_recover`).
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
 
 import ckpt
-from ckpt.plugin import JobInfo
+from ckpt.plugin import JobInfo, lazy_exports
 from dsm import hookspecs
 
 from ._ring import MIN_CAPACITY, own_home_refusal
@@ -29,15 +28,7 @@ if TYPE_CHECKING:
 __all__ = ["CKPT_HOOKSPECS", "MIN_CAPACITY", "MODES", "RemoteLog", "StableLog"]
 # The logs themselves (and the DSM they need) are imported when a memory attaches with logging on: every
 # rank and `ckpt launch` load this plugin, and most jobs log nothing.
-_LAZY = {"RemoteLog": "._remote", "StableLog": "._stable"}
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, {"RemoteLog": "._remote", "StableLog": "._stable"})
 
 
 __version__ = "0.1.0"
