@@ -31,18 +31,19 @@ PROTOCOLS = ("async", "onesided")
 
 # The rest is imported when first used: every rank and `ckpt launch` load the DSM's plugins (its
 # hookspecs, remote logging's options), and most jobs never attach a shared memory.
-__getattr__ = lazy_exports(
-    __name__,
-    {
-        "Lock": "._array",
-        "SharedArray": "._array",
-        "Diff": "._diff",
-        "Memory": "._memory",
-        "PageVersions": "._replay",
-        "Replay": "._replay",
-        "Statistics": "._stats",
-    },
-)
+if not TYPE_CHECKING:  # (type checkers see the imports above, and still catch a name that is not there)
+    __getattr__ = lazy_exports(
+        __name__,
+        {
+            "Lock": "._array",
+            "SharedArray": "._array",
+            "Diff": "._diff",
+            "Memory": "._memory",
+            "PageVersions": "._replay",
+            "Replay": "._replay",
+            "Statistics": "._stats",
+        },
+    )
 
 
 __all__ = [

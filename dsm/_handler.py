@@ -378,6 +378,10 @@ class Handler:
         self.reply(src, HomeReply(rid, int(region.table[page]) - 1), "home_reply")
 
     def _page(self, src: int, rid: int, gid: int, need: list[int]) -> None:
+        if not (isinstance(need, list) and len(need) == self.mem.size and all(type(i) is int for i in need)):
+            raise DsmError(
+                f"malformed page request from rank {src}: {_count(need)} version(s) for {self.mem.size} ranks"
+            )
         region, page = self._region(gid)
         if not bool(np.all(region.meta[page] >= need)):
             self.waiting.append((src, rid, gid, need))  # a diff it needs is still on its way
@@ -537,7 +541,8 @@ class Handler:
                 region, page = self._region(gid)
                 have = region.meta[page].tolist()
                 diffs = ", ".join(f"rank {q}'s interval {i}" for q, i in enumerate(need) if i > have[q])
-                facts[("page", gid, src, rid)] = f"page {gid:#x}, wanted by rank {src}, waits for diffs: {diffs}"
+                wanted = f"page {gid:#x}, wanted by rank {src},"
+                facts[("page", gid, src, rid)] = f"{wanted} waits for diffs: {diffs or 'none missing now'}"
             if self.held_back:  # this rank's replay, or the rebuild of its locks after it, is not done
                 waiting = _ranks(sorted({entry[0] for entry in self.held_back}))
                 facts[("held back", self.incarnation)] = (

@@ -208,3 +208,28 @@ def test_every_handler_hook_fires_while_a_home_replays() -> None:
         if name.startswith("dsm_") and (spec.__doc__ or "").startswith("*handler*")
     }
     assert documented == set(HANDLER_HOOKS)
+
+
+@pytest.mark.parametrize(("need", "count"), [(7, "?"), ([0], "1"), ([0, "x"], "2")])
+def test_a_page_request_with_malformed_versions_gets_one_error_and_never_waits(need: Any, count: str) -> None:
+    """A `need` that is not one version per rank would be broadcast by numpy and wait at the home for ever
+    (and break what the home reports of its waiting requests): refused at once."""
+
+    def body(mem: dsm.Memory, rt: ThreadRuntime) -> Any:
+        a = mem.array(WORDS, np.float64)
+        if rt.rank == 0:
+            with a.write(slice(0, WORDS)) as v:
+                v[:] = 0.0  # rank 0 homes page 0
+        mem.barrier()
+        got = None
+        if rt.rank == 1:
+            try:
+                mem._request(0, PageRequest(mem._next_rid(), 0, need), PageReply, "page 0", timeout=20)
+            except DsmError as exc:
+                got = str(exc)
+        mem.barrier()
+        return got, list(mem.handler.standing().values()) if rt.rank == 0 else None
+
+    (_, home_facts), (error, _) = run_ranks(2, body, "async")
+    assert error is not None and f"malformed page request from rank 1: {count} version(s) for 2 ranks" in error
+    assert not [fact for fact in home_facts if fact.startswith("page")]

@@ -133,40 +133,58 @@ def test_a_failure_that_does_not_repeat_is_not_blamed() -> None:
     assert find_unpicklable(Holder(racy=FailsOnce()), "program") is None
 
 
-class ChangedUnder:
-    """Pickles only on its `pickles_at`-th try (0: never); before that it fails as a dict another thread grows
-    under the pickler does (`reason`)."""
+class Grower:
+    """Adds a key to `shared` each time it is pickled, up to its `pickles_at`-th time (0: every time): the dict
+    the pickler is iterating grows under it, as one another thread writes to does."""
 
-    def __init__(self, pickles_at: int, reason: str = "dictionary changed size during iteration") -> None:
-        self.pickles_at, self.reason, self.calls = pickles_at, reason, 0
+    def __init__(self, shared: dict[str, Any], pickles_at: int) -> None:
+        self.shared, self.pickles_at, self.calls = shared, pickles_at, 0
 
     def __reduce__(self) -> Any:
         self.calls += 1
         if self.pickles_at == 0 or self.calls < self.pickles_at:
-            raise RuntimeError(self.reason)
+            self.shared[f"k{self.calls}"] = 0
         return (int, (0,))
 
 
-@pytest.mark.parametrize(
-    "racy",
-    [
-        ChangedUnder(pickles_at=5),  # fails four times in a row, as right after setup under a busy DSM handler
-        ChangedUnder(pickles_at=0, reason="OrderedDict mutated during iteration"),  # never still: busy, not bad
-        ChangedUnder(pickles_at=0, reason="deque mutated during iteration"),
-    ],
-)
-def test_state_another_thread_keeps_changing_is_not_blamed(racy: ChangedUnder) -> None:
-    assert find_unpicklable(Holder(count=1, racy=racy), "program") is None
+def growing(pickles_at: int) -> dict[str, Any]:
+    """A dict whose pickling raises "dictionary changed size during iteration" (from the C pickler) until
+    its `pickles_at`-th try (0: always)."""
+    shared: dict[str, Any] = {}
+    shared["grower"] = Grower(shared, pickles_at)
+    return shared
 
 
-def test_a_lock_beside_state_that_is_changing_is_still_named() -> None:
-    culprit = find_unpicklable(Holder(racy=ChangedUnder(pickles_at=2), guard=threading.Lock()), "program")
+class SaysItChanged:
+    """A reducer of its own that raises the words of a race: a defect of the object, not a race."""
+
+    def __reduce__(self) -> Any:
+        raise RuntimeError("dictionary changed size during iteration")
+
+
+@pytest.mark.parametrize("pickles_at", [4, 0])  # still racing at its 4th try (as right after setup), or always
+def test_state_another_thread_keeps_changing_is_not_blamed(pickles_at: int) -> None:
+    assert find_unpicklable(Holder(count=1, racy=growing(pickles_at)), "program") is None
+
+
+def test_a_lock_beside_state_that_keeps_changing_is_still_named() -> None:
+    culprit = find_unpicklable(Holder(racy=growing(0), guard=threading.Lock()), "program")
     assert culprit is not None and culprit.path == "program.guard" and culprit.reason == LOCK_REASON
 
 
-def test_any_other_runtime_error_is_blamed() -> None:
-    culprit = find_unpicklable(Holder(bad=ChangedUnder(pickles_at=0, reason="boom")), "program")
-    assert culprit is not None and culprit.path == "program.bad" and culprit.reason == "RuntimeError: boom"
+def test_an_objects_own_error_that_reads_like_a_race_is_blamed() -> None:
+    culprit = find_unpicklable(Holder(bad=SaysItChanged()), "program")
+    assert culprit is not None and culprit.path == "program.bad"
+    assert culprit.reason == "RuntimeError: dictionary changed size during iteration"
+
+
+def test_the_retries_of_one_search_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    tries: list[int] = []
+    pickle = _pickling.pickling_error
+    monkeypatch.setattr(_pickling, "pickling_error", lambda obj: tries.append(1) or pickle(obj))
+    state = Holder(**{f"racy{i}": growing(0) for i in range(50)})
+    assert find_unpicklable(state, "program") is None
+    assert len(tries) <= 51 + _pickling._RACE_BUDGET + 1  # one try per object and the budget's retries
 
 
 def test_probe_copies_no_buffer() -> None:

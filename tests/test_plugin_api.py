@@ -128,6 +128,7 @@ def test_lazy_exports_import_a_name_s_module_only_when_it_is_first_used(
     import lazypkg  # type: ignore[import-not-found]
 
     assert "lazypkg._heavy" not in sys.modules
+    assert "Heavy" in dir(lazypkg) and "lazypkg._heavy" not in sys.modules  # listed, not imported
     heavy = lazypkg.Heavy
     assert "lazypkg._heavy" in sys.modules and heavy is sys.modules["lazypkg._heavy"].Heavy
     assert vars(lazypkg)["Heavy"] is heavy  # kept: the next use is a plain attribute

@@ -10,9 +10,11 @@ from typing import Any
 
 def lazy_exports(package: str, names: dict[str, str]) -> Callable[[str], Any]:
     """A module ``__getattr__`` (PEP 562) for `package`: each of `names` (name -> the module that defines it,
-    relative to `package`) is imported when it is first used, then kept as a plain attribute.
+    relative to `package`) is imported when it is first used, then kept as a plain attribute.  The
+    package's ``dir()`` lists them from the start.
 
-        __getattr__ = lazy_exports(__name__, {"RemoteLog": "._remote"})
+        if not TYPE_CHECKING:  # type checkers see `from ._remote import RemoteLog` under TYPE_CHECKING
+            __getattr__ = lazy_exports(__name__, {"RemoteLog": "._remote"})
 
     Every rank and every ``ckpt launch`` import every installed plugin; a plugin whose heavy parts serve
     only some jobs (an option that is off by default) keeps them out of the others' start-up this way.
@@ -25,4 +27,10 @@ def lazy_exports(package: str, names: dict[str, str]) -> Callable[[str], Any]:
         setattr(sys.modules[package], name, value)
         return value
 
+    module = sys.modules[package]  # (being initialised: it calls this)
+
+    def __dir__() -> list[str]:
+        return sorted(set(vars(module)) | set(names))
+
+    module.__dir__ = __dir__  # type: ignore[method-assign]
     return __getattr__

@@ -46,6 +46,11 @@ _FIND_CHECKS: Final = 2000  # objects it test-pickles, at most
 _FIND_ITEMS: Final = 10_000  # items of one container it looks at, at most
 _PATH_BUDGET: Final = 50_000  # objects the shortest-path search looks at, at most
 _RACE_TRIES: Final = 5  # pickles of one object that failed only because another thread changed it
+_RACE_BUDGET: Final = 20  # such retries in one search, at most
+#: What CPython says when a container changes while the pickler iterates over it.
+_CHANGED_UNDER: Final = ("changed size during iteration", "mutated during iteration", "keys changed during iteration")
+#: Where that is raised from: the pickler's own frames, not an object's reducer.
+_PICKLER_FILES: Final = frozenset({cloudpickle.cloudpickle.__file__, pickle.__file__, __file__})
 
 # Types whose exact instances always pickle and hold nothing (numpy arrays too, unless of dtype
 # object): never walked into, never tested.
@@ -211,20 +216,29 @@ def pickling_error(obj: object) -> Exception | None:
 
 
 def _changed_under(error: Exception) -> bool:
-    """Did pickling fail only because another thread changed a container under the pickler?"""
-    return isinstance(error, RuntimeError) and any(
-        words in str(error) for words in ("changed size during iteration", "mutated during iteration")
-    )
+    """Did pickling fail only because another thread changed a container under the pickler?  The C
+    pickler's own iteration raised it (the innermost Python frame is the pickler's), not an object's
+    ``__reduce__`` / ``__getstate__`` that happens to say the same."""
+    if not isinstance(error, RuntimeError) or not any(words in str(error) for words in _CHANGED_UNDER):
+        return False
+    frame = error.__traceback__
+    while frame is not None and frame.tb_next is not None:
+        frame = frame.tb_next
+    return frame is not None and frame.tb_frame.f_code.co_filename in _PICKLER_FILES
 
 
-def _settled_error(obj: object) -> Exception | None:
+def _settled_error(obj: object, retries: list[int]) -> Exception | None:
     """`pickling_error`, tried again while it fails only because another thread changes ``obj`` under the
-    pickler (a DSM's handler serving requests): None if it pickles, or if it never failed otherwise."""
-    for _ in range(_RACE_TRIES):
+    pickler (a DSM's handler serving requests), at most `_RACE_TRIES` times and while ``retries[0]`` (the
+    search's budget) lasts; a failure that is still such a race is returned: `find_unpicklable` blames it
+    on nobody."""
+    error = pickling_error(obj)
+    for _ in range(_RACE_TRIES - 1):
+        if error is None or not _changed_under(error) or retries[0] <= 0:
+            break
+        retries[0] -= 1
         error = pickling_error(obj)
-        if error is None or not _changed_under(error):
-            return error
-    return None  # busy, not unpicklable: a checkpoint pickles with such threads drained
+    return error
 
 
 def find_unpicklable(obj: object, root: str = "") -> Unpicklable | None:
@@ -235,10 +249,13 @@ def find_unpicklable(obj: object, root: str = "") -> Unpicklable | None:
     ``program.lock`` too).  Follows the first failing child down to 32 levels
     and test-pickles 2000 objects at most; past either, the result is not
     exact.  An object that fails once but pickles when tried again, or fails
-    only because another thread changes a dict, list or deque under the pickler
-    (a DSM handler serving requests right after setup), is not blamed: None.
+    only because another thread keeps changing a dict, list or deque under the
+    pickler (a DSM handler serving requests right after setup), is not blamed:
+    the search passes it by and goes on with the others, and if nothing else
+    fails the result is None.
     """
-    error = _settled_error(obj)
+    retries = [_RACE_BUDGET]
+    error = _settled_error(obj, retries)
     if error is None:
         return None
     path, node = root, obj
@@ -253,17 +270,17 @@ def find_unpicklable(obj: object, root: str = "") -> Unpicklable | None:
             alive.append(child)
             checks += 1
             if checks > _FIND_CHECKS:
-                return _found(path, node, error, exact=False)
-            child_error = _settled_error(child)
-            if child_error is not None:
+                return None if _changed_under(error) else _found(path, node, error, exact=False)
+            child_error = _settled_error(child, retries)
+            if child_error is not None and not _changed_under(child_error):
                 path, node, error = child_path, child, child_error
                 break
-        else:  # every child pickles: `node` is the culprit, if it still fails on its own
-            again = _settled_error(node)
-            if again is None:
-                return None  # it failed once only: a race with another thread, nothing unpicklable
+        else:  # no child fails on its own: `node` is the culprit, if it still fails for itself
+            again = _settled_error(node, retries)
+            if again is None or _changed_under(again):
+                return None  # a race with another thread, or only one: nothing unpicklable
             return _found(_shortest_path(obj, root, node) or path, node, again, exact=True)
-    return _found(path, node, error, exact=False)
+    return None if _changed_under(error) else _found(path, node, error, exact=False)
 
 
 def _shortest_path(obj: object, root: str, target: object) -> str | None:

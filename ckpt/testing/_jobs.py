@@ -287,12 +287,17 @@ class Jobs:
             taken = run("checkpoint", "--kill", "--ckpt-dir", str(ckpt_dir), timeout=timeout)
             if taken.returncode != 0:
                 assert job.process is not None
-                if job.process.poll() == 0:  # the program ran to its end between the step and the request
+                try:
+                    ended = job.process.wait(timeout=5)  # (a launcher that is ending may not be gone yet)
+                except subprocess.TimeoutExpired:
+                    ended = None
+                if ended == 0:  # the program ran to its end between the step and the request
                     raise AssertionError(
                         f"the program ended before the checkpoint asked for after step {step} could be taken: "
                         "give it more steps, or kill_at steps further from its end"
                     )
-                raise AssertionError(taken.stderr)
+                job.read()
+                raise AssertionError(f"{taken.stderr}{job.stderr}")
             assert job.wait(timeout) == 0, job.stderr
             job = self.start("restart", "--ckpt-dir", str(ckpt_dir), ckpt_dir=ckpt_dir, extra_env=extra_env)
         assert job.wait(timeout) == 0, job.stderr

@@ -28,7 +28,8 @@ if TYPE_CHECKING:
 __all__ = ["CKPT_HOOKSPECS", "MIN_CAPACITY", "MODES", "RemoteLog", "StableLog"]
 # The logs themselves (and the DSM they need) are imported when a memory attaches with logging on: every
 # rank and `ckpt launch` load this plugin, and most jobs log nothing.
-__getattr__ = lazy_exports(__name__, {"RemoteLog": "._remote", "StableLog": "._stable"})
+if not TYPE_CHECKING:  # (type checkers see the imports above)
+    __getattr__ = lazy_exports(__name__, {"RemoteLog": "._remote", "StableLog": "._stable"})
 
 
 __version__ = "0.1.0"
