@@ -37,13 +37,24 @@ def _with(plugin: object, name: str) -> Any:
     return host
 
 
-def _refused(mem: dsm.Memory, request: DiffRequest) -> str:
-    """Send `request` to rank 0 as a writer would; the error the home answered with ("" if it acked)."""
+def _refused(mem: dsm.Memory, request: DiffRequest | PageRequest) -> str:
+    """Send `request` to rank 0 as a writer or a reader would; the error the home answered with ("" if it
+    acked or sent the page)."""
+    expect = Ack if isinstance(request, DiffRequest) else PageReply
     try:
-        mem._request(0, request, Ack, "diff ack from rank 0")
+        mem._request(0, request, expect, "an answer from rank 0", timeout=20)
     except DsmError as exc:
         return str(exc)
     return ""
+
+
+def _page_0_homed_at_rank_0(mem: dsm.Memory, rt: ThreadRuntime) -> None:
+    """Collective: a one-page array that rank 0 writes first, so that it is the page's home."""
+    a = mem.array(WORDS, np.float64)
+    if rt.rank == 0:
+        with a.write(slice(0, WORDS)) as v:
+            v[:] = 0.0
+    mem.barrier()
 
 
 def send_each(requests: list[tuple[int, list[Any], list[Any]]]) -> Any:
@@ -165,17 +176,10 @@ def test_a_page_request_that_waited_for_a_diff_and_then_fails_gets_its_own_error
     monkeypatch.setattr(dsm._handler.Handler, "_page", watched)
 
     def body(mem: dsm.Memory, rt: ThreadRuntime) -> Any:
-        a = mem.array(WORDS, np.float64)
-        if rt.rank == 0:
-            with a.write(slice(0, WORDS)) as v:
-                v[:] = 0.0  # rank 0 homes page 0
-        mem.barrier()
+        _page_0_homed_at_rank_0(mem, rt)
         got: Any = None
         if rt.rank == 2:
-            try:
-                mem._request(0, PageRequest(mem._next_rid(), 0, [0, 5, 0]), PageReply, "page 0", timeout=20)
-            except DsmError as exc:
-                got = str(exc)
+            got = _refused(mem, PageRequest(mem._next_rid(), 0, [0, 5, 0]))
         elif rt.rank == 1:
             assert queued.wait(20), "rank 2's page request never waited at its home"
             # what `ckpt status` would show of it at rank 0 (beside rank 0's own arrival at the barrier)
@@ -216,20 +220,11 @@ def test_a_page_request_with_malformed_versions_gets_one_error_and_never_waits(n
     (and break what the home reports of its waiting requests): refused at once."""
 
     def body(mem: dsm.Memory, rt: ThreadRuntime) -> Any:
-        a = mem.array(WORDS, np.float64)
-        if rt.rank == 0:
-            with a.write(slice(0, WORDS)) as v:
-                v[:] = 0.0  # rank 0 homes page 0
-        mem.barrier()
-        got = None
-        if rt.rank == 1:
-            try:
-                mem._request(0, PageRequest(mem._next_rid(), 0, need), PageReply, "page 0", timeout=20)
-            except DsmError as exc:
-                got = str(exc)
+        _page_0_homed_at_rank_0(mem, rt)
+        got = _refused(mem, PageRequest(mem._next_rid(), 0, need)) if rt.rank == 1 else None
         mem.barrier()
         return got, list(mem.handler.standing().values()) if rt.rank == 0 else None
 
     (_, home_facts), (error, _) = run_ranks(2, body, "async")
-    assert error is not None and f"malformed page request from rank 1: {count} version(s) for 2 ranks" in error
+    assert f"malformed page request from rank 1: {count} version(s) for 2 ranks" in error
     assert not [fact for fact in home_facts if fact.startswith("page")]
