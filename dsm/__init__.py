@@ -26,8 +26,10 @@ if TYPE_CHECKING:
     from ._replay import PageVersions, Replay
     from ._stats import Statistics
 
-#: The protocols `attach` knows (``--dsm-protocol``).
-PROTOCOLS = ("async", "onesided")
+#: The protocols `attach` knows (``--dsm-protocol``): the two HLRC ones, and Cashmere.
+PROTOCOLS = ("async", "onesided", "cashmere")
+#: The home-based lazy release consistency protocols (twins, diffs, intervals, a protocol handler).
+HLRC = ("async", "onesided")
 
 # The rest is imported when first used: every rank and `ckpt launch` load the DSM's plugins (its
 # hookspecs, remote logging's options), and most jobs never attach a shared memory.
@@ -47,6 +49,7 @@ if not TYPE_CHECKING:  # (type checkers see the imports above, and still catch a
 
 
 __all__ = [
+    "HLRC",
     "PROTOCOLS",
     "Diff",
     "DsmError",
@@ -66,10 +69,15 @@ PROTOCOL_ENV = "CKPT_DSM_PROTOCOL"
 def attach(rt: Any, protocol: str | None = None, page_size: int = 4096) -> Memory:
     """Collective: this rank's handle on a new shared memory of `rt`'s ranks.
 
-    `protocol` is ``"async"`` or ``"onesided"``; by default ``ckpt launch
-    --dsm-protocol``, else ``$CKPT_DSM_PROTOCOL``, else ``"async"``.
+    `protocol` is one of `PROTOCOLS`; by default ``ckpt launch --dsm-protocol``,
+    else ``$CKPT_DSM_PROTOCOL``, else ``"async"``.  Under ``"cashmere"`` the handle
+    is a `dsm._cashmere.Cashmere`, with the same API for programs.
     """
+    chosen = protocol or (getattr(rt, "options", {}) or {}).get("dsm_protocol") or os.environ.get(PROTOCOL_ENV)
+    if chosen == "cashmere":
+        from ._cashmere import Cashmere
+
+        return Cashmere(rt, page_size)  # type: ignore[return-value]  # the programs' API, not HLRC's internals
     from ._memory import Memory
 
-    chosen = protocol or (getattr(rt, "options", {}) or {}).get("dsm_protocol") or os.environ.get(PROTOCOL_ENV)
     return Memory(rt, chosen or "async", page_size)

@@ -83,12 +83,16 @@ class SharedArray:
                 "a.write(index) needs a basic index (slices, integers, ...); use a[index] = values "
                 "for a fancy index or a mask"
             )
-        self._mem.write_fault(self._region, self._pages(view, index))
+        pages = self._pages(view, index)
+        self._mem.write_fault(self._region, pages)
+        through = self._mem.through_begin(self._region, pages) if self._mem.write_through else None
         self._mem.writing += 1
         try:
             yield sub
         finally:
             self._mem.writing -= 1
+            if through is not None:
+                self._mem.through_end(self._region, through)
 
     def __getitem__(self, index: Any) -> Any:
         view = self._view
@@ -98,8 +102,14 @@ class SharedArray:
 
     def __setitem__(self, index: Any, value: Any) -> None:
         view = self._view
-        self._mem.write_fault(self._region, self._pages(view, index))
-        view[index] = value
+        pages = self._pages(view, index)
+        self._mem.write_fault(self._region, pages)
+        through = self._mem.through_begin(self._region, pages) if self._mem.write_through else None
+        try:
+            view[index] = value
+        finally:
+            if through is not None:
+                self._mem.through_end(self._region, through)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         data: np.ndarray = self[...]

@@ -9,3 +9,12 @@ class DsmError(RuntimeError):
 
 class ReplayDiverged(DsmError):
     """A recovering rank's re-execution asked for another operation than its log holds next."""
+
+
+def check_synchronising(writing: int, synchronising: str) -> None:
+    """Refuse a synchronisation (`synchronising`: what it is) inside `writing` open ``with a.write(...)`` blocks."""
+    if synchronising and writing:
+        raise DsmError(
+            f"{synchronising} inside a `with a.write(...)` block: the interval it closes would miss the "
+            "block's later writes; leave the block first"
+        )

@@ -59,9 +59,9 @@ import ckpt
 from ckpt import verbs
 from ckpt.plugin import PluginCalls, Runtime
 
-from . import PROTOCOLS, _fetch, _onesided, _reconnect, _replay, _waits, hookspecs
+from . import HLRC, PROTOCOLS, _fetch, _onesided, _reconnect, _replay, _waits, hookspecs
 from ._diff import diff_unit
-from ._errors import DsmError
+from ._errors import DsmError, check_synchronising
 from ._handler import Handler
 from ._intervals import Intervals
 from ._messages import (
@@ -118,7 +118,7 @@ class Memory(Intervals):
     _in_waiting: bool
 
     def __init__(self, rt: Any, protocol: str, page_size: int) -> None:
-        if protocol not in PROTOCOLS:
+        if protocol not in HLRC:  # (attach makes a Cashmere for "cashmere")
             raise DsmError(f"unknown DSM protocol {protocol!r}: choose one of {', '.join(PROTOCOLS)}")
         if page_size < 64 or page_size & (page_size - 1):
             raise DsmError(f"page size must be a power of two of at least 64 bytes, not {page_size}")
@@ -350,6 +350,16 @@ class Memory(Intervals):
             region.state[page] = DIRTY
             self.dirty.add(gid_of(region.aid, page))
 
+    #: HLRC sends what a write block changed as diffs at the release, not when the block ends (`dsm._cashmere`
+    #: writes through): `SharedArray` never calls `through_begin` / `through_end` on it.
+    write_through = False
+
+    def through_begin(self, region: Region, pages: np.ndarray) -> dict[int, np.ndarray] | None:
+        raise DsmError("HLRC does not write through")
+
+    def through_end(self, region: Region, before: dict[int, np.ndarray]) -> None:
+        raise DsmError("HLRC does not write through")
+
     def _lookup_home(self, region: Region, page: int) -> None:
         """First touch: claim the page at its default home, or learn who did."""
         self._check()
@@ -483,11 +493,7 @@ class Memory(Intervals):
     def _check(self, synchronising: str = "") -> None:
         if self._failure is not None:
             raise DsmError(f"the DSM protocol handler of rank {self.rank} failed: {self._failure}")
-        if synchronising and self.writing:
-            raise DsmError(
-                f"{synchronising} inside a `with a.write(...)` block: the interval it closes would miss the "
-                "block's later writes; leave the block first"
-            )
+        check_synchronising(self.writing, synchronising)
 
     @ckpt.hookimpl(tryfirst=True)
     def ckpt_drain(self) -> None:

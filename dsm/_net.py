@@ -117,6 +117,8 @@ class Endpoint:
     #: Set by the owner for a wait that lasts (`dsm._waits`): called with (what, seconds so far) once the wait has
     #: lasted STUCK_AFTER seconds; the function it returns is called when the wait ends.  None: not reported.
     on_stuck: Callable[[str, float], Callable[[], None]] | None
+    #: RDMA WRITEs WITH IMM received (a class default: images from before it unpickle without it).
+    notifications = 0
 
     def __init__(self, ctx: verbs.Context, pd: verbs.PD, size: int, slot: int, nrecv: int, nsend: int) -> None:
         self.size, self.slot, self.nrecv, self.nsend = size, slot, nrecv, nsend
@@ -282,6 +284,11 @@ class Endpoint:
                     continue
                 if kind == SEND:
                     self.free[peer].append(slot)
+                elif kind == RECV and wc.opcode == verbs.IBV_WC_RECV_RDMA_WITH_IMM:
+                    # a peer's RDMA WRITE WITH IMM (`dsm._cashmere`): its data is in place; the completion only
+                    # wakes a wait on this endpoint, whose `done()` looks at that memory
+                    self._post_recv(peer, slot)
+                    self.notifications += 1
                 elif kind == RECV:
                     offset = self._offset(peer, slot, False)
                     flag, chunk = int(self.buf[offset]), self.buf[offset + 1 : offset + wc.byte_len].tobytes()
@@ -392,6 +399,21 @@ class Endpoint:
             link = self.link[peer]
             if self._issue(peer, list(wrs() if callable(wrs) else wrs), seq, link):
                 return
+
+    def post(self, peer: int, wrs: Sequence[verbs.SendWR], seq: list[int]) -> int:
+        """Post one-sided `wrs` (at most MAX_SEND_WR) to `peer` as one chain, the last signaled, and return at once:
+        the wr_id `rdma_done` holds once they all completed.  For a protocol without recovery (the link must be up)."""
+        seq[0] += 1
+        wr_id = RDMA | (seq[0] & 0xFFFFFFFFFF)
+        with self.lock:
+            if self.state[peer] != UP:
+                raise DsmError(f"DSM: the link to rank {peer} is {self.state[peer]}")
+            for wr in wrs[:-1]:
+                wr.send_flags = 0
+                wr.wr_id = RDMA
+            wrs[-1].send_flags, wrs[-1].wr_id = verbs.IBV_SEND_SIGNALED, wr_id
+            self.qps[peer].post_send(chain(wrs))
+        return wr_id
 
     def _issue(self, peer: int, wrs: list[verbs.SendWR], seq: list[int], link: int) -> bool:
         """One issue of `run`: True once every WR completed, False if the link changed first."""

@@ -68,6 +68,14 @@ class Statistics:
     versions_served: int = 0  # minimal-version pages this rank, a home, regenerated for a replaying rank
     replay_seconds: float = 0.0  # from the start of the replay to its last logged operation
     replay_operations: int = 0  # logged operations its replays started with (acquires, releases, arrivals, exits)
+    # the cashmere protocol (dsm._cashmere): 0 under the others
+    directory_ops: int = 0  # directory entries locked, changed and written back (joins, releases, drops)
+    notices_sent: int = 0  # write notices appended to other ranks' lists
+    notices_processed: int = 0  # write notices taken from this rank's own list at acquires
+    self_invalidations: int = 0  # copies dropped at acquires (named by a notice, or joined while Weak)
+    write_throughs: int = 0  # pages whose changes one write block forwarded to their home
+    write_through_bytes: int = 0  # the changed bytes forwarded
+    atomics: int = 0  # remote atomics issued (lock queues, slots, homes, barriers)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -115,6 +123,13 @@ class Counters:
     versions_served: int = 0
     replay_seconds: float = 0.0
     replay_operations: int = 0
+    directory_ops: int = 0
+    notices_sent: int = 0
+    notices_processed: int = 0
+    self_invalidations: int = 0
+    write_throughs: int = 0
+    write_through_bytes: int = 0
+    atomics: int = 0
     messages: Counter[str] = field(default_factory=Counter)
     message_bytes: Counter[str] = field(default_factory=Counter)
     started: float = field(default_factory=time.perf_counter)

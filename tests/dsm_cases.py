@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-PROTOCOLS = ("async", "onesided")
+PROTOCOLS = ("async", "onesided")  # the HLRC ones (dsm.HLRC): what remote logging and replay run on
 
 
 @dataclass(frozen=True)
@@ -38,4 +38,7 @@ RESTARTS = [
     pytest.param(case, protocol, marks=[pytest.mark.stress] if (i + j) % 2 else [], id=f"{case}-{protocol}")
     for i, case in enumerate(CASES)
     for j, protocol in enumerate(PROTOCOLS)
+] + [  # and under cashmere: CI restarts the multiple-lock, multiple-writer Water on simib (and TSP over tcp)
+    pytest.param(case, "cashmere", marks=[] if case.name == "water" else [pytest.mark.stress], id=f"{case}-cashmere")
+    for case in CASES
 ]

@@ -169,6 +169,15 @@ def test_onesided_homes_see_no_diff_or_page_service_but_writers_do() -> None:
     assert home.seen["barrier_passed"] == writer.seen["barrier_passed"] == 4
 
 
+def test_cashmere_fires_the_lock_and_barrier_hooks_and_none_of_hlrcs() -> None:
+    """It has no intervals, diffs, notices by message or page service: only its locks and barriers are hooks."""
+    (home, writer), _ = recorded("cashmere")
+    assert writer.seen["lock_acquired"] == writer.seen["lock_released"] == 1
+    assert home.seen["barrier_passed"] == writer.seen["barrier_passed"] == 4
+    fired = set(home.seen) | set(writer.seen)
+    assert fired == {"lock_acquired", "lock_released", "barrier_passed"}, fired
+
+
 def granted(mem: dsm.Memory, rt: ThreadRuntime, written: threading.Event) -> int:
     """Rank 0 homes a page and the lock and writes the page under it; rank 1 then takes the lock, whose grant
     carries the page (`Handler._riders`).  Rank 1's count of pages that came with grants."""
@@ -190,7 +199,7 @@ def granted(mem: dsm.Memory, rt: ThreadRuntime, written: threading.Event) -> int
     return brought
 
 
-@pytest.mark.parametrize("protocol", dsm.PROTOCOLS)
+@pytest.mark.parametrize("protocol", dsm.HLRC)
 def test_a_page_that_rides_with_a_grant_is_a_page_served_under_both_protocols(protocol: str) -> None:
     recorders = [Recorder(), Recorder()]
     written = threading.Event()

@@ -13,7 +13,7 @@ from dsm_util import run_ranks
 import dsm
 from ckpt.testing import ThreadRuntime
 
-pytestmark = [pytest.mark.timeout(60), pytest.mark.parametrize("protocol", dsm.PROTOCOLS)]
+pytestmark = [pytest.mark.timeout(60), pytest.mark.parametrize("protocol", dsm.HLRC)]
 DOUBLES = 512  # int64 per 4 KiB page
 
 

@@ -22,7 +22,11 @@ from ckpt.testing import ThreadRuntime, wait_for
 from dsm import DsmError
 from dsm._messages import Ack, ReleaseRequest
 
-pytestmark = [pytest.mark.timeout(60), pytest.mark.parametrize("protocol", dsm.PROTOCOLS)]
+pytestmark = pytest.mark.timeout(60)
+#: The memory model's tests run under every protocol; the rest test HLRC's own machinery (twins, diffs, its
+#: handler, its messages), which Cashmere has none of (its own: test_dsm_cashmere).
+EVERY = pytest.mark.parametrize("protocol", dsm.PROTOCOLS)
+HLRC = pytest.mark.parametrize("protocol", dsm.HLRC)
 
 DOUBLES = 512  # float64 / int64 per 4 KiB page
 SPIN_SECONDS = 10.0  # bound on every lock-polling loop
@@ -49,6 +53,7 @@ def poll_under_lock(lock: dsm.Lock, ready: Any) -> bool:
 
 
 # ----------------------------------------------------------------- release -> acquire
+@EVERY
 @pytest.mark.parametrize("where", ["inside", "before"])
 def test_data_written_before_a_release_is_seen_after_the_matching_acquire(protocol: str, where: str) -> None:
     """Rank 0 writes three pages of data (inside, or before, its critical section) and sets a flag under the lock;
@@ -78,9 +83,12 @@ def test_data_written_before_a_release_is_seen_after_the_matching_acquire(protoc
     (_, _), (seen, brought) = run_ranks(2, body, protocol)
     assert seen is not None, "rank 1 never saw the flag through the lock"
     assert np.array_equal(seen, expected)
-    assert brought >= 4  # the flag's page and the three data pages came from their home (fetched, or with a grant)
+    # the flag's page and the three data pages came from their home (fetched, or with a grant) -- under cashmere,
+    # whose homes are taken by the first touch, read or write, rank 1's polls may have made it the flag's home
+    assert brought >= (4 if protocol in dsm.HLRC else 3)
 
 
+@EVERY
 @pytest.mark.parametrize("locks", [1, 2])
 def test_write_notices_pass_along_a_chain_of_lock_holders(protocol: str, locks: int) -> None:
     """Rank 0 writes data and flag=1 under lock A; rank 1 waits for 1 under A and sets 2 under B (A itself with
@@ -112,6 +120,7 @@ def test_write_notices_pass_along_a_chain_of_lock_holders(protocol: str, locks: 
 
 
 # ----------------------------------------------------------------- multiple writers
+@EVERY
 @pytest.mark.parametrize("size", [2, 4])
 @pytest.mark.parametrize("layout", ["blocks", "interleaved"])
 def test_ranks_writing_disjoint_parts_of_one_page_all_see_every_part_after_a_barrier(
@@ -141,6 +150,7 @@ def test_ranks_writing_disjoint_parts_of_one_page_all_see_every_part_after_a_bar
 
 
 # ----------------------------------------------------------------- locks: mutual exclusion
+@EVERY
 @pytest.mark.parametrize("neighbours", [False, True], ids=["alone", "with-other-data-on-its-page"])
 def test_lock_protected_increments_of_a_shared_counter_add_up(protocol: str, neighbours: bool) -> None:
     """4 ranks x 25 increments = 100; with `neighbours`, each rank also bumps its own slot of the counter's page
@@ -165,6 +175,7 @@ def test_lock_protected_increments_of_a_shared_counter_add_up(protocol: str, nei
 
 
 # ----------------------------------------------------------------- LRC: stale but never torn
+@EVERY
 def test_an_unsynchronised_reader_sees_stale_but_never_torn_or_older_data(protocol: str) -> None:
     """Rank 0 is the page's home, rank 1 rewrites 1000 int32 with k = 1..K under a lock, rank 2 never takes the
     lock and refetches the page from the home over and over: every copy it gets is uniform and k never drops."""
@@ -180,7 +191,8 @@ def test_an_unsynchronised_reader_sees_stale_but_never_torn_or_older_data(protoc
         mem.barrier()
         seen: list[int] = []
         torn: list[list[int]] = []
-        home = int(region.home[0])
+        # (HLRC learns homes from write notices; cashmere looks it up at the default home's table)
+        home = int(region.home[0]) if protocol in dsm.HLRC else mem._home(region, 0)  # type: ignore[attr-defined]
         if rt.rank == 1:
             for k in range(1, rounds + 1):
                 with lock, a.write(np.s_[:n]) as v:
@@ -189,7 +201,10 @@ def test_an_unsynchronised_reader_sees_stale_but_never_torn_or_older_data(protoc
             deadline = time.monotonic() + SPIN_SECONDS
             while (not seen or seen[-1] < rounds) and time.monotonic() < deadline:
                 region.state[0] = 0  # INVALID: force a fetch from the home
-                mem._fetch(region, 0)
+                if protocol == "cashmere":
+                    mem._copy(region, 0, [0])  # type: ignore[attr-defined]
+                else:
+                    mem._fetch(region, 0)
                 values = region.data[: 4 * n].view(np.int32)
                 if np.all(values == values[0]) and values[0] % spread == 0:
                     seen.append(int(values[0]) // spread)
@@ -206,12 +221,13 @@ def test_an_unsynchronised_reader_sees_stale_but_never_torn_or_older_data(protoc
     assert seen and seen[-1] == rounds, f"the reader never saw the last write: {seen[-5:]}"
     assert seen == sorted(seen), f"values went backwards: {seen}"
     assert stats.page_fetches >= len(seen)
-    assert stats.fetch_retries >= 0  # onesided retries a read that overlapped a diff; async never does
+    assert stats.fetch_retries >= 0  # onesided and cashmere retry a read that overlapped a write; async never does
     if protocol == "async":
         assert stats.fetch_retries == 0
 
 
 # ----------------------------------------------------------------- invalidation
+@EVERY
 def test_after_a_barrier_only_pages_another_rank_wrote_are_refetched(protocol: str) -> None:
     def body(mem: dsm.Memory, rt: ThreadRuntime) -> Any:
         a = mem.array(4 * DOUBLES, np.float64)  # page 0: rank 0 writes; 1: nobody; 2: rank 1 writes; 3: both
@@ -245,6 +261,7 @@ def test_after_a_barrier_only_pages_another_rank_wrote_are_refetched(protocol: s
         assert values == [value] * 3
 
 
+@HLRC
 @pytest.mark.parametrize("homes", [1, 2])
 def test_the_invalid_pages_of_one_access_are_fetched_in_one_round(protocol: str, homes: int) -> None:
     """A read of 12 invalid pages (homed at one rank, or at two) fetches them all in one round, more than the
@@ -277,6 +294,7 @@ def test_the_invalid_pages_of_one_access_are_fetched_in_one_round(protocol: str,
     assert written.page_fetches == pages and written.twins == pages
 
 
+@EVERY
 def test_a_page_is_not_refetched_at_its_home(protocol: str) -> None:
     def body(mem: dsm.Memory, rt: ThreadRuntime) -> Any:
         a = mem.array(DOUBLES, np.float64)
@@ -296,6 +314,7 @@ def test_a_page_is_not_refetched_at_its_home(protocol: str) -> None:
 
 
 # ----------------------------------------------------------------- homes
+@HLRC
 def test_the_first_rank_to_write_a_page_becomes_its_home_and_writes_it_without_a_twin(protocol: str) -> None:
     """Page p's default home is p mod 2; rank 1 first-touches page 0 and rank 0 page 1, so neither is the default."""
 
@@ -326,6 +345,7 @@ def test_the_first_rank_to_write_a_page_becomes_its_home_and_writes_it_without_a
 
 
 # ----------------------------------------------------------------- statistics
+@HLRC
 def test_statistics_are_a_frozen_snapshot(protocol: str) -> None:
     def body(mem: dsm.Memory, rt: ThreadRuntime) -> Any:
         stats = mem.statistics()
@@ -345,6 +365,7 @@ def test_statistics_are_a_frozen_snapshot(protocol: str) -> None:
         assert after.as_dict()["barriers"] == 1
 
 
+@HLRC
 def test_statistics_count_locks_barriers_diffs_and_messages_by_type(protocol: str) -> None:
     """Rank 0 homes the page and the lock; rank 1 writes 3 x 3 int64 of -1 (24 changed bytes, one run) under it."""
 
@@ -421,6 +442,7 @@ class SlowFlushClock:
         "acquire",
     ],
 )
+@HLRC
 def test_the_time_breakdown_counts_a_diff_flush_once(
     protocol: str, flushed_at: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -472,6 +494,7 @@ def test_the_time_breakdown_counts_a_diff_flush_once(
 
 
 # ----------------------------------------------------------------- lock misuse
+@EVERY
 def test_releasing_a_lock_this_rank_does_not_hold_raises(protocol: str) -> None:
     def body(mem: dsm.Memory, rt: ThreadRuntime) -> Any:
         lock = mem.lock()
@@ -490,6 +513,7 @@ def test_releasing_a_lock_this_rank_does_not_hold_raises(protocol: str) -> None:
     assert run_ranks(2, body, protocol) == [[refused], [refused, refused]]
 
 
+@HLRC
 def test_the_lock_home_refuses_a_release_from_a_rank_that_does_not_hold_it(protocol: str) -> None:
     def body(mem: dsm.Memory, rt: ThreadRuntime) -> str:
         lock = mem.lock()
@@ -501,6 +525,7 @@ def test_the_lock_home_refuses_a_release_from_a_rank_that_does_not_hold_it(proto
     assert run_ranks(1, body, protocol) == ["rank 0: rank 0 released lock 0, which it does not hold"]
 
 
+@EVERY
 def test_acquiring_a_lock_twice_raises_because_locks_are_not_reentrant(protocol: str) -> None:
     def body(mem: dsm.Memory, rt: ThreadRuntime) -> Any:
         lock = mem.lock()
@@ -516,6 +541,7 @@ def test_acquiring_a_lock_twice_raises_because_locks_are_not_reentrant(protocol:
     assert run_ranks(1, body, protocol) == [(False, 2)]
 
 
+@EVERY
 def test_a_with_block_releases_the_lock_on_exception(protocol: str) -> None:
     def body(mem: dsm.Memory, rt: ThreadRuntime) -> Any:
         a = mem.array(1, np.int64)
@@ -536,6 +562,7 @@ def test_a_with_block_releases_the_lock_on_exception(protocol: str) -> None:
     assert run_ranks(2, body, protocol) == [False, 7]
 
 
+@HLRC
 def test_locks_are_homed_round_robin(protocol: str) -> None:
     def body(mem: dsm.Memory, rt: ThreadRuntime) -> Any:
         locks = [mem.lock() for _ in range(5)]
@@ -551,6 +578,7 @@ def test_locks_are_homed_round_robin(protocol: str) -> None:
 
 
 # ----------------------------------------------------------------- barriers
+@HLRC
 def test_barriers_out_of_step_are_reported_to_every_rank(protocol: str) -> None:
     def body(mem: dsm.Memory, rt: ThreadRuntime) -> str:
         if rt.rank == 1:
@@ -564,6 +592,7 @@ def test_barriers_out_of_step_are_reported_to_every_rank(protocol: str) -> None:
 
 
 # ----------------------------------------------------------------- pickling
+@HLRC
 def test_the_pickled_state_drops_the_per_process_fields(protocol: str) -> None:
     def body(mem: dsm.Memory, rt: ThreadRuntime) -> Any:
         a = mem.array(DOUBLES, np.float64)
@@ -580,6 +609,7 @@ def test_the_pickled_state_drops_the_per_process_fields(protocol: str) -> None:
         assert "mutex" not in handler_keys and {"locks", "arrivals", "waiting"} <= handler_keys
 
 
+@HLRC
 @pytest.mark.parametrize(("extensions", "ordered"), [({}, False), ({"ckpt_remotelog": object()}, True)])
 def test_an_image_from_before_pipelined_releases_keeps_releases_ordered_under_a_plugin(
     protocol: str, extensions: dict[str, Any], ordered: bool, monkeypatch: pytest.MonkeyPatch
@@ -592,6 +622,7 @@ def test_an_image_from_before_pipelined_releases_keeps_releases_ordered_under_a_
     assert mem.release_after_diffs is ordered
 
 
+@HLRC
 def test_close_stops_the_handler_thread_and_frees_the_verbs_objects(protocol: str) -> None:
     def body(mem: dsm.Memory, rt: ThreadRuntime) -> tuple[bool, bool]:
         a = mem.array(16, np.int64)
@@ -612,6 +643,7 @@ def test_close_stops_the_handler_thread_and_frees_the_verbs_objects(protocol: st
         assert mem.statistics().barriers == 1
 
 
+@EVERY
 def test_two_ranks_writing_different_fields_of_one_record_both_survive(protocol: str) -> None:
     record = np.dtype([("a", "i4"), ("b", "i4")])
 
@@ -630,6 +662,7 @@ def test_two_ranks_writing_different_fields_of_one_record_both_survive(protocol:
     assert run_ranks(3, body, protocol) == [(11, 22)] * 3
 
 
+@HLRC
 def test_an_error_reply_fails_its_own_request_only(protocol: str) -> None:
     """After a refused request, the next request gets its own reply (not the old error), and locks work."""
 
@@ -652,6 +685,7 @@ def test_an_error_reply_fails_its_own_request_only(protocol: str) -> None:
     assert run_ranks(2, body, protocol) == [["again"], ["refused", "acquired", "again"]]
 
 
+@EVERY
 def test_a_lock_or_barrier_inside_a_write_block_is_refused(protocol: str) -> None:
     def body(mem: dsm.Memory, rt: ThreadRuntime) -> list[str]:
         a = mem.array(8, np.int64)
@@ -670,6 +704,7 @@ def test_a_lock_or_barrier_inside_a_write_block_is_refused(protocol: str) -> Non
     assert run_ranks(2, body, protocol) == [["refused", "refused"]] * 2
 
 
+@EVERY
 def test_a_barrier_waits_for_a_slow_rank_longer_than_the_fetch_timeout(
     protocol: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -687,6 +722,7 @@ def test_a_barrier_waits_for_a_slow_rank_longer_than_the_fetch_timeout(
     assert run_ranks(2, body, protocol) == ["passed", "passed"]
 
 
+@HLRC
 def test_a_release_that_fails_leaves_the_lock_held_so_it_can_be_retried(
     protocol: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -719,6 +755,7 @@ def test_a_release_that_fails_leaves_the_lock_held_so_it_can_be_retried(
     assert run_ranks(2, body, protocol) == [(True, False), (True, False)]
 
 
+@HLRC
 def test_a_home_that_twins_its_own_pages_sends_no_notice_for_one_rewritten_unchanged(protocol: str) -> None:
     """With twin_homes on (remote logging), a home's own page rewritten with the same bytes is like a page
     homed elsewhere with an empty diff: no write notice (one would name an interval no logged diff holds, which
@@ -753,6 +790,7 @@ def _held_by_rank_0(mem: dsm.Memory, rt: ThreadRuntime) -> dsm.Lock:
     return lock
 
 
+@HLRC
 def test_a_long_wait_is_reported_while_it_lasts_and_cleared_when_it_ends(
     protocol: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -821,6 +859,7 @@ def test_a_long_wait_is_reported_while_it_lasts_and_cleared_when_it_ends(
     assert incarnation == 0
 
 
+@HLRC
 def test_a_wait_shorter_than_stuck_after_is_never_reported(protocol: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Rank 1 waits about 0.3 s for a lock (long enough for its wait to go idle and ask whether to report):
     under a STUCK_AFTER of 5 s nothing is published."""
@@ -843,6 +882,7 @@ def test_a_wait_shorter_than_stuck_after_is_never_reported(protocol: str, monkey
     assert run_ranks(2, body, protocol) == [True, True]  # no report was begun: no thread to publish one
 
 
+@HLRC
 def test_a_contended_lock_that_keeps_changing_hands_is_never_reported_as_standing(
     protocol: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -881,6 +921,7 @@ def test_a_contended_lock_that_keeps_changing_hands_is_never_reported_as_standin
     assert reported == []
 
 
+@HLRC
 def test_a_home_whose_report_fails_serves_on(protocol: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Publishing what stands at a home fails (no thread to be had): the handler logs it and serves on."""
     import dsm._waits

@@ -20,7 +20,7 @@ from dsm import Diff
 from dsm._messages import Notice
 from dsm._region import INVALID, gid_of
 
-pytestmark = [pytest.mark.timeout(60), pytest.mark.parametrize("protocol", dsm.PROTOCOLS)]
+pytestmark = [pytest.mark.timeout(60), pytest.mark.parametrize("protocol", dsm.HLRC)]
 
 DOUBLES = 512  # int64 per 4 KiB page
 

@@ -60,12 +60,15 @@ def test_checkpoint_resume_kill_restart_gives_the_uninterrupted_result(
     assert results(again.stdout) == uninterrupted(case, protocol)
 
 
-def test_a_dsm_job_restarts_over_tcp_and_runs_native(start_job: Callable[..., Job], tmp_path: Path) -> None:
-    case = CASES[0]
+@pytest.mark.parametrize(("name", "protocol"), [("sor", "onesided"), ("tsp", "cashmere")])
+def test_a_dsm_job_restarts_over_tcp_and_runs_native(
+    name: str, protocol: str, start_job: Callable[..., Job], tmp_path: Path
+) -> None:
+    case = next(case for case in CASES if case.name == name)
     ckpt_dir, hold, pauses = tmp_path / "ckpt", Hold(tmp_path), Pauses(tmp_path, case.checkpoint_at)
     env = {PROGRAM_ENV: case.name, **hold.env, **pauses.env}
     argv = [str(PROGRAMS / "dsm_held.py"), *case.long]
-    job = start_job(*launch_args(ckpt_dir, argv, "--dsm-protocol", "onesided"), ckpt_dir=ckpt_dir, extra_env=env)
+    job = start_job(*launch_args(ckpt_dir, argv, "--dsm-protocol", protocol), ckpt_dir=ckpt_dir, extra_env=env)
     pauses.wait(case.checkpoint_at)
     take(ckpt_dir, "--kill")
     assert job.wait() == 0, job.stderr
@@ -73,7 +76,7 @@ def test_a_dsm_job_restarts_over_tcp_and_runs_native(start_job: Callable[..., Jo
     hold.release()
     again = start_job("restart", "--transport", "tcp", "--ckpt-dir", str(ckpt_dir), ckpt_dir=ckpt_dir, extra_env=env)
     assert again.wait() == 0, again.stderr
-    expected = uninterrupted(case, "onesided")
+    expected = uninterrupted(case, protocol)
     assert results(again.stdout) == expected
     native = run(
         "launch",
@@ -81,7 +84,7 @@ def test_a_dsm_job_restarts_over_tcp_and_runs_native(start_job: Callable[..., Jo
         str(RANKS),
         "--native",
         "--dsm-protocol",
-        "onesided",
+        protocol,
         "--ckpt-dir",
         str(tmp_path / "native"),
         str(Path(__file__).resolve().parents[1] / "dsm" / "programs" / f"{case.name}.py"),
@@ -96,7 +99,7 @@ def test_an_unknown_protocol_is_one_clear_error(tmp_path: Path) -> None:
     program = Path(__file__).resolve().parents[1] / "dsm" / "programs" / "sor.py"
     done = run("launch", "-n", "2", "--dsm-protocol", "twosided", "--ckpt-dir", str(tmp_path / "c"), str(program))
     assert done.returncode != 0
-    assert "'twosided' is not one of 'async', 'onesided'" in done.stderr, done.stderr
+    assert "'twosided' is not one of 'async', 'onesided', 'cashmere'" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr, done.stderr
 
 

@@ -79,6 +79,9 @@ def ckpt_add_options() -> list[dict[str, Any]]:
 def ckpt_job_start(job: JobInfo) -> None:
     """Refuse, before anything starts and in one line, the options every rank would refuse at attach."""
     options = job.options
+    refused = protocol_refusal(options)
+    if refused is not None:
+        raise ckpt.CkptError(refused)
     if (options.get("logging") or "off") != "remote":
         return None
     ring = options.get("log_ring_bytes")
@@ -87,6 +90,17 @@ def ckpt_job_start(job: JobInfo) -> None:
     refused = own_home_refusal(int(options.get("log_home_offset", 1)), job.size)
     if refused is not None:
         raise ckpt.CkptError(refused)
+    return None
+
+
+def protocol_refusal(options: dict[str, Any]) -> str | None:
+    """Why these options cannot run, if logging is on under a protocol that has no intervals to log (cashmere)."""
+    mode, protocol = options.get("logging") or "off", options.get("dsm_protocol") or "async"
+    if mode != "off" and protocol == "cashmere":
+        return (
+            f"--logging {mode} logs HLRC's intervals and diffs: use --dsm-protocol async or onesided "
+            "(cashmere writes through and has none)"
+        )
     return None
 
 

@@ -1,0 +1,220 @@
+"""Unit tests of the Cashmere protocol (dsm._cashmere, dsm._mcs) on thread-ranks: what is its own.
+
+The memory model's tests run under it too (test_dsm_memory, EVERY), and so do the
+programs (test_dsm_programs) and a checkpoint -> kill -> restart (test_e2e_dsm).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+from dsm_util import run_ranks
+
+import dsm
+from ckpt.testing import ThreadRuntime, wait_for
+from dsm import DsmError
+from dsm import _cashmere as cashmere
+from dsm._mcs import NOTICE_TAIL
+
+pytestmark = pytest.mark.timeout(60)
+DOUBLES = 512  # float64 per 4 KiB page
+
+
+def test_the_home_does_no_work_for_a_remote_fault_lock_or_write_through() -> None:
+    """Rank 0 is the home of a page and of lock 0, then does nothing while ranks 1-3 copy the page, take the lock
+    in turn and write through to it: rank 0's counters stay still, it has no thread, and its copy has their writes."""
+    done = threading.Barrier(4)
+
+    def body(mem: Any, rt: ThreadRuntime) -> Any:
+        a = mem.array(DOUBLES, np.float64)
+        lock = mem.lock()  # lock 0: its tail is at rank 0
+        if rt.rank == 0:
+            a[0] = 0.0  # first touch: rank 0 is the page's home
+        mem.barrier()
+        before = mem.statistics().as_dict(), mem.control.atomics, mem.server.notifications, len(mem.server.inbox)
+        if rt.rank:
+            for _ in range(5):
+                with lock, a.write(slice(rt.rank, rt.rank + 1)) as v:
+                    v += 1
+        threads = [t.name for t in threading.enumerate() if t.name.startswith("dsm")]
+        done.wait(30)  # ranks 1-3 are through: their write-throughs landed before their last release
+        after = mem.statistics().as_dict(), mem.control.atomics, mem.server.notifications, len(mem.server.inbox)
+        mine = None
+        if rt.rank == 0:
+            with a.read(...) as view:
+                mine = view.copy()
+        mem.barrier()
+        return before, after, threads, mine
+
+    results = run_ranks(4, body, "cashmere")
+    (before, after, threads, mine), others = results[0], results[1:]
+    moving = {"total_seconds", "compute_seconds"}
+    assert {k: v for k, v in after[0].items() if k not in moving} == {
+        k: v for k, v in before[0].items() if k not in moving
+    }
+    assert after[1:] == before[1:]  # no atomics of its own, no notification, no message
+    assert threads == []  # no handler thread, on any rank
+    assert mine is not None and mine[1:4].tolist() == [5.0, 5.0, 5.0]  # their writes are in its copy
+    for stats in (o[1][0] for o in others):
+        assert stats["page_fetches"] >= 1 and stats["write_throughs"] == 5 and stats["pages_served"] == 0
+
+
+def test_a_write_through_forwards_only_the_elements_a_block_changed_inside_the_pages_seqlock() -> None:
+    """Rank 1's block covers eight elements and changes two: the home's other six keep the home's own values, and
+    the page's seqlock counts one write-through done and none in progress."""
+
+    def body(mem: Any, rt: ThreadRuntime) -> Any:
+        a = mem.array(DOUBLES, np.float64)
+        if rt.rank == 0:
+            a[0] = 0.0  # home
+        mem.barrier()
+        if rt.rank == 1:
+            with a.write(slice(0, 8)) as v:  # its copy: zeros
+                v[2], v[5] = 2.0, 5.0
+        mem.barrier()
+        if rt.rank == 0:
+            region = a._region
+            seqlock = region.directory[0, cashmere.BUSY : cashmere.ROW]
+            return region.data[:64].view(np.float64).tolist(), seqlock.tolist()
+        return mem.statistics().write_through_bytes
+
+    results = run_ranks(2, body, "cashmere")
+    assert results[0][0] == [0.0, 0.0, 2.0, 0.0, 0.0, 5.0, 0.0, 0.0]
+    assert results[0][1] == [0, 1]  # BUSY back to 0, DONE counted once
+    assert results[1] == 16
+
+
+def test_a_copy_that_overlaps_a_write_through_is_taken_again_until_none_is_in_progress() -> None:
+    """The home shows a write-through in progress (BUSY) on a half-written page: rank 1's copy waits, and takes
+    the page once the write-through is done -- never the torn page."""
+    shared: dict[str, Any] = {}
+
+    def body(mem: Any, rt: ThreadRuntime) -> Any:
+        a = mem.array(DOUBLES, np.float64)
+        region = a._region
+        if rt.rank == 0:
+            a[0] = 0.0
+            region.directory[0, cashmere.BUSY] = 1
+            region.data[: 8 * DOUBLES // 2].view(np.float64)[:] = 1.0  # half of it
+        mem.barrier()
+        if rt.rank == 1:
+            shared["mem"] = mem
+            page = a[...]
+            return page.min(), page.max(), mem.statistics().fetch_retries
+        wait_for(lambda: "mem" in shared and shared["mem"].counters.fetch_retries > 0, 10, "a copy taken again")
+        region.data.view(np.float64)[:DOUBLES] = 1.0  # the rest of it,
+        region.directory[0, cashmere.DONE] += 1  # done,
+        region.directory[0, cashmere.BUSY] = 0  # and no longer in progress
+        return None
+
+    low, high, retries = run_ranks(2, body, "cashmere")[1]
+    assert (low, high) == (1.0, 1.0)
+    assert retries >= 1
+
+
+def test_a_release_notices_the_readers_and_their_next_acquire_drops_the_copy() -> None:
+    """Rank 2 holds a copy; rank 1 writes the page under a lock: its release posts a notice to rank 2, whose next
+    acquire drops the copy and reads rank 1's value."""
+
+    def body(mem: Any, rt: ThreadRuntime) -> Any:
+        a = mem.array(DOUBLES, np.float64)
+        lock = mem.lock()
+        if rt.rank == 0:
+            assert a[0] == 0.0  # first touch by a read: rank 0 is the home, and writes nothing (the page is Shared)
+        mem.barrier()
+        if rt.rank == 2:
+            assert a[3] == 0.0  # a copy: rank 2 joins the page's readers
+        mem.barrier()
+        if rt.rank == 1:
+            with lock:
+                a[3] = 7.0
+        mem.barrier()  # an acquire too: rank 2 drops its copy at its exit, or at the lock's acquire below
+        if rt.rank == 2:
+            with lock:
+                return a[3], mem.statistics()
+        return mem.statistics()
+
+    results = run_ranks(3, body, "cashmere")
+    seen, reader = results[2]
+    assert seen == 7.0
+    assert results[1].notices_sent >= 1
+    assert reader.notices_processed >= 1 and reader.self_invalidations >= 1
+    assert results[0].notices_sent == 0  # the home wrote nothing after the first touch
+
+
+def test_a_page_joined_while_another_rank_writes_it_is_dropped_at_the_next_acquire() -> None:
+    """Rank 1 writes the page and releases (its notices are out: processed); rank 2 copies it afterwards, so it
+    joins a Weak page; rank 1 writes again -- no notice, the page is processed -- and rank 2's next acquire still
+    drops its copy and sees the new value."""
+
+    def body(mem: Any, rt: ThreadRuntime) -> Any:
+        a = mem.array(DOUBLES, np.float64)
+        lock = mem.lock()
+        if rt.rank == 0:
+            a[0] = 0.0
+        mem.barrier()
+        if rt.rank == 1:
+            with lock:
+                a[1] = 1.0
+        mem.barrier()
+        if rt.rank == 2:
+            first = a[1]  # joins while rank 1 is a writer
+        mem.barrier()
+        if rt.rank == 1:
+            sent = mem.statistics().notices_sent
+            with lock:
+                a[1] = 2.0
+            return mem.statistics().notices_sent - sent
+        mem.barrier()
+        if rt.rank == 2:
+            with lock:
+                return first, a[1]
+        return None
+
+    def body_with_barriers(mem: Any, rt: ThreadRuntime) -> Any:
+        out = body(mem, rt)
+        if rt.rank == 1:
+            mem.barrier()
+        return out
+
+    results = run_ranks(3, body_with_barriers, "cashmere")
+    assert results[1] == 0  # the second release sent no notice
+    assert results[2] == (1.0, 2.0)
+
+
+def test_an_overrun_notice_list_drops_every_copy_at_the_next_acquire() -> None:
+    def body(mem: Any, rt: ThreadRuntime) -> Any:
+        a = mem.array(4 * DOUBLES, np.float64)
+        lock = mem.lock()
+        if rt.rank == 0:
+            with a.write(...) as v:
+                v[:] = 1.0
+        mem.barrier()
+        if rt.rank == 1:
+            total = float(np.sum(a[...]))  # copies of the four pages
+            mem.control.words[NOTICE_TAIL] = mem.notice_head + cashmere.NOTICE_SLOTS + 1  # as if overwritten
+            with lock:
+                pass
+            return total, mem.statistics().self_invalidations, int(np.sum(a._region.state != 0))
+        return None
+
+    total, dropped, valid = run_ranks(2, body, "cashmere")[1]
+    assert total == 4 * DOUBLES and dropped == 4 and valid == 0
+
+
+def test_refusals_are_one_clear_error_each() -> None:
+    def body(mem: Any, rt: ThreadRuntime) -> Any:
+        mem.nlocks = cashmere.MAX_LOCKS
+        with pytest.raises(DsmError, match="room for 1024 locks"):
+            mem.lock()
+        return True
+
+    assert run_ranks(1, body, "cashmere") == [True]
+    rt = type("Rt", (), {"rank": 0, "size": 2, "options": {"logging": "remote"}, "device": "simib0"})()
+    with pytest.raises(DsmError, match="--logging remote needs an HLRC protocol"):
+        dsm.attach(rt, "cashmere")
+    with pytest.raises(DsmError, match="fill policy"):
+        cashmere.Cashmere(rt, 4096, fill="ecc")
