@@ -103,6 +103,19 @@ def test_an_unknown_protocol_is_one_clear_error(tmp_path: Path) -> None:
     assert "Traceback" not in done.stderr, done.stderr
 
 
+@pytest.mark.parametrize("mode", ["remote", "stable"])
+def test_logging_under_cashmere_is_refused_in_one_line_before_the_job_starts(mode: str, tmp_path: Path) -> None:
+    program = Path(__file__).resolve().parents[1] / "dsm" / "programs" / "sor.py"
+    ckpt_dir = tmp_path / "c"
+    done = run(
+        "launch", "-n", "2", "--dsm-protocol", "cashmere", "--logging", mode, "--ckpt-dir", str(ckpt_dir), str(program)
+    )
+    assert done.returncode != 0
+    assert f"--logging {mode} logs HLRC's intervals and diffs" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert not list(ckpt_dir.glob("*.ckpt"))  # nothing ran
+
+
 @pytest.mark.parametrize("protocol", ["async", pytest.param("onesided", marks=pytest.mark.stress)])  # suite time
 def test_checkpoints_at_random_moments_of_a_lock_heavy_run(
     protocol: str, start_job: Callable[..., Job], tmp_path: Path
