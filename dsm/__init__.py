@@ -49,6 +49,7 @@ if not TYPE_CHECKING:  # (type checkers see the imports above, and still catch a
 
 
 __all__ = [
+    "FILLS",
     "HLRC",
     "PROTOCOLS",
     "Diff",
@@ -64,20 +65,29 @@ __all__ = [
 ]
 
 PROTOCOL_ENV = "CKPT_DSM_PROTOCOL"
+FILL_ENV = "CKPT_DSM_FILL"
+#: How Cashmere's faults fill pages (``--dsm-fill``): copy the page, or bring the touched lines (`dsm._cashmere`).
+FILLS = ("copy", "line")
 
 
-def attach(rt: Any, protocol: str | None = None, page_size: int = 4096) -> Memory:
+def attach(rt: Any, protocol: str | None = None, page_size: int = 4096, fill: str | None = None) -> Memory:
     """Collective: this rank's handle on a new shared memory of `rt`'s ranks.
 
     `protocol` is one of `PROTOCOLS`; by default ``ckpt launch --dsm-protocol``,
     else ``$CKPT_DSM_PROTOCOL``, else ``"async"``.  Under ``"cashmere"`` the handle
-    is a `dsm._cashmere.Cashmere`, with the same API for programs.
+    is a `dsm._cashmere.Cashmere`, with the same API for programs, and `fill` is
+    how its faults fill pages: ``"copy"`` (the default) or ``"line"`` (by default
+    ``ckpt launch --dsm-fill``, else ``$CKPT_DSM_FILL``).  The HLRC protocols copy.
     """
-    chosen = protocol or (getattr(rt, "options", {}) or {}).get("dsm_protocol") or os.environ.get(PROTOCOL_ENV)
+    options = getattr(rt, "options", {}) or {}
+    chosen = protocol or options.get("dsm_protocol") or os.environ.get(PROTOCOL_ENV)
+    filling = fill or options.get("dsm_fill") or os.environ.get(FILL_ENV)
     if chosen == "cashmere":
         from ._cashmere import Cashmere
 
-        return Cashmere(rt, page_size)  # type: ignore[return-value]  # the programs' API, not HLRC's internals
+        return Cashmere(rt, page_size, filling or "copy")  # type: ignore[return-value]  # the programs' API
+    if filling not in (None, "copy"):
+        raise DsmError(f"the {filling!r} fill is the cashmere protocol's: {chosen or 'async'} copies whole pages")
     from ._memory import Memory
 
     return Memory(rt, chosen or "async", page_size)

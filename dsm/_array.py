@@ -58,7 +58,7 @@ class SharedArray:
     def read(self, index: Any = ...) -> Iterator[np.ndarray]:
         """A read-only numpy view of ``a[index]`` with its pages valid."""
         view = self._view
-        self._mem.read_fault(self._region, self._pages(view, index))
+        self._mem.read_fault(self._region, *self._touched(view, index))
         sub = view[index]
         if isinstance(sub, np.ndarray):
             sub = sub.view()
@@ -83,8 +83,8 @@ class SharedArray:
                 "a.write(index) needs a basic index (slices, integers, ...); use a[index] = values "
                 "for a fancy index or a mask"
             )
-        pages = self._pages(view, index)
-        self._mem.write_fault(self._region, pages)
+        pages, span = self._touched(view, index)
+        self._mem.write_fault(self._region, pages, span)
         through = self._mem.through_begin(self._region, pages) if self._mem.write_through else None
         self._mem.writing += 1
         try:
@@ -96,14 +96,14 @@ class SharedArray:
 
     def __getitem__(self, index: Any) -> Any:
         view = self._view
-        self._mem.read_fault(self._region, self._pages(view, index))
+        self._mem.read_fault(self._region, *self._touched(view, index))
         sub = view[index]
         return sub.copy() if isinstance(sub, np.ndarray) else sub
 
     def __setitem__(self, index: Any, value: Any) -> None:
         view = self._view
-        pages = self._pages(view, index)
-        self._mem.write_fault(self._region, pages)
+        pages, span = self._touched(view, index)
+        self._mem.write_fault(self._region, pages, span)
         through = self._mem.through_begin(self._region, pages) if self._mem.write_through else None
         try:
             view[index] = value
@@ -118,6 +118,11 @@ class SharedArray:
     # ------------------------------------------------------------------ pages
     def _pages(self, view: np.ndarray, index: Any) -> np.ndarray:
         """The pages `view[index]` touches (a superset for strided basic indexes)."""
+        return self._touched(view, index)[0]
+
+    def _touched(self, view: np.ndarray, index: Any) -> tuple[np.ndarray, tuple[int, int] | None]:
+        """The pages `view[index]` touches (a superset for strided basic indexes), and for a basic index the bytes
+        of the array between its first and last element (None for a fancy one)."""
         page_size = self._region.page_size
         probe = index if isinstance(index, tuple) else (index,)
         if not any(item is Ellipsis for item in probe):
@@ -127,15 +132,16 @@ class SharedArray:
         except IndexError as exc:
             raise IndexError(f"{exc} (shared array of shape {self.shape})") from None
         if sub.size == 0:
-            return np.empty(0, dtype=np.int64)
+            return np.empty(0, dtype=np.int64), None
         if np.may_share_memory(sub, view):
             base = self._region.local.__array_interface__["data"][0]
             low, high = byte_bounds(sub)
-            return np.arange((low - base) // page_size, (high - 1 - base) // page_size + 1, dtype=np.int64)
+            low, high = low - base, high - base
+            return np.arange(low // page_size, (high - 1) // page_size + 1, dtype=np.int64), (low, high)
         flat = np.arange(self.size, dtype=np.int64).reshape(self.shape)[index]  # fancy: element by element
         offsets = np.asarray(flat, dtype=np.int64).ravel() * self.dtype.itemsize
         first, last = offsets // page_size, (offsets + self.dtype.itemsize - 1) // page_size
-        return np.unique(np.concatenate((first, last)))
+        return np.unique(np.concatenate((first, last))), None
 
 
 class Lock:

@@ -63,7 +63,7 @@ import ckpt
 from ckpt import verbs
 from ckpt.plugin import PluginCalls
 
-from . import hookspecs
+from . import FILLS, hookspecs
 from ._array import Lock, SharedArray
 from ._diff import diff_unit, make_diff
 from ._errors import DsmError, check_synchronising
@@ -105,8 +105,11 @@ MAX_RANKS = 63
 NOTIFY_RECVS = 16
 #: Write-throughs in flight towards one home before a rank waits for them (a QP's send queue holds 512).
 THROUGH_LIMIT = 256
-#: How a fault fills a page: ``copy`` the page from its home (the paper's C.. systems).
-FILLS = ("copy",)
+# How a fault fills a page (`dsm.FILLS`, the paper's copy-versus-fill choice): ``copy`` the page from its home at
+# the first access (its C.. systems), or bring only the lines an access touches, from the home, and keep them until
+# the page is dropped (``line``: remote line fills, its N.. systems).
+#: A line of the line fill (the paper's cache line).
+LINE = 64
 
 
 class CashmereRegion(Region):
@@ -118,6 +121,7 @@ class CashmereRegion(Region):
         self.directory_mr = verbs.MR(pd, self.directory, ACCESS)
         self.state[:] = INVALID  # no copy until the first touch: only a reader hears of others' writes
         self.processed = np.zeros(self.npages, dtype=bool)  # its notices went out since this rank last dropped it
+        self.lines = np.zeros((self.npages, page_size // LINE), dtype=bool)  # line fill: the lines that are here
 
     def address(self) -> dict[str, int]:
         return {**super().address(), "dir": self.directory_mr.buf, "dir_rkey": self.directory_mr.rkey}
@@ -257,68 +261,113 @@ class Cashmere:
         self.ctx.close()
 
     # ------------------------------------------------------------------ faults
-    def read_fault(self, region: CashmereRegion, pages: np.ndarray) -> None:
-        invalid = pages[region.state[pages] == INVALID]
-        if len(invalid):
-            self.counters.read_faults += len(invalid)
-            self._fill(region, [int(page) for page in invalid])
+    def read_fault(self, region: CashmereRegion, pages: np.ndarray, span: tuple[int, int] | None = None) -> None:
+        """Make `pages` readable: `span` is the access's bytes in the array (None: every byte of the pages)."""
+        unmapped = pages[region.state[pages] == INVALID]
+        if len(unmapped):
+            self.counters.read_faults += len(unmapped)
+        if self.fill == "copy":
+            if len(unmapped):
+                self._fill(region, unmapped.tolist(), None)
+        else:
+            self._fill(region, pages.tolist(), span)
 
-    def write_fault(self, region: CashmereRegion, pages: np.ndarray) -> None:
-        invalid = pages[region.state[pages] == INVALID]
-        if len(invalid):
-            self._fill(region, [int(page) for page in invalid])
+    def write_fault(self, region: CashmereRegion, pages: np.ndarray, span: tuple[int, int] | None = None) -> None:
+        if self.fill == "copy":
+            unmapped = pages[region.state[pages] == INVALID]
+            if len(unmapped):
+                self._fill(region, unmapped.tolist(), None)
+        else:
+            self._fill(region, pages.tolist(), span)
         for page in pages.tolist():
             gid = gid_of(region.aid, page)
             if gid not in self.written:
                 self.written.add(gid)
                 self.counters.write_faults += 1
 
-    def _fill(self, region: CashmereRegion, pages: list[int]) -> None:
-        """Copy fill: join each page's readers at its home's directory, then copy the pages, a chain per home."""
+    def _fill(self, region: CashmereRegion, pages: list[int], span: tuple[int, int] | None) -> None:
+        """Join the readers of each page this rank has no copy of (under its row's lock), then bring from the homes,
+        a chain per home, what the access needs: whole pages (copy fill), or the lines of `span` not here yet
+        (line fill: remote line fills, kept until the page is dropped)."""
         started = time.perf_counter()
-        self._drain()  # our own write-throughs land before we read those pages back
-        by_home: dict[int, list[int]] = {}
+        wanted: dict[int, list[tuple[int, list[tuple[int, int]]]]] = {}  # home -> [(page, [(offset, length)])]
         for page in pages:
-            home = self._home(region, page)
-            if home == self.rank:
-                region.state[page] = VALID  # the master copy
-            else:
+            if region.state[page] == INVALID:
+                home = self._home(region, page)
+                if home == self.rank:
+                    region.state[page] = VALID  # the master copy
+                    region.lines[page] = True
+                    continue
                 self._join(region, page, home)
-                by_home.setdefault(home, []).append(page)
-        for home, group in by_home.items():
-            for first in range(0, len(group), FILL_BATCH):
-                self._copy(region, home, group[first : first + FILL_BATCH])
-        if by_home:
-            self.counters.fetch_rounds += 1
-            self.counters.page_fetch_seconds += time.perf_counter() - started
+                region.state[page] = VALID
+            elif region.home[page] == self.rank:
+                continue
+            runs = self._missing(region, page, span)
+            if runs:
+                wanted.setdefault(int(region.home[page]), []).append((page, runs))
+        if not wanted:
+            return
+        self._drain()  # our own write-throughs land before we read those pages back
+        for home, pieces in wanted.items():
+            for first in range(0, len(pieces), FILL_BATCH):
+                self._read(region, home, pieces[first : first + FILL_BATCH])
+        self.counters.fetch_rounds += 1
+        self.counters.page_fetch_seconds += time.perf_counter() - started
 
-    def _copy(self, region: CashmereRegion, home: int, pages: list[int]) -> None:
-        """Copy `pages` from `home` in one chain: each page between two reads of its seqlock, again until a copy
-        overlapped no write-through (both reads equal, none in progress) -- so a copy is never torn."""
+    def _missing(self, region: CashmereRegion, page: int, span: tuple[int, int] | None) -> list[tuple[int, int]]:
+        """The (offset, length) runs of `page` to bring: the whole page (copy fill), else the lines of `span` in it
+        that are not here (consecutive ones in one run)."""
+        size = self.page_size
+        if self.fill == "copy":
+            return [(0, size)]
+        low, high = (0, size) if span is None else (max(span[0] - page * size, 0), min(span[1] - page * size, size))
+        if high <= low:
+            return []
+        first, last = low // LINE, (high - 1) // LINE + 1
+        absent = np.flatnonzero(~region.lines[page, first:last]) + first
+        if not len(absent):
+            return []
+        breaks = np.flatnonzero(np.diff(absent) != 1)
+        starts = np.concatenate(([absent[0]], absent[breaks + 1]))
+        ends = np.concatenate((absent[breaks], [absent[-1]])) + 1
+        return [(int(a) * LINE, int(b - a) * LINE) for a, b in zip(starts, ends, strict=True)]
+
+    def _read(self, region: CashmereRegion, home: int, pieces: list[tuple[int, list[tuple[int, int]]]]) -> None:
+        """Read each page's runs from `home` in one chain, between two reads of the page's seqlock, again until the
+        reads overlapped no write-through (both seqlock reads equal, none in progress) -- so nothing read is torn."""
         base, lkey = self.seqlocks_mr.buf, self.seqlocks_mr.lkey
         deadline = time.monotonic() + FILL_TIMEOUT
-        while pages:
+        while pieces:
             reads = []
-            for i, page in enumerate(pages):
+            for i, (page, runs) in enumerate(pieces):
                 seqlock = region.remote_entry(home, page, BUSY)
+                rkey, addr = region.remote_page(home, page)
+                reads.append(rdma(verbs.IBV_WR_RDMA_READ, (base + 32 * i, 16, lkey), *seqlock))
                 reads += [
-                    rdma(verbs.IBV_WR_RDMA_READ, (base + 32 * i, 16, lkey), *seqlock),
-                    rdma(verbs.IBV_WR_RDMA_READ, region.local_page(page), *region.remote_page(home, page)),
-                    rdma(verbs.IBV_WR_RDMA_READ, (base + 32 * i + 16, 16, lkey), *seqlock),
+                    rdma(verbs.IBV_WR_RDMA_READ, region.local_page(page, offset, length), rkey, addr + offset)
+                    for offset, length in runs
                 ]
+                reads.append(rdma(verbs.IBV_WR_RDMA_READ, (base + 32 * i + 16, 16, lkey), *seqlock))
             self.control.run(home, reads)
-            self.counters.count("rdma_read", len(pages) * (self.page_size + 32))
-            locks = self.seqlocks[: 4 * len(pages)].reshape(-1, 4)
-            torn = (locks[:, 0] != 0) | (locks[:, 0] != locks[:, 2]) | (locks[:, 1] != locks[:, 3])
-            done = [page for page, again in zip(pages, torn.tolist(), strict=True) if not again]
-            region.state[done] = VALID
-            self.counters.page_fetches += len(done)
-            pages = [page for page, again in zip(pages, torn.tolist(), strict=True) if again]
-            if pages:
+            locks = self.seqlocks[: 4 * len(pieces)].reshape(-1, 4)
+            torn = ((locks[:, 0] != 0) | (locks[:, 0] != locks[:, 2]) | (locks[:, 1] != locks[:, 3])).tolist()
+            for (page, runs), again in zip(pieces, torn, strict=True):
+                nbytes = sum(length for _, length in runs)
+                self.counters.count("rdma_read", nbytes + 32)
+                if again:
+                    continue
+                self.counters.page_fetches += 1  # (under the line fill, of some lines of the page)
+                if self.fill == "line":
+                    for offset, length in runs:
+                        region.lines[page, offset // LINE : (offset + length) // LINE] = True
+                    self.counters.line_fills += nbytes // LINE
+            pieces = [piece for piece, again in zip(pieces, torn, strict=True) if again]
+            if pieces:
                 self.counters.fetch_retries += 1
                 if time.monotonic() > deadline:
+                    stuck = [page for page, _ in pieces]
                     raise DsmError(
-                        f"rank {home} kept writing pages {pages} of array {region.aid} through for {FILL_TIMEOUT:.0f} s"
+                        f"rank {home} kept writing pages {stuck} of array {region.aid} through for {FILL_TIMEOUT:.0f} s"
                     )
 
     def _home(self, region: CashmereRegion, page: int) -> int:
@@ -491,6 +540,7 @@ class Cashmere:
             entry &= ~me
             self._unlock_entry(region, page, home, entry)
             region.state[page] = INVALID
+            region.lines[page] = False
             region.processed[page] = False
             self.counters.self_invalidations += 1
 

@@ -329,13 +329,15 @@ class Memory(Intervals):
         self.hook("dsm_lock_released", lock=lock)
 
     # ------------------------------------------------------------------ faults
-    def read_fault(self, region: Region, pages: np.ndarray) -> None:
+    def read_fault(self, region: Region, pages: np.ndarray, span: tuple[int, int] | None = None) -> None:
+        """Make `pages` readable (HLRC fetches whole pages: the access's bytes, `span`, do not matter)."""
         invalid = [int(page) for page in pages[region.state[pages] == INVALID]]
         self.counters.read_faults += len(invalid)
         if invalid:
             self._fetch_many(region, invalid)
 
-    def write_fault(self, region: Region, pages: np.ndarray) -> None:
+    def write_fault(self, region: Region, pages: np.ndarray, span: tuple[int, int] | None = None) -> None:
+        """Make `pages` writable: fetched if invalid, twinned if not written since the last interval closed."""
         todo = [int(page) for page in pages[region.state[pages] != DIRTY]]
         invalid = [page for page in todo if region.state[page] == INVALID]
         if invalid:

@@ -74,6 +74,7 @@ class Statistics:
     notices_processed: int = 0  # write notices taken from this rank's own list at acquires
     self_invalidations: int = 0  # copies dropped at acquires (named by a notice, or joined while Weak)
     write_throughs: int = 0  # pages whose changes one write block forwarded to their home
+    line_fills: int = 0  # lines brought from their homes by the line fill (64 bytes each)
     write_through_bytes: int = 0  # the changed bytes forwarded
     atomics: int = 0  # remote atomics issued (lock queues, slots, homes, barriers)
 
@@ -128,6 +129,7 @@ class Counters:
     notices_processed: int = 0
     self_invalidations: int = 0
     write_throughs: int = 0
+    line_fills: int = 0
     write_through_bytes: int = 0
     atomics: int = 0
     messages: Counter[str] = field(default_factory=Counter)

@@ -15,6 +15,10 @@ from ckpt.plugin import PluginCalls
 from ckpt.testing import ThreadRuntime, run_threads
 from dsm.programs import program_class
 
+#: What the memory-model tests run under: every protocol, and Cashmere with its line fill too (``LINE_FILL``,
+#: which `run_ranks` takes for ``dsm.attach(rt, "cashmere", fill="line")``).
+LINE_FILL = "cashmere-line"
+MODELS = (*dsm.PROTOCOLS, LINE_FILL)
 FIRST_HCA = 10  # rank r opens simib<10 + r>: HCAs no other test uses, shared by the DSM tests (each closes its own)
 
 
@@ -31,6 +35,9 @@ def run_ranks(
     closed once all ranks are done (a rank's memory serves the others until then).
     """
 
+    if protocol == LINE_FILL:
+        protocol, attach = "cashmere", {**attach, "fill": "line"}
+
     def rank_body(rt: ThreadRuntime) -> Any:
         memory = dsm.attach(rt, protocol, **attach)
         rt.at_end(memory.close)
@@ -39,13 +46,13 @@ def run_ranks(
     return run_threads(size, rank_body, first_device=FIRST_HCA, plugins=plugins, options={"dsm_protocol": protocol})
 
 
-def run_program(name: str, argv: list[str], size: int, protocol: str) -> list[Any]:
+def run_program(name: str, argv: list[str], size: int, protocol: str, fill: str | None = None) -> list[Any]:
     """Run dsm/programs/<name>.py on `size` thread-ranks as `ckpt launch` would (setup, steps); its results."""
     return ckpt.testing.run_program(
         program_class(name),
         size,
         argv=argv,
-        options={"dsm_protocol": protocol},
+        options={"dsm_protocol": protocol, "dsm_fill": fill},
         first_device=FIRST_HCA,
         finish=lambda program: program.mem.close(),  # type: ignore[attr-defined]  (the programs keep theirs as `mem`)
     )

@@ -218,3 +218,44 @@ def test_refusals_are_one_clear_error_each() -> None:
         dsm.attach(rt, "cashmere")
     with pytest.raises(DsmError, match="fill policy"):
         cashmere.Cashmere(rt, 4096, fill="ecc")
+
+
+def test_a_line_fill_brings_the_lines_an_access_touches_and_keeps_them_until_the_page_is_dropped() -> None:
+    def body(mem: Any, rt: ThreadRuntime) -> Any:
+        a = mem.array(DOUBLES, np.float64)
+        lock = mem.lock()
+        if rt.rank == 0:
+            with a.write(...) as v:
+                v[:] = np.arange(DOUBLES)  # home, and Shared: rank 1 joins no Weak page below
+        mem.barrier()
+        counts = []
+
+        def lines_for(index: Any) -> int:
+            before = mem.statistics().line_fills
+            a[index]
+            return mem.statistics().line_fills - before
+
+        if rt.rank == 1:
+            counts += [lines_for(slice(0, 8)), lines_for(slice(0, 8)), lines_for(slice(4, 24)), lines_for(100)]
+            region = a._region
+            local = region.data.view(np.float64)
+            counts.append(local[:24].tolist() == list(range(24)) and not local[200])  # line 25 never came
+        mem.barrier()
+        if rt.rank == 0:
+            with lock:
+                a[1] = -1.0
+        mem.barrier()  # rank 1 drops the page at its exit (a notice)
+        if rt.rank == 1:
+            counts += [lines_for(slice(0, 8)), a[1]]
+        return counts
+
+    counts = run_ranks(2, body, "cashmere", fill="line")[1]
+    # one line; none again; the two after it; one more; the page's other lines stayed at home
+    assert counts[:5] == [1, 0, 2, 1, True]
+    assert counts[5:] == [1, -1.0]  # dropped at the barrier: the line came again, with the new value
+
+
+def test_the_line_fill_is_cashmeres_only() -> None:
+    rt = type("Rt", (), {"rank": 0, "size": 1, "options": {}, "device": "simib0"})()
+    with pytest.raises(DsmError, match="the 'line' fill is the cashmere protocol's: onesided copies whole pages"):
+        dsm.attach(rt, "onesided", fill="line")

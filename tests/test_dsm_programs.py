@@ -1,4 +1,5 @@
-"""Every DSM program gives plain numpy's answer with 1, 2 and 4 ranks under every protocol (thread-ranks)."""
+"""Every DSM program gives plain numpy's answer with 1, 2 and 4 ranks under every protocol, and both of Cashmere's
+fill policies (thread-ranks)."""
 
 from __future__ import annotations
 
@@ -14,11 +15,11 @@ pytestmark = pytest.mark.timeout(120)
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_the_answer_is_numpys_and_the_same_for_any_rank_count_and_protocol(case: DsmCase) -> None:
     lines = {}
-    for protocol in dsm.PROTOCOLS:
+    for protocol, fill in [*((protocol, None) for protocol in dsm.PROTOCOLS), ("cashmere", "line")]:
         for size in (1, 2, 4):
-            results = run_program(case.name, list(case.quick), size, protocol)
-            assert len(set(results)) == 1, (protocol, size, results)
-            lines[(protocol, size)] = results[0]
+            results = run_program(case.name, list(case.quick), size, protocol, fill)
+            assert len(set(results)) == 1, (protocol, fill, size, results)
+            lines[(protocol, fill, size)] = results[0]
     assert all("numpy=match" in line for line in lines.values()), lines
     assert len(set(lines.values())) == 1, lines
     # what the end-to-end tests compare with, without running the program: its line, computed

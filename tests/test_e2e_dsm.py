@@ -60,15 +60,16 @@ def test_checkpoint_resume_kill_restart_gives_the_uninterrupted_result(
     assert results(again.stdout) == uninterrupted(case, protocol)
 
 
-@pytest.mark.parametrize(("name", "protocol"), [("sor", "onesided"), ("tsp", "cashmere")])
+@pytest.mark.parametrize(("name", "protocol", "fill"), [("sor", "onesided", "copy"), ("tsp", "cashmere", "line")])
 def test_a_dsm_job_restarts_over_tcp_and_runs_native(
-    name: str, protocol: str, start_job: Callable[..., Job], tmp_path: Path
+    name: str, protocol: str, fill: str, start_job: Callable[..., Job], tmp_path: Path
 ) -> None:
     case = next(case for case in CASES if case.name == name)
     ckpt_dir, hold, pauses = tmp_path / "ckpt", Hold(tmp_path), Pauses(tmp_path, case.checkpoint_at)
     env = {PROGRAM_ENV: case.name, **hold.env, **pauses.env}
     argv = [str(PROGRAMS / "dsm_held.py"), *case.long]
-    job = start_job(*launch_args(ckpt_dir, argv, "--dsm-protocol", protocol), ckpt_dir=ckpt_dir, extra_env=env)
+    chosen = ("--dsm-protocol", protocol, "--dsm-fill", fill)
+    job = start_job(*launch_args(ckpt_dir, argv, *chosen), ckpt_dir=ckpt_dir, extra_env=env)
     pauses.wait(case.checkpoint_at)
     take(ckpt_dir, "--kill")
     assert job.wait() == 0, job.stderr
@@ -83,8 +84,7 @@ def test_a_dsm_job_restarts_over_tcp_and_runs_native(
         "-n",
         str(RANKS),
         "--native",
-        "--dsm-protocol",
-        protocol,
+        *chosen,
         "--ckpt-dir",
         str(tmp_path / "native"),
         str(Path(__file__).resolve().parents[1] / "dsm" / "programs" / f"{case.name}.py"),
@@ -101,6 +101,14 @@ def test_an_unknown_protocol_is_one_clear_error(tmp_path: Path) -> None:
     assert done.returncode != 0
     assert "'twosided' is not one of 'async', 'onesided', 'cashmere'" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr, done.stderr
+
+
+def test_a_line_fill_under_an_hlrc_protocol_is_refused_in_one_line(tmp_path: Path) -> None:
+    program = Path(__file__).resolve().parents[1] / "dsm" / "programs" / "sor.py"
+    done = run("launch", "-n", "2", "--dsm-fill", "line", "--ckpt-dir", str(tmp_path / "c"), str(program))
+    assert done.returncode != 0
+    assert "--dsm-fill line is the cashmere protocol's: async copies whole pages" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
 
 
 @pytest.mark.parametrize("mode", ["remote", "stable"])

@@ -13,6 +13,7 @@ from typing import Any
 
 import ckpt
 import dsm
+from ckpt.plugin import JobInfo
 from dsm import hookspecs
 
 __all__ = ["CKPT_HOOKSPECS"]
@@ -31,5 +32,21 @@ def ckpt_add_options() -> list[dict[str, Any]]:
             "type": "str",
             "choices": list(dsm.PROTOCOLS),
             "launch_only": True,  # the protocol is in the images: a restart keeps it
-        }
+        },
+        {
+            "name": "dsm-fill",
+            "help": f"how cashmere's faults fill pages: {' or '.join(dsm.FILLS)} (default copy)",
+            "default": None,
+            "type": "str",
+            "choices": list(dsm.FILLS),
+            "launch_only": True,
+        },
     ]
+
+
+@ckpt.hookimpl
+def ckpt_job_start(job: JobInfo) -> None:
+    """Refuse in one line, before anything starts, a fill policy the protocol has no use for."""
+    fill, protocol = job.options.get("dsm_fill"), job.options.get("dsm_protocol") or "async"
+    if fill not in (None, "copy") and protocol != "cashmere":
+        raise ckpt.CkptError(f"--dsm-fill {fill} is the cashmere protocol's: {protocol} copies whole pages")
