@@ -160,6 +160,8 @@ class Cashmere:
         self.control = Control(self.pd, self.rank, self.client, self.server)
         self.seqlocks = verbs.shared_array(4 * FILL_BATCH, np.int64)  # a fill's seqlock reads, before and after
         self.seqlocks_mr = verbs.MR(self.pd, self.seqlocks, ACCESS)
+        self.notes = verbs.shared_array((self.size, 3), np.int64)  # per reader: its slot's number, the notice's words
+        self.notes_mr = verbs.MR(self.pd, self.notes, ACCESS)
         self.regions: list[CashmereRegion] = []
         self.nlocks = 0
         self.held: dict[int, float] = {}  # lock -> when it was granted
@@ -459,9 +461,7 @@ class Cashmere:
         """Wait until every write-through posted has landed at its home."""
         if not self.through:
             return
-        client, pending = self.client, self.through
-        client.wait(lambda: all(wr_id in client.rdma_done for wr_id in pending), "write-throughs to land")
-        client.rdma_done.difference_update(pending)
+        self._await(self.through)
         self.through = []
         self.through_count = [0] * self.size
 
@@ -481,30 +481,42 @@ class Cashmere:
             entry = self._lock_entry(region, page, home)
             entry[WRITERS] |= me
             targets = int(entry[READERS]) & ~int(entry[NOTICED]) & ~me
-            for rank in range(self.size):
-                if targets >> rank & 1:
-                    self._post_notice(rank, gid)
+            if targets:
+                self._post_notices([rank for rank in range(self.size) if targets >> rank & 1], gid)
             entry[NOTICED] |= targets
             self._unlock_entry(region, page, home, entry)
             region.processed[page] = True
         self.written.clear()
         self.counters.flush_seconds += time.perf_counter() - started
 
-    def _post_notice(self, rank: int, gid: int) -> None:
-        """Append a notice of `gid` to `rank`'s list: reserve a slot, write the page, then the slot's number + 1."""
-        control = self.control
-        slot = control.fetch_add(rank, control.remote(rank, NOTICE_TAIL), 1)
-        at = NOTICES + 2 * (slot % NOTICE_SLOTS)
-        control.words[SOURCE + 4 : SOURCE + 6] = (gid, slot + 1)
-        control.run(
-            rank,
-            [
-                rdma(verbs.IBV_WR_RDMA_WRITE, control.local(SOURCE + 4), *control.remote(rank, at)),
-                rdma(verbs.IBV_WR_RDMA_WRITE, control.local(SOURCE + 5), *control.remote(rank, at + 1)),
-            ],
-        )
-        self.counters.notices_sent += 1
-        self.counters.count("notice", 16)
+    def _post_notices(self, ranks: list[int], gid: int) -> None:
+        """Append a notice of `gid` to each of `ranks`' lists: reserve a slot in every list at once (FETCH_AND_ADD),
+        then fill them all at once -- the page, then the slot's number + 1, which marks the slot complete."""
+        notes, lkey, base = self.notes, self.notes_mr.lkey, self.notes_mr.buf
+        control, client = self.control, self.client
+        add = verbs.IBV_WR_ATOMIC_FETCH_AND_ADD
+        reserve = [atomic(add, (base + 24 * r, lkey), *control.remote(r, NOTICE_TAIL), 1) for r in ranks]
+        self._await([client.post(r, [wr], control.seq) for r, wr in zip(ranks, reserve, strict=True)])
+        posted = []
+        for rank in ranks:
+            slot = int(notes[rank, 0])
+            at = NOTICES + 2 * (slot % NOTICE_SLOTS)
+            notes[rank, 1:] = (gid, slot + 1)
+            writes = [
+                rdma(verbs.IBV_WR_RDMA_WRITE, (base + 24 * rank + 8, 8, lkey), *control.remote(rank, at)),
+                rdma(verbs.IBV_WR_RDMA_WRITE, (base + 24 * rank + 16, 8, lkey), *control.remote(rank, at + 1)),
+            ]
+            posted.append(client.post(rank, writes, control.seq))
+        self._await(posted)
+        control.atomics += len(ranks)
+        self.counters.notices_sent += len(ranks)
+        self.counters.count("notice", 16 * len(ranks))
+
+    def _await(self, posted: list[int]) -> None:
+        """Wait until every chain `posted` (`Endpoint.post`'s wr_ids) has completed."""
+        client = self.client
+        client.wait(lambda: all(wr_id in client.rdma_done for wr_id in posted), "one-sided operations to complete")
+        client.rdma_done.difference_update(posted)
 
     def _self_invalidate(self) -> None:
         """An acquire's half: drop the copies the notice list names, and those joined while Weak (steps (a)-(f))."""
