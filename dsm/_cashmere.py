@@ -96,14 +96,17 @@ READERS, WRITERS, NOTICED = range(3)  # in an entry
 ENTRY = 3
 #: Pages one fill chain copies from one home (each with its seqlock read before and after: 2 x 2 words).
 FILL_BATCH = 8
-#: A copy that overlapped a write-through is taken again, up to this long (a write-through is one chain).
+#: A fill that overlapped a write-through is read again, up to this long (a write-through is one chain, or a few
+#: for a page with hundreds of changed runs).
 FILL_TIMEOUT = 60.0
 #: Bits of a rank set (an int64 word); a larger job is refused at attach.
 MAX_RANKS = 63
-#: Receives posted on every server QP for peers' WRITE WITH IMM (a rank is owed a few at a time: a hand-over,
-#: a link, a barrier's release); more would wait in RNR retries, not fail.
+#: Receives posted on every server QP for peers' WRITE WITH IMM.  Each one takes a receive until the rank's own
+#: thread reaps it (`Control.reap`, at every acquire, release and wait): between two reaps a peer owes it a few (a
+#: successor's link, a predecessor's hand-over, a barrier's release).
 NOTIFY_RECVS = 16
-#: Write-throughs in flight towards one home before a rank waits for them (a QP's send queue holds 512).
+#: Work requests of write-throughs in flight towards one home before a rank waits for them (a QP's send queue
+#: holds 512).
 THROUGH_LIMIT = 256
 # How a fault fills a page (`dsm.FILLS`, the paper's copy-versus-fill choice): ``copy`` the page from its home at
 # the first access (its C.. systems), or bring only the lines an access touches, from the home, and keep them until
@@ -338,7 +341,7 @@ class Cashmere:
         """Read each page's runs from `home` in one chain, between two reads of the page's seqlock, again until the
         reads overlapped no write-through (both seqlock reads equal, none in progress) -- so nothing read is torn."""
         base, lkey = self.seqlocks_mr.buf, self.seqlocks_mr.lkey
-        deadline = time.monotonic() + FILL_TIMEOUT
+        deadline, retries = time.monotonic() + FILL_TIMEOUT, 0
         while pieces:
             reads = []
             for i, (page, runs) in enumerate(pieces):
@@ -366,6 +369,9 @@ class Cashmere:
             pieces = [piece for piece, again in zip(pieces, torn, strict=True) if again]
             if pieces:
                 self.counters.fetch_retries += 1
+                retries += 1
+                # back off (10 µs doubling to 1 ms): a write-through to the page is in flight, maybe more behind it
+                time.sleep(min(1e-3, 1e-5 * 2 ** min(retries, 7)))
                 if time.monotonic() > deadline:
                     stuck = [page for page, _ in pieces]
                     raise DsmError(
@@ -518,29 +524,45 @@ class Cashmere:
         client.wait(lambda: all(wr_id in client.rdma_done for wr_id in posted), "one-sided operations to complete")
         client.rdma_done.difference_update(posted)
 
-    def _self_invalidate(self) -> None:
-        """An acquire's half: drop the copies the notice list names, and those joined while Weak (steps (a)-(f))."""
-        self._drain()
+    def _noticed(self) -> set[int]:
+        """The pages the notice list names, from its head to its tail.
+
+        A slot counts once its number (written after the page) is its own index + 1, read before and after
+        the page: a slot reserved but not written yet stops the head, and later slots are still taken.
+        Writers keep appending while the list is read, so the tail is read again after: if the slots read
+        could have been overwritten meanwhile (an overrun, before or during the read), every copy is dropped.
+        """
         words = self.control.words
-        tail = int(words[NOTICE_TAIL])
-        pages = set(self.stale)
-        self.stale.clear()
-        if tail - self.notice_head > NOTICE_SLOTS:  # overrun: notices were overwritten, so drop every copy
+        head, tail = self.notice_head, int(words[NOTICE_TAIL])
+        pages: set[int] = set()
+        if tail - head <= NOTICE_SLOTS:
+            for index in range(head, tail):
+                at = NOTICES + 2 * (index % NOTICE_SLOTS)
+                if index in self.notices_ahead or int(words[at + 1]) != index + 1:
+                    continue
+                gid = int(words[at])
+                if int(words[at + 1]) == index + 1:  # not overwritten under us
+                    pages.add(gid)
+                    self.notices_ahead.add(index)
+                    self.counters.notices_processed += 1
+            while self.notice_head in self.notices_ahead:
+                self.notices_ahead.discard(self.notice_head)
+                self.notice_head += 1
+        now = int(words[NOTICE_TAIL])
+        if now - head > NOTICE_SLOTS:  # notices were, or may have been, overwritten before we read them
             log.info("dsm: rank %d's notice list overran; every copy is dropped", self.rank)
             for region in self.regions:
                 held = np.flatnonzero((region.state != INVALID) & (region.home != self.rank))
                 pages.update(gid_of(region.aid, page) for page in held.tolist())
-            self.notice_head, self.notices_ahead = tail, set()
-        else:
-            for index in range(self.notice_head, tail):
-                at = NOTICES + 2 * (index % NOTICE_SLOTS)
-                if index not in self.notices_ahead and int(words[at + 1]) == index + 1:
-                    pages.add(int(words[at]))
-                    self.notices_ahead.add(index)
-                    self.counters.notices_processed += 1
-            while self.notice_head in self.notices_ahead:  # a slot reserved but not written yet stops the head
-                self.notices_ahead.discard(self.notice_head)
-                self.notice_head += 1
+            self.notice_head, self.notices_ahead = now, set()
+        return pages
+
+    def _self_invalidate(self) -> None:
+        """An acquire's half: drop the copies the notice list names, and those joined while Weak (steps (a)-(f))."""
+        self._drain()
+        pages = set(self.stale)
+        self.stale.clear()
+        pages |= self._noticed()
         me = 1 << self.rank
         for gid in sorted(pages):
             aid, page = split_gid(gid)

@@ -128,12 +128,18 @@ class Control:
         """Until `done()` (it looks at our own words): woken by peers' WRITE WITH IMM.  No timeout of its own
         beyond the endpoint's: a lock may be held, or a barrier awaited, as long as a peer computes.
 
-        It reaps every notification first, even when `done()` already holds: each one took a posted
-        receive, which only a poll gives back (else the receives run out and the writers stall).
+        It reaps every notification first (`reap`), even when `done()` already holds.
         """
+        self.reap()
+        self.server.wait(done, what, timeout=float("inf"))
+
+    def reap(self) -> None:
+        """Take every notification that arrived: each took a posted receive, which only a poll gives back.  Done at
+        every acquire, release and wait, so a rank is never owed more than the few of one operation per peer (a
+        successor's link, a predecessor's flag, a barrier's release) -- never enough to leave a writer without a
+        receive, in RNR retries bounded by its endpoint's wait."""
         while self.server.poll():
             pass
-        self.server.wait(done, what, timeout=float("inf"))
 
     # ------------------------------------------------------------ MCS
     def acquire(
@@ -145,6 +151,7 @@ class Control:
         lock was free its data is there at once.  True: the lock was free (`read` holds); False:
         it was handed over, with the node's data.
         """
+        self.reap()
         base = NODES + node * NODE_WORDS
         self.words[base : base + NODE_WORDS] = 0
         me, expected = self.rank + 1, 0
@@ -175,6 +182,7 @@ class Control:
         """Leave the lock: to nobody (the tail back to 0) or to the successor, with `data` = (first source
         word, count) of our control words written into its node's data first.  `before` (one-sided
         WRITEs at `home`) is posted ahead of the tail's swap, in the same chain."""
+        self.reap()
         base = NODES + node * NODE_WORDS
         me = self.rank + 1
         if not self.words[base + NEXT]:

@@ -17,7 +17,8 @@ import dsm
 from ckpt.testing import ThreadRuntime, wait_for
 from dsm import DsmError
 from dsm import _cashmere as cashmere
-from dsm._mcs import NOTICE_TAIL
+from dsm._mcs import NEXT, NODE_WORDS, NODES, NOTICE_TAIL
+from dsm._net import Endpoint
 
 pytestmark = pytest.mark.timeout(60)
 DOUBLES = 512  # float64 per 4 KiB page
@@ -259,3 +260,98 @@ def test_the_line_fill_is_cashmeres_only() -> None:
     rt = type("Rt", (), {"rank": 0, "size": 1, "options": {}, "device": "simib0"})()
     with pytest.raises(DsmError, match="the 'line' fill is the cashmere protocol's: onesided copies whole pages"):
         dsm.attach(rt, "onesided", fill="line")
+
+
+class _Lapping:
+    """A rank's control words, with a full lap of other ranks' notices landing right after the tail is read (the
+    list overruns while it is being read)."""
+
+    def __init__(self, words: np.ndarray, fake_gid: int) -> None:
+        self.words, self.fake_gid, self.fired = words, fake_gid, False
+
+    def __getitem__(self, key: Any) -> Any:
+        value = self.words[key]
+        if key == NOTICE_TAIL and not self.fired:
+            self.fired = True
+            tail = int(value)
+            for index in range(tail, tail + cashmere.NOTICE_SLOTS):
+                at = cashmere.NOTICES + 2 * (index % cashmere.NOTICE_SLOTS)
+                self.words[at], self.words[at + 1] = self.fake_gid, index + 1
+            self.words[NOTICE_TAIL] = tail + cashmere.NOTICE_SLOTS
+        return value
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.words[key] = value
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.words, name)
+
+
+def test_a_notice_overwritten_while_the_list_is_read_still_drops_the_copy() -> None:
+    """Rank 0's release leaves a notice in rank 1's list; while rank 1's acquire reads the list, a lap of other
+    notices overwrites it: the tail read again shows the overrun, and rank 1 drops every copy -- it reads 7."""
+    released, left = threading.Event(), threading.Event()
+
+    def body(mem: Any, rt: ThreadRuntime) -> Any:
+        a = mem.array(2 * DOUBLES, np.float64)  # page 0: the data; page 1: what the lapping notices name
+        lock = mem.lock()
+        if rt.rank == 0:
+            assert a[0] == 0.0 and a[DOUBLES] == 0.0  # home of both, by reads: they stay Shared
+        mem.barrier()
+        if rt.rank == 1:
+            assert a[0] == 0.0  # a copy of page 0
+        mem.barrier()
+        if rt.rank == 1:
+            left.set()  # out of the barrier (whose exit would take the notice)
+        if rt.rank == 0:
+            assert left.wait(30)
+            with lock:
+                a[0] = 7.0  # a notice to rank 1
+            released.set()
+            return None
+        assert released.wait(30)
+        real = mem.control.words
+        mem.control.words = _Lapping(real, 1)  # (array 0, page 1)
+        try:
+            with lock:
+                return a[0]
+        finally:
+            mem.control.words = real
+
+    assert run_ranks(2, body, "cashmere")[1] == 7.0
+
+
+def test_a_holder_that_never_waits_still_gives_its_receives_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One receive per peer for notifications: rank 0 takes the lock free and hands it to rank 1 without waiting,
+    round after round, holding it longer than rank 1's one-sided operations may wait.  Rank 1's links (WRITE WITH
+    IMM) find a receive every time only because rank 0 reaps at its every acquire and release."""
+    monkeypatch.setattr(cashmere, "NOTIFY_RECVS", 1)
+    monkeypatch.setattr(Endpoint.wait, "__defaults__", (1.0, None, True, None))  # 120 s -> 1 s
+    rounds, hold = 3, 1.5
+    turn = [threading.Event() for _ in range(rounds)]
+    back = [threading.Event() for _ in range(rounds)]
+
+    def body(mem: Any, rt: ThreadRuntime) -> Any:
+        lock = mem.lock()
+        mem.barrier()
+        node = NODES + 0 * NODE_WORDS  # lock 0's queue node
+        for i in range(rounds):
+            if rt.rank == 0:
+                lock.acquire()  # free: no wait
+                turn[i].set()
+                wait_for(lambda: bool(mem.control.words[node + NEXT]), 10, "rank 1 in line")
+                holding = threading.Event()
+                holding.wait(hold)  # a long critical section
+                lock.release()  # rank 1 is next: handed over without a wait
+                assert back[i].wait(30)
+            else:
+                assert turn[i].wait(30)
+                try:
+                    lock.acquire()
+                except DsmError as exc:
+                    return f"round {i}: {exc}"
+                lock.release()
+                back[i].set()
+        return "ok"
+
+    assert run_ranks(2, body, "cashmere") == ["ok", "ok"]
