@@ -70,7 +70,9 @@ FILL_ENV = "CKPT_DSM_FILL"
 FILLS = ("copy", "line")
 
 
-def attach(rt: Any, protocol: str | None = None, page_size: int = 4096, fill: str | None = None) -> Memory:
+def attach(
+    rt: Any, protocol: str | None = None, page_size: int = 4096, fill: str | None = None, unsafe: int | None = None
+) -> Memory:
     """Collective: this rank's handle on a new shared memory of `rt`'s ranks.
 
     `protocol` is one of `PROTOCOLS`; by default ``ckpt launch --dsm-protocol``,
@@ -78,16 +80,22 @@ def attach(rt: Any, protocol: str | None = None, page_size: int = 4096, fill: st
     is a `dsm._cashmere.Cashmere`, with the same API for programs, and `fill` is
     how its faults fill pages: ``"copy"`` (the default) or ``"line"`` (by default
     ``ckpt launch --dsm-fill``, else ``$CKPT_DSM_FILL``).  The HLRC protocols copy.
+    `unsafe` (``--dsm-unsafe``; cashmere only) makes a page *unsafe* once one release
+    would send notices to that many readers: its writers then send none, and its
+    readers read its directory row at their acquires instead (0, the default: never).
     """
     options = getattr(rt, "options", {}) or {}
     chosen = protocol or options.get("dsm_protocol") or os.environ.get(PROTOCOL_ENV)
     filling = fill or options.get("dsm_fill") or os.environ.get(FILL_ENV)
+    threshold = int(unsafe if unsafe is not None else options.get("dsm_unsafe") or 0)
     if chosen == "cashmere":
         from ._cashmere import Cashmere
 
-        return Cashmere(rt, page_size, filling or "copy")  # type: ignore[return-value]  # the programs' API
+        return Cashmere(rt, page_size, filling or "copy", threshold)  # type: ignore[return-value]  # programs' API
     if filling not in (None, "copy"):
         raise DsmError(f"the {filling!r} fill is the cashmere protocol's: {chosen or 'async'} copies whole pages")
+    if threshold:
+        raise DsmError(f"unsafe pages are the cashmere protocol's: {chosen or 'async'} has no write notice lists")
     from ._memory import Memory
 
     return Memory(rt, chosen or "async", page_size)

@@ -91,9 +91,11 @@ HOOKS = ("dsm_lock_acquired", "dsm_lock_released", "dsm_barrier_passed")
 #: A page's directory row at its home: its MCS lock's tail, then the *entry* -- the rank sets (bit r: rank r),
 #: what is read, written back and handed over with the lock -- then the page's write-through seqlock: write-throughs
 #: in progress (BUSY) and completed (DONE), which copies check (`_fill`).
-TAIL, FIRST, BUSY, DONE, ROW = 0, 1, 4, 5, 6
-READERS, WRITERS, NOTICED = range(3)  # in an entry
-ENTRY = 3
+TAIL, FIRST, BUSY, DONE, ROW = 0, 1, 5, 6, 7
+READERS, WRITERS, NOTICED, UNSAFE = range(4)  # in an entry (UNSAFE: 1 once the page is unsafe)
+ENTRY = 4
+#: Unsafe pages this rank holds whose directory rows one acquire reads in one chain per home.
+PROBE_BATCH = 64
 #: Pages one fill chain copies from one home (each with its seqlock read before and after: 2 x 2 words).
 FILL_BATCH = 8
 #: A fill that overlapped a write-through is read again, up to this long (a write-through is one chain, or a few
@@ -144,7 +146,9 @@ class Cashmere:
     _plugins: PluginCalls | None
     _fire: frozenset[str]
 
-    def __init__(self, rt: Any, page_size: int, fill: str = "copy") -> None:
+    def __init__(self, rt: Any, page_size: int, fill: str = "copy", unsafe: int = 0) -> None:
+        if unsafe < 0:
+            raise DsmError(f"the unsafe threshold is a number of readers (0: never unsafe), not {unsafe}")
         if fill not in FILLS:
             raise DsmError(f"unknown Cashmere fill policy {fill!r}: choose one of {', '.join(FILLS)}")
         if rt.size > MAX_RANKS:
@@ -156,6 +160,9 @@ class Cashmere:
             raise DsmError(f"--logging {logging_mode} needs an HLRC protocol (async or onesided), not cashmere")
         self.rt, self.rank, self.size = rt, rt.rank, rt.size
         self.page_size, self.fill = page_size, fill
+        #: A page becomes unsafe when one release would send notices to this many readers (0: never).
+        self.unsafe = unsafe
+        self.unsafe_held: set[int] = set()  # unsafe pages this rank holds a copy of: their rows are read at acquires
         self.ctx = verbs.Context(name=rt.device)
         self.pd = verbs.PD(self.ctx)
         self.client = Endpoint(self.ctx, self.pd, self.size, 64, nrecv=1, nsend=1)
@@ -165,6 +172,8 @@ class Cashmere:
         self.seqlocks_mr = verbs.MR(self.pd, self.seqlocks, ACCESS)
         self.notes = verbs.shared_array((self.size, 3), np.int64)  # per reader: its slot's number, the notice's words
         self.notes_mr = verbs.MR(self.pd, self.notes, ACCESS)
+        self.probes = verbs.shared_array(PROBE_BATCH, np.int64)  # the writers of unsafe pages, read at an acquire
+        self.probes_mr = verbs.MR(self.pd, self.probes, ACCESS)
         self.regions: list[CashmereRegion] = []
         self.nlocks = 0
         self.held: dict[int, float] = {}  # lock -> when it was granted
@@ -399,6 +408,8 @@ class Cashmere:
         entry[READERS] |= me
         if int(entry[WRITERS]) & ~me:  # Weak: another rank writes it; our copy may be stale at our next acquire
             self.stale.add(gid_of(region.aid, page))
+        if entry[UNSAFE]:  # its writers send no notices: our acquires read its row
+            self.unsafe_held.add(gid_of(region.aid, page))
         self._unlock_entry(region, page, home, entry)
 
     # ------------------------------------------------------------------ the directory
@@ -487,6 +498,12 @@ class Cashmere:
             entry = self._lock_entry(region, page, home)
             entry[WRITERS] |= me
             targets = int(entry[READERS]) & ~int(entry[NOTICED]) & ~me
+            if entry[UNSAFE]:
+                targets = 0  # its readers read its row at their acquires
+            elif self.unsafe and targets.bit_count() >= self.unsafe:
+                entry[UNSAFE] = 1  # these readers still get their notices: who joins later learns it is unsafe,
+                self.unsafe_held.add(gid)  # and we, who keep our copy, check its row from now on too
+                self.counters.unsafe_pages += 1
             if targets:
                 self._post_notices([rank for rank in range(self.size) if targets >> rank & 1], gid)
             entry[NOTICED] |= targets
@@ -563,6 +580,7 @@ class Cashmere:
         pages = set(self.stale)
         self.stale.clear()
         pages |= self._noticed()
+        pages |= self._unsafe_written()
         me = 1 << self.rank
         for gid in sorted(pages):
             aid, page = split_gid(gid)
@@ -576,7 +594,30 @@ class Cashmere:
             region.state[page] = INVALID
             region.lines[page] = False
             region.processed[page] = False
+            self.unsafe_held.discard(gid)
             self.counters.self_invalidations += 1
+
+    def _unsafe_written(self) -> set[int]:
+        """The unsafe pages this rank holds that another rank writes (the paper's second optimisation: their
+        writers send no notices, so an acquire reads each one's writers, a chain per home)."""
+        by_home: dict[int, list[int]] = {}
+        for gid in self.unsafe_held:
+            aid, page = split_gid(gid)
+            by_home.setdefault(int(self.regions[aid].home[page]), []).append(gid)
+        me, written = 1 << self.rank, set[int]()
+        base, lkey = self.probes_mr.buf, self.probes_mr.lkey
+        for home, gids in by_home.items():
+            for first in range(0, len(gids), PROBE_BATCH):
+                batch = gids[first : first + PROBE_BATCH]
+                reads = []
+                for i, gid in enumerate(batch):
+                    aid, page = split_gid(gid)
+                    target = self.regions[aid].remote_entry(home, page, FIRST + WRITERS)
+                    reads.append(rdma(verbs.IBV_WR_RDMA_READ, (base + 8 * i, 8, lkey), *target))
+                self.control.run(home, reads)
+                self.counters.unsafe_checks += len(batch)
+                written.update(gid for i, gid in enumerate(batch) if int(self.probes[i]) & ~me)
+        return written
 
     # ------------------------------------------------------------------ hooks and checkpoints
     def hook(self, name: str, **kwargs: Any) -> None:

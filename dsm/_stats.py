@@ -75,6 +75,8 @@ class Statistics:
     self_invalidations: int = 0  # copies dropped at acquires (named by a notice, or joined while Weak)
     write_throughs: int = 0  # pages whose changes one write block forwarded to their home
     line_fills: int = 0  # lines brought from their homes by the line fill (64 bytes each)
+    unsafe_pages: int = 0  # pages this rank's releases made unsafe (their writers send no more notices)
+    unsafe_checks: int = 0  # directory rows of unsafe pages read at acquires
     write_through_bytes: int = 0  # the changed bytes forwarded
     atomics: int = 0  # remote atomics issued (lock queues, slots, homes, barriers)
 
@@ -130,6 +132,8 @@ class Counters:
     self_invalidations: int = 0
     write_throughs: int = 0
     line_fills: int = 0
+    unsafe_pages: int = 0
+    unsafe_checks: int = 0
     write_through_bytes: int = 0
     atomics: int = 0
     messages: Counter[str] = field(default_factory=Counter)

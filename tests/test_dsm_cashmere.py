@@ -355,3 +355,38 @@ def test_a_holder_that_never_waits_still_gives_its_receives_back(monkeypatch: py
         return "ok"
 
     assert run_ranks(2, body, "cashmere") == ["ok", "ok"]
+
+
+def test_an_unsafe_page_sends_notices_once_and_its_holders_check_its_row_at_acquires() -> None:
+    """With --dsm-unsafe 2: rank 1's release to two readers (ranks 2, 3) makes the page unsafe, and they still get
+    notices.  Rank 2's later write sends none, yet rank 1, which kept its copy all along, drops it at its next
+    acquire: it read the page's row there and found another writer."""
+
+    def body(mem: Any, rt: ThreadRuntime) -> Any:
+        a = mem.array(DOUBLES, np.float64)
+        lock = mem.lock()
+        if rt.rank == 0:
+            assert a[0] == 0.0  # home, by a read
+        mem.barrier()
+        if rt.rank in (2, 3):
+            assert a[1] == 0.0  # readers
+        mem.barrier()
+        if rt.rank == 1:
+            with lock:
+                a[1] = 1.0  # notices to ranks 2 and 3; the page becomes unsafe
+        mem.barrier()
+        if rt.rank == 2:
+            with lock:
+                a[2] = 2.0  # no notice: the page is unsafe
+        mem.barrier()
+        seen = None
+        if rt.rank == 1:
+            with lock:
+                seen = a[2]
+        stats = mem.statistics()
+        return seen, stats.notices_sent, stats.unsafe_pages, stats.unsafe_checks
+
+    results = run_ranks(4, body, "cashmere", unsafe=2)
+    assert results[1][1:3] == (2, 1)  # rank 1: two notices, and the page made unsafe
+    assert results[2][1] == 0  # rank 2's release of an unsafe page: none
+    assert results[1][0] == 2.0 and results[1][3] >= 1  # rank 1 read the row, dropped its copy, saw rank 2's write

@@ -41,12 +41,25 @@ def ckpt_add_options() -> list[dict[str, Any]]:
             "choices": list(dsm.FILLS),
             "launch_only": True,
         },
+        {
+            "name": "dsm-unsafe",
+            "help": "cashmere: a page becomes unsafe once one release would notify this many readers; its writers "
+            "then send no notices and its readers check its directory entry at acquires (default 0: never)",
+            "default": None,
+            "type": "int",
+            "launch_only": True,
+        },
     ]
 
 
 @ckpt.hookimpl
 def ckpt_job_start(job: JobInfo) -> None:
-    """Refuse in one line, before anything starts, a fill policy the protocol has no use for."""
+    """Refuse in one line, before anything starts, a fill policy or unsafe pages the protocol has no use for."""
     fill, protocol = job.options.get("dsm_fill"), job.options.get("dsm_protocol") or "async"
+    unsafe = job.options.get("dsm_unsafe")
     if fill not in (None, "copy") and protocol != "cashmere":
         raise ckpt.CkptError(f"--dsm-fill {fill} is the cashmere protocol's: {protocol} copies whole pages")
+    if unsafe is not None and int(unsafe) < 0:
+        raise ckpt.CkptError(f"--dsm-unsafe {unsafe}: a number of readers (0: never unsafe)")
+    if unsafe and protocol != "cashmere":
+        raise ckpt.CkptError(f"--dsm-unsafe is the cashmere protocol's: {protocol} has no write notice lists")
