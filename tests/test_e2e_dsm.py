@@ -103,11 +103,22 @@ def test_an_unknown_protocol_is_one_clear_error(tmp_path: Path) -> None:
     assert "Traceback" not in done.stderr, done.stderr
 
 
-def test_a_line_fill_under_an_hlrc_protocol_is_refused_in_one_line(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("option", "error"),
+    [
+        (["--dsm-fill", "line"], "--dsm-fill line is the cashmere protocol's: async copies whole pages"),
+        (["--dsm-unsafe", "2"], "--dsm-unsafe is the cashmere protocol's: async has no write notice lists"),
+        (["--dsm-protocol", "cashmere", "--dsm-unsafe", "-1"], "--dsm-unsafe -1: a number of readers"),
+    ],
+    ids=["fill", "unsafe", "negative"],
+)
+def test_cashmeres_options_are_refused_in_one_line_where_they_mean_nothing(
+    option: list[str], error: str, tmp_path: Path
+) -> None:
     program = Path(__file__).resolve().parents[1] / "dsm" / "programs" / "sor.py"
-    done = run("launch", "-n", "2", "--dsm-fill", "line", "--ckpt-dir", str(tmp_path / "c"), str(program))
+    done = run("launch", "-n", "2", *option, "--ckpt-dir", str(tmp_path / "c"), str(program))
     assert done.returncode != 0
-    assert "--dsm-fill line is the cashmere protocol's: async copies whole pages" in done.stderr, done.stderr
+    assert error in done.stderr, done.stderr
     assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
 
 
