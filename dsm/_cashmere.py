@@ -460,6 +460,7 @@ class Cashmere:
                 atomic(add, discard, *region.remote_entry(home, page, BUSY), -1 & 0xFFFFFFFFFFFFFFFF),
             ]
             self._post_through(home, writes)
+            self.control.atomics += 3
             self.counters.write_throughs += 1
             self.counters.write_through_bytes += diff.nbytes
             self.counters.count("rdma_write", diff.nbytes)
