@@ -38,7 +38,17 @@ RESTARTS = [
     pytest.param(case, protocol, marks=[pytest.mark.stress] if (i + j) % 2 else [], id=f"{case}-{protocol}")
     for i, case in enumerate(CASES)
     for j, protocol in enumerate(PROTOCOLS)
-] + [  # and under cashmere: CI restarts the multiple-lock, multiple-writer Water on simib (and TSP over tcp)
-    pytest.param(case, "cashmere", marks=[] if case.name == "water" else [pytest.mark.stress], id=f"{case}-cashmere")
+] + [  # and under cashmere, both fills: CI restarts the multiple-lock, multiple-writer Water on simib with the copy
+    # fill (and test_e2e_dsm TSP over tcp with the line fill); the rest under -m stress
+    pytest.param(case, variant, marks=[] if (case.name, variant) == ("water", "cashmere") else [pytest.mark.stress],
+                 id=f"{case}-{variant}")
     for case in CASES
-]
+    for variant in ("cashmere", "cashmere-line")
+]  # fmt: skip
+
+
+def protocol_args(variant: str) -> list[str]:
+    """`ckpt launch`'s options for a RESTARTS variant: a protocol, or ``cashmere-line`` (cashmere, line fill)."""
+    if variant == "cashmere-line":
+        return ["--dsm-protocol", "cashmere", "--dsm-fill", "line"]
+    return ["--dsm-protocol", variant]

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from dsm_cases import CASES, RESTARTS, DsmCase
+from dsm_cases import CASES, RESTARTS, DsmCase, protocol_args
 from dsm_util import expected_lines
 from ib_cases import RANKS, Hold, Pauses, launch_args, random_seed, take
 
@@ -45,7 +45,7 @@ def test_checkpoint_resume_kill_restart_gives_the_uninterrupted_result(
     pauses = Pauses(tmp_path, first, second)
     env = {PROGRAM_ENV: case.name, **hold.env, **pauses.env}
     argv = [str(PROGRAMS / "dsm_held.py"), *case.long]
-    job = start_job(*launch_args(ckpt_dir, argv, "--dsm-protocol", protocol), ckpt_dir=ckpt_dir, extra_env=env)
+    job = start_job(*launch_args(ckpt_dir, argv, *protocol_args(protocol)), ckpt_dir=ckpt_dir, extra_env=env)
     pauses.wait(first)
     take(ckpt_dir, "--wait")
     pauses.open(first)  # the job resumes and runs on to the second pause
