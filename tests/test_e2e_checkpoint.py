@@ -267,7 +267,8 @@ def test_finished_ranks_take_part_in_checkpoints_and_restarts(start_job: Callabl
 
 def test_ckpt_kill_ends_the_job_and_status_says_so(start_job: Callable[..., Job], tmp_path: Path) -> None:
     ckpt_dir = tmp_path / "ckpt"
-    job = start_job("launch", "-n", "2", "--ckpt-dir", str(ckpt_dir), str(EXAMPLES / "heat.py"), "100000")
+    program = [str(EXAMPLES / "heat.py"), "100000", "1000", "10", "sleep"]  # until killed, 10 ms a step, slept
+    job = start_job("launch", "-n", "2", "--ckpt-dir", str(ckpt_dir), *program)
     job.wait_step(5)
     killed = run("kill", "--ckpt-dir", str(ckpt_dir))
     assert killed.returncode == 0, killed.stderr

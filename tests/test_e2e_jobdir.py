@@ -20,7 +20,7 @@ from harness import EXAMPLES, PROGRAMS, heat_results, small_disk
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
 HEAT = str(EXAMPLES / "heat.py")
-LONG = [HEAT, "100000", "200"]  # runs until killed
+LONG = [HEAT, "100000", "200", "10", "sleep"]  # runs until killed, 10 ms a step: it waits for the test, not the CPU
 SHORT = [HEAT, "400", "200", "1", "sleep"]
 
 
