@@ -3,6 +3,15 @@
 from __future__ import annotations
 
 import os
+
+# One OpenBLAS thread in this process and in every process a test starts (they inherit this environment), set
+# before numpy is first imported.  numpy's OpenBLAS otherwise starts a thread per core when it loads, and those
+# threads spin for a while before they sleep: ~0.1 s of CPU per process that imports numpy -- every rank,
+# `ckpt launch`, `ckpt restart` and fabric, over 1500 of them in a run of the suite, which is CPU-bound on its
+# two cores.  No program of the suite does BLAS work that a second thread would speed up, and none of their
+# results depends on it (matmul's products are exact in any order).
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any

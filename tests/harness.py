@@ -47,6 +47,17 @@ def heat_results(ranks: int, steps: int, cells: int = 1000) -> dict[int, str]:
     return {rank: f"{float(u.sum()):.12f}" for rank, u in enumerate(slices)}
 
 
+def counter_results(ranks: int, steps: int) -> dict[int, str]:
+    """What tests/programs/counter.py prints on `ranks` ranks (its delays change nothing), computed here with the
+    same int64 operations: an uninterrupted run through the CLI only to read them costs a test ~1-3 s of CPU.
+    test_e2e_faults checks it against an uninterrupted run."""
+    states = [np.arange(1000, dtype=np.int64) * (rank + 1) for rank in range(ranks)]
+    for i in range(steps):
+        total = sum(int(state.sum() % 1_000_003) for state in states)  # what the allgather carries, summed
+        states = [(state * 31 + total + i) % 1_000_003 for state in states]
+    return {rank: str(int(state.sum())) for rank, state in enumerate(states)}
+
+
 def small_disk(mountpoint: Path, size: str, full: bool = False, fill_once: Path | None = None) -> list[str]:
     """A command prefix (`ckpt.testing.run(..., prefix=...)`): the command runs in a private mount namespace
     with a tmpfs of `size` at `mountpoint` -- a real disk, gone with the command -- filled up first (`full`),

@@ -22,6 +22,10 @@ from harness import PROGRAMS, start_fabric
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 RING = next(c for c in CASES if c.name == "ring")
+#: The ring's steps here: every fault and checkpoint is at a gate within its first 220 steps (or, at random, its
+#: first 150), and 380 steps at least come after it on the paths it left -- the traffic that must find and cross
+#: them (each step costs the 4 ranks and the coordinator ~2.5 ms of CPU: RING.steps, 1500, would be 2.2 s more).
+RING_STEPS = 600
 RUNS, IN_CI = 10, 1  # link failures at random moments: all under -m stress, the first IN_CI in CI (suite time)
 SEED = random_seed()
 
@@ -67,7 +71,7 @@ def test_a_ring_gives_the_uninterrupted_answer_across_a_link_failure_at_a_random
     index: int, start_job: Callable[..., Job], tmp_path: Path
 ) -> None:
     rng = random.Random(SEED + index)
-    ckpt_dir, steps = tmp_path / "ckpt", RING.steps
+    ckpt_dir, steps = tmp_path / "ckpt", RING_STEPS
     victim, at = rng.randint(0, RANKS - 1), rng.randint(5, steps // 4)  # early: traffic goes on long after it
     label = f"seed {SEED + index} (CKPT_TEST_SEED={SEED}): rank {victim}'s port 1 failed after step {at}"
     # the job pauses at step `at` while the test looks up the LIDs, and the link fails as the traffic resumes
@@ -124,8 +128,8 @@ def _second_fault_seen(ckpt_dir: Path, victim: int) -> None:
 
 def test_a_second_link_failure_after_the_re_arm_is_survived_too(start_job: Callable[..., Job], tmp_path: Path) -> None:
     """The ring across two faults of rank 1 (`_fail_twice`)."""
-    ckpt_dir, steps, hold = tmp_path / "ckpt", RING.steps, Hold(tmp_path)
-    first, second = 20, RING.steps // 3  # each fault at a gate: two thirds of the ring still to run after the second
+    ckpt_dir, steps, hold = tmp_path / "ckpt", RING_STEPS, Hold(tmp_path)
+    first, second = 20, RING_STEPS // 3  # each fault at a gate: two thirds of the ring still to run after the second
     pauses = Pauses(tmp_path, first, second)
     job = _launch(start_job, ckpt_dir, steps, env={**hold.env, **pauses.env})
     _fail_twice(ckpt_dir, job, 1, pauses, first, second)
@@ -168,7 +172,7 @@ def test_a_restart_after_migrations_gives_the_uninterrupted_answer(
     """The image holds QPs moved off their first path -- by the HCA on a fault (`auto`), or by the plugin's
     manual migrations (`balance`, every 0.2 s) -- and ckpt_ib tracked where they are; the restart rebuilds them
     there, on a new fabric -- or on tcp, where APM says it is a no-op."""
-    ckpt_dir, steps, hold = tmp_path / "ckpt", RING.steps, Hold(tmp_path)
+    ckpt_dir, steps, hold = tmp_path / "ckpt", RING_STEPS, Hold(tmp_path)
     # the fault strikes at a gate, before the traffic that finds it; the checkpoint is taken at a second gate,
     # where every rank idles at the same step of the ring (a rank idling at a gate takes steps its neighbours do
     # not, so a checkpoint between gates could park a rank before the message its neighbour waits for)
@@ -204,7 +208,7 @@ def test_a_restart_with_a_link_still_down_gives_the_uninterrupted_answer(
     restart onto the same fabric gets rank 2's node back with that cable still cut (same LIDs, port 1 DOWN):
     ckpt_ib rebuilds the QPs on their recorded paths, the dead one included, with the alternate re-armed, and
     their first traffic migrates them again."""
-    fabric_dir, ckpt_dir, steps, hold = tmp_path / "fabric", tmp_path / "ckpt", RING.steps, Hold(tmp_path)
+    fabric_dir, ckpt_dir, steps, hold = tmp_path / "fabric", tmp_path / "ckpt", RING_STEPS, Hold(tmp_path)
     record, _ = start_fabric(fabric_dir)
     try:
         taken, fault = RING.checkpoint_at, RING.checkpoint_at + 200

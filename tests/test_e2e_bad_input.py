@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from ckpt.testing import BANNER, Job, one_error_line, results, run, wait_for
-from harness import EXAMPLES, PROGRAMS
+from harness import EXAMPLES, PROGRAMS, counter_results
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
@@ -213,7 +213,6 @@ def test_a_wrong_token_for_a_running_job(start_job: Callable[..., Job], tmp_path
 
 def test_garbage_connections_do_not_disturb_a_running_job(start_job: Callable[..., Job], tmp_path: Path) -> None:
     program = [str(PROGRAMS / "counter.py"), "200", "0.005"]
-    plain = run("launch", "-n", "2", "--ckpt-dir", str(tmp_path / "plain"), *program)
     ckpt_dir = tmp_path / "ckpt"
     job = start_job("launch", "-n", "2", "--ckpt-dir", str(ckpt_dir), *program)
     job.wait_step(1)
@@ -232,7 +231,7 @@ def test_garbage_connections_do_not_disturb_a_running_job(start_job: Callable[..
     taken = run("checkpoint", "--wait", "--ckpt-dir", str(ckpt_dir))
     assert taken.returncode == 0, taken.stderr
     assert job.wait() == 0, job.stderr
-    assert results(job.stdout) == results(plain.stdout)
+    assert results(job.stdout) == counter_results(2, 200)  # the uninterrupted run's
 
 
 def test_inspect_shows_header_sizes_checksum_and_objects_and_flags_damage(ckpt_copy: Path) -> None:

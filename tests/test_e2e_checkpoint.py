@@ -20,7 +20,8 @@ from harness import EXAMPLES, PROGRAMS, heat_results
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
-HEAT = [str(EXAMPLES / "heat.py"), "700", "2000", "3", "sleep"]
+#: 350 steps of 6 ms (slept): ~2 s of run after the step a test checkpoints at; each step's allgather is what costs CPU
+HEAT = [str(EXAMPLES / "heat.py"), "350", "2000", "6", "sleep"]
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +83,6 @@ def test_restart_cycles_chain_from_the_previous_restart(
     ckpt_dir = tmp_path / "ckpt"
     steps = str(350 + 150 * cycles)  # the last kill 300 steps before the end at least
     program = [str(EXAMPLES / "heat.py"), steps, "500", "3", "sleep"]  # 3 ms a step: the kills land mid-run
-    plain = run("launch", "-n", "4", "--ckpt-dir", str(tmp_path / "plain"), *program[:3], "0", timeout=120)
-    assert plain.returncode == 0, plain.stderr
     job = start_job("launch", "-n", "4", "--ckpt-dir", str(ckpt_dir), *program)
     generations = []
     for cycle in range(cycles):
@@ -97,7 +96,7 @@ def test_restart_cycles_chain_from_the_previous_restart(
         assert job.wait() == 0, job.stderr
         job = start_job("restart", "--ckpt-dir", str(ckpt_dir))
     assert job.wait() == 0, job.stderr
-    assert results(job.stdout) == results(plain.stdout)
+    assert results(job.stdout) == heat_results(4, int(steps), 500)  # the uninterrupted run's (checked above)
     assert generations == list(range(cycles))
     assert [json.loads(m.read_text())["number"] for m in _manifests(ckpt_dir)] == list(range(1, cycles + 1))
 
@@ -185,21 +184,21 @@ def test_checkpoints_requested_by_the_program_during_setup_and_inside_a_step(
 
 def test_restart_shows_a_progress_bar_for_large_images(start_job: Callable[..., Job], tmp_path: Path) -> None:
     ckpt_dir = tmp_path / "ckpt"
-    program = [str(EXAMPLES / "heat.py"), "250", "1000000"]  # 8 MB of float64 per rank
-    plain = run("launch", "-n", "2", "--ckpt-dir", str(tmp_path / "plain"), *program, timeout=120)
-    assert plain.returncode == 0, plain.stderr
+    # 8 MB of float64 per rank; 20 ms a step, slept: 95 steps (2 s at least) left when the checkpoint is asked for
+    program = [str(EXAMPLES / "heat.py"), "100", "1000000", "20", "sleep"]
+    plain = heat_results(2, 100, 1000000)  # what the uninterrupted run prints (checked above)
     job = start_job("launch", "-n", "2", "--ckpt-dir", str(ckpt_dir), *program)
     job.wait_step(5)
     assert run("checkpoint", "--kill", "--ckpt-dir", str(ckpt_dir)).returncode == 0
     assert job.wait() == 0
     again = start_job("restart", "--ckpt-dir", str(ckpt_dir))
     assert again.wait() == 0, again.stderr
-    assert results(again.stdout) == results(plain.stdout)
+    assert results(again.stdout) == plain
     # stderr is a file here: no bar, and no carriage-return updates written into it
     assert "loading images" not in again.stderr and "\r" not in again.stderr, again.stderr
     # on a terminal the same restart (checkpoint 1 again) shows the bar to its end
     on_terminal = _stderr_on_a_terminal(["restart", str(ckpt_dir / "ckpt_heat_1.json")])
-    assert on_terminal.returncode == 0 and results(on_terminal.stdout) == results(plain.stdout)
+    assert on_terminal.returncode == 0 and results(on_terminal.stdout) == plain
     assert "loading images" in on_terminal.stderr and "100%" in on_terminal.stderr, on_terminal.stderr
 
 
@@ -269,7 +268,8 @@ def test_finished_ranks_take_part_in_checkpoints_and_restarts(start_job: Callabl
 
 def test_ckpt_kill_ends_the_job_and_status_says_so(start_job: Callable[..., Job], tmp_path: Path) -> None:
     ckpt_dir = tmp_path / "ckpt"
-    job = start_job("launch", "-n", "2", "--ckpt-dir", str(ckpt_dir), str(EXAMPLES / "heat.py"), "100000")
+    program = [str(EXAMPLES / "heat.py"), "100000", "1000", "10", "sleep"]  # until killed, 10 ms a step, slept
+    job = start_job("launch", "-n", "2", "--ckpt-dir", str(ckpt_dir), *program)
     job.wait_step(5)
     killed = run("kill", "--ckpt-dir", str(ckpt_dir))
     assert killed.returncode == 0, killed.stderr

@@ -17,10 +17,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from ib_cases import Hold, expected_ring
+from ib_cases import Pauses, expected_ring, gated_steps
 
 from ckpt.testing import CKPT, Job, env, results, run, wait_for
-from harness import EXAMPLES
+from harness import EXAMPLES, heat_results
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
@@ -36,8 +36,6 @@ RANK_VARIABLES = [("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_
 def test_ranks_started_by_an_external_launcher_checkpoint_and_restart(
     rank_var: str, size_var: str, start_job: Callable[..., Job], tmp_path: Path
 ) -> None:
-    plain = run("launch", "-n", "2", "--ckpt-dir", str(tmp_path / "plain"), *HEAT, timeout=120)
-    assert plain.returncode == 0, plain.stderr
     ckpt_dir = tmp_path / "ckpt"
     token = {"CKPT_TOKEN": "external-job-token"}
     start_job("coordinator", "--port", "0", "--ckpt-dir", str(ckpt_dir), extra_env=token)
@@ -55,7 +53,7 @@ def test_ranks_started_by_an_external_launcher_checkpoint_and_restart(
     assert [r.wait() for r in ranks] == [0, 0]
     restarted = run("restart", "--coordinator", address, "--ckpt-dir", str(ckpt_dir), extra_env=token, timeout=120)
     assert restarted.returncode == 0, restarted.stderr
-    assert results(restarted.stdout) == results(plain.stdout)
+    assert results(restarted.stdout) == heat_results(2, int(HEAT[1]), int(HEAT[2]))  # the uninterrupted run's
     manifest = json.loads((ckpt_dir / "ckpt_heat_1.json").read_text())
     assert manifest["coordinator"] == address and manifest["size"] == 2
 
@@ -84,7 +82,9 @@ def _finish(process: subprocess.Popen[str], timeout: float = 120) -> tuple[int, 
 def test_mpiexec_runs_checkpoints_and_restarts_a_verbs_job_over_tcp(
     start_job: Callable[..., Job], tmp_path: Path
 ) -> None:
-    ckpt_dir, hold, steps = tmp_path / "ckpt", Hold(tmp_path), 3000
+    # the job idles before real step 20 until it is checkpointed there (`Pauses`): mid-run under any load
+    ckpt_dir, at, pauses = tmp_path / "ckpt", 20, Pauses(tmp_path, 20)
+    steps = gated_steps(at)
     token = {"CKPT_TOKEN": "mpiexec-job-token"}
     start_job("coordinator", "--port", "0", "--ckpt-dir", str(ckpt_dir), extra_env=token)
     job_file = ckpt_dir / "coordinator.json"
@@ -92,23 +92,16 @@ def test_mpiexec_runs_checkpoints_and_restarts_a_verbs_job_over_tcp(
     address = json.loads(job_file.read_text())["address"]
     program = [str(Path(__file__).parent / "programs" / "ib_ring.py"), str(steps)]
     where = ["--coordinator", address, "--ckpt-dir", str(ckpt_dir)]
-    launched = _mpiexec(4, "launch", "--transport", "tcp", *where, *program, extra_env={**token, **hold.env})
+    launched = _mpiexec(4, "launch", "--transport", "tcp", *where, *program, extra_env={**token, **pauses.env})
     try:
-
-        def stepping() -> bool:
-            shown = run("status", "--json", *where, extra_env=token)
-            state = json.loads(shown.stdout) if shown.returncode == 0 else {}
-            ranks = state.get("ranks") or []
-            return len(ranks) == 4 and min(r["step"] for r in ranks) >= 20
-
-        wait_for(stepping, 60, "the 4 ranks mpiexec started to step")
+        pauses.wait(at)
         taken = run("checkpoint", "--kill", *where, extra_env=token)
         assert taken.returncode == 0, taken.stderr
     finally:
         code, out, err = _finish(launched)
     assert code == 0, err
-    hold.release()
-    restarted = _mpiexec(4, "restart", *where, extra_env={**token, **hold.env})
+    pauses.open(at)
+    restarted = _mpiexec(4, "restart", *where, extra_env={**token, **pauses.env})
     code, out, err = _finish(restarted)
     assert code == 0, err
     assert results(out) == expected_ring(4, steps)

@@ -17,16 +17,21 @@ import pytest
 
 from ckpt import _jobdir as jobdir
 from ckpt.testing import Job, results, run, uninterrupted, wait_for
-from harness import PROGRAMS
+from harness import PROGRAMS, counter_results
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
-COUNTER = [str(PROGRAMS / "counter.py"), "1200", "0.004"]
+#: 400 steps of 20 ms (8 s at least: a job runs on through the faults a test injects); restarted, the steps take no
+#: delay (a restart only finishes). The results depend on neither: the steps' collectives are what costs CPU.
+COUNTER = [str(PROGRAMS / "counter.py"), "400", "0.02", "0"]
 
 
 @pytest.fixture(scope="module")
 def expected(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
-    return uninterrupted(tmp_path_factory.mktemp("plain") / "ckpt", 3, *COUNTER)
+    """The uninterrupted run (which `counter_results` computes too: checked here, for every test that uses it)."""
+    got = uninterrupted(tmp_path_factory.mktemp("plain") / "ckpt", 3, *COUNTER[:2], "0")
+    assert got == counter_results(3, int(COUNTER[1]))
+    return got
 
 
 def _launch_with_faults(start_job: Callable[..., Job], ckpt_dir: Path, fault_env: dict[str, str]) -> Job:

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from ib_cases import Hold, expected_ring
+from ib_cases import Pauses, expected_ring, gated_steps
 
 from ckpt.testing import CKPT, env, results, wait_for
 from harness import PROGRAMS
@@ -34,7 +34,11 @@ from harness import PROGRAMS
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
 RANKS = 4
-STEPS = 3000
+#: The job idles before real step 20 until it is checkpointed there, and before step 40 of the restarted run until
+#: the test has seen where its ranks run (`Pauses`): whatever the load, the checkpoint falls mid-run and the restarted
+#: ranks step on new endpoints, 140 steps of them.
+FIRST, SECOND = 20, 40
+STEPS = gated_steps(SECOND)
 
 
 def _ip(*args: str) -> subprocess.CompletedProcess[str]:
@@ -121,12 +125,12 @@ def _finish(process: subprocess.Popen[str], timeout: float = 120) -> tuple[int, 
     return process.returncode, out, err
 
 
-def _rank_env(token: dict[str, str], rank: int, hold: Hold) -> dict[str, str]:
-    return {**token, **hold.env, "PMI_RANK": str(rank), "PMI_SIZE": str(RANKS)}
+def _rank_env(token: dict[str, str], rank: int, pauses: Pauses) -> dict[str, str]:
+    return {**token, **pauses.env, "PMI_RANK": str(rank), "PMI_SIZE": str(RANKS)}
 
 
 def test_a_tcp_job_restarts_with_its_ranks_on_other_hosts(hosts: Hosts, tmp_path: Path) -> None:
-    ckpt_dir, hold = tmp_path / "ckpt", Hold(tmp_path)
+    ckpt_dir, pauses = tmp_path / "ckpt", Pauses(tmp_path, FIRST, SECOND)
     token = {"CKPT_TOKEN": "multihost-job-token"}
     coordinator_host = 0
     hosts.spawn(coordinator_host, "coordinator", "--host", hosts.address(0), "--port", "0",
@@ -140,7 +144,7 @@ def test_a_tcp_job_restarts_with_its_ranks_on_other_hosts(hosts: Hosts, tmp_path
 
     # Ranks 0, 1 on host 1 and ranks 2, 3 on host 2.
     first = [hosts.spawn(1 + rank // 2, "launch", "--transport", "tcp", *where, *program,
-                         extra_env=_rank_env(token, rank, hold)) for rank in range(RANKS)]  # fmt: skip
+                         extra_env=_rank_env(token, rank, pauses)) for rank in range(RANKS)]  # fmt: skip
 
     def stepping(generation: int, at_least: int) -> dict[int, int] | None:
         """{rank: pid} once every rank of `generation` is past step `at_least`."""
@@ -151,20 +155,23 @@ def test_a_tcp_job_restarts_with_its_ranks_on_other_hosts(hosts: Hosts, tmp_path
             return None
         return {r["rank"]: r["pid"] for r in ranks} if min(r["step"] for r in ranks) >= at_least else None
 
-    pids = wait_for(lambda: stepping(0, 20), 60, "the 4 ranks on hosts 1 and 2 to step")
+    pauses.wait(FIRST)
+    pids = wait_for(lambda: stepping(0, FIRST), 60, "the 4 ranks on hosts 1 and 2 to step")
     assert {pids[0], pids[1]} <= hosts.pids(1) and {pids[2], pids[3]} <= hosts.pids(2)
     taken = hosts.run(coordinator_host, "checkpoint", "--kill", *where, extra_env=token)
     assert taken.returncode == 0, taken.stderr
     for process in first:
         code, _, err = _finish(process)
         assert code == 0, err
+    pauses.open(FIRST)
 
     # Restart with ranks 0, 1 on host 3 and ranks 2, 3 on host 4: every endpoint is new.
-    again = [hosts.spawn(3 + rank // 2, "restart", *where, extra_env=_rank_env(token, rank, hold))
+    again = [hosts.spawn(3 + rank // 2, "restart", *where, extra_env=_rank_env(token, rank, pauses))
              for rank in range(RANKS)]  # fmt: skip
-    pids = wait_for(lambda: stepping(1, 40), 60, "the 4 restarted ranks on hosts 3 and 4 to step")
+    pauses.wait(SECOND)
+    pids = wait_for(lambda: stepping(1, SECOND), 60, "the 4 restarted ranks on hosts 3 and 4 to step")
     assert {pids[0], pids[1]} <= hosts.pids(3) and {pids[2], pids[3]} <= hosts.pids(4)
-    hold.release()
+    pauses.open(SECOND)
     printed: dict[int, str] = {}
     for process in again:
         code, out, err = _finish(process)

@@ -19,10 +19,13 @@ from harness import EXAMPLES, ROOT
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 PLUGIN_DIR = EXAMPLES / "plugins"
-RING_STEPS = 3000
-# 300 us of work per step: the job must still be running when `ckpt checkpoint --kill` comes at a third of it
+# Each job is killed early (its checkpoint must bring back what was counted before it), and has 2000 (ring) or 200
+# (sor) steps after that point: ~2 s at least in which `ckpt checkpoint --kill` must come, the program still running.
+RING_KILL_AT, RING_STEPS = 100, 2100
+# 300 us of work per step
 RING = [str(EXAMPLES / "ring.py"), str(RING_STEPS), "300"]
-SOR = [str(ROOT / "dsm" / "programs" / "sor.py"), "128", "300"]
+SOR_KILL_AT, SOR_STEPS = 20, 220
+SOR = [str(ROOT / "dsm" / "programs" / "sor.py"), "128", str(SOR_STEPS)]
 
 
 def _env(variable: str, pattern: Path) -> dict[str, str]:
@@ -37,7 +40,7 @@ def test_opcount_counts_every_post_across_a_restart(ckpt_jobs: Jobs, tmp_path: P
     plain = uninterrupted(tmp_path / "plain", 2, *RING)
     counts = _env("CKPT_OPCOUNT_FILE", tmp_path / "ops-{rank}.json")
     restarted = ckpt_jobs.restarted_results(
-        2, *RING, kill_at=[RING_STEPS // 3], launch=["--with-plugin", "ckpt_opcount"], extra_env=counts
+        2, *RING, kill_at=[RING_KILL_AT], launch=["--with-plugin", "ckpt_opcount"], extra_env=counts
     )
     assert restarted == plain
     for summary in _summaries(tmp_path, "ops", 2):
@@ -65,7 +68,11 @@ def test_dsmtrace_totals_survive_a_restart(ckpt_jobs: Jobs, tmp_path: Path) -> N
     )
     assert done.returncode == 0, done.stderr
     restarted = ckpt_jobs.restarted_results(
-        3, *SOR, kill_at=[100], launch=plugin, extra_env=_env("CKPT_DSMTRACE_FILE", tmp_path / "trace-{rank}.json")
+        3,
+        *SOR,
+        kill_at=[SOR_KILL_AT],
+        launch=plugin,
+        extra_env=_env("CKPT_DSMTRACE_FILE", tmp_path / "trace-{rank}.json"),
     )
     assert restarted == results(done.stdout)
     plains, summaries = _summaries(plain_dir, "trace", 3), _summaries(tmp_path, "trace", 3)
@@ -75,9 +82,9 @@ def test_dsmtrace_totals_survive_a_restart(ckpt_jobs: Jobs, tmp_path: Path) -> N
         assert summary["barriers"] == plain["barriers"] > 0
     # Diffs come from the two pages that neighbouring bands share (128 rows of 1 KiB over 3 ranks: rows 40-43 and
     # 84-87): both ranks first-touch each in setup, whichever claims it first is its home, and the other sends a diff
-    # of it at every barrier (600 in 300 steps) -- plus one of its setup write or not, as the race went.  Which rank
+    # of it at every barrier (440 in 220 steps) -- plus one of its setup write or not, as the race went.  Which rank
     # that is differs between launches, so only the job's total compares, to within one per shared page (totals
-    # that lost the counts of the steps before the checkpoint would be short by a third).
+    # that lost the counts of the 20 steps before the checkpoint would be short by 40).
     restarted_diffs, plain_diffs = sum(s["diffs"] for s in summaries), sum(p["diffs"] for p in plains)
     assert plain_diffs > 0 and abs(restarted_diffs - plain_diffs) <= 2, (restarted_diffs, plain_diffs)
     assert sum(s["diff_bytes"] for s in summaries) > 0

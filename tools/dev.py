@@ -72,7 +72,9 @@ def results(stdout: str) -> list[str]:
 
 def demo() -> int:
     """launch -> checkpoint -> kill -> restart over tcp, and compare with an uninterrupted run."""
-    program = [str(ROOT / "examples" / "heat.py"), "600", "2000", "2"]
+    # 2 ms a step, slept rather than spun (the result is the same): long enough to checkpoint mid-run, and
+    # no CPU taken from whatever else the machine runs (tests/test_first_hour.py runs this demo in the suite)
+    program = [str(ROOT / "examples" / "heat.py"), "600", "2000", "2", "sleep"]
     work = Path(tempfile.mkdtemp(prefix="ckpt-demo-"))
     print(f"ckpt demo in {work}: 4 ranks of examples/heat.py (600 steps)")
     plain = ckpt("launch", "-n", "4", "--ckpt-dir", str(work / "plain"), *program)
