@@ -258,7 +258,9 @@ def test_a_changed_program_restarts_with_a_warning(start_job: Callable[..., Job]
     program = tmp_path / "heat.py"
     shutil.copy(EXAMPLES / "heat.py", program)
     ckpt_dir = tmp_path / "ckpt"
-    job = start_job("launch", "-n", "2", "--ckpt-dir", str(ckpt_dir), str(program), *HEAT[1:])
+    # 10 ms steps: the job is still running when the checkpoint comes, however loaded the machine (at 2 ms, 300
+    # steps ended first once under load)
+    job = start_job("launch", "-n", "2", "--ckpt-dir", str(ckpt_dir), str(program), *HEAT_KILLED[1:])
     job.wait_step(5)
     assert run("checkpoint", "--kill", "--ckpt-dir", str(ckpt_dir)).returncode == 0
     assert job.wait() == 0
