@@ -39,7 +39,7 @@ RESTARTS = [
     for i, case in enumerate(CASES)
     for j, protocol in enumerate(PROTOCOLS)
 ] + [  # and under cashmere, both fills: CI restarts the multiple-lock, multiple-writer Water on simib with the copy
-    # fill (and test_e2e_dsm TSP over tcp with the line fill); the rest under -m stress
+    # fill (and test_e2e_dsm SOR over tcp with the line fill); the rest under -m stress
     pytest.param(case, variant, marks=[] if (case.name, variant) == ("water", "cashmere") else [pytest.mark.stress],
                  id=f"{case}-{variant}")
     for case in CASES
