@@ -28,10 +28,12 @@ from harness import PROGRAMS, counter_results
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
 COUNTER = [str(PROGRAMS / "counter.py"), "400", "0.004"]
-#: Long enough (12 s at least) that a job is still running when a test is done checkpointing it; its
-#: restart runs without the delay, and so does the uninterrupted run (the results do not depend on it).
-#: 1000 steps of 12 ms, not 3000 of 4: each step's allgather is what costs CPU, here and in the restart.
-LONG_COUNTER = [str(PROGRAMS / "counter.py"), "1000", "0.012", "0"]
+#: Long enough (22 s at least) that a job is still running when a test is done checkpointing it; its
+#: restart runs without the delay (the results do not depend on it). 1000 steps of 22 ms, not 3000 of 4 ms: each
+#: step's allgather is what costs CPU, here and in the restart.
+LONG_COUNTER = [str(PROGRAMS / "counter.py"), "1000", "0.022", "0"]
+#: The stress test's: its restart must run long enough, without the delay, for independent checkpoints to follow.
+STRESS_COUNTER = [str(PROGRAMS / "counter.py"), "3000", "0.004", "0"]
 
 
 def solo_result(rank: int, steps: int) -> str:
@@ -232,16 +234,14 @@ def test_rank_interval_runs_a_job_to_the_end_with_an_image_of_every_rank(
 
 
 @pytest.mark.stress  # ~35 s; CI: restart reuses recorded settings by the loop test_e2e_recover checks for --on-failure
-def test_a_restart_reuses_the_recorded_rank_interval(
-    start_job: Callable[..., Job], tmp_path: Path, expected_long: dict[int, str]
-) -> None:
+def test_a_restart_reuses_the_recorded_rank_interval(start_job: Callable[..., Job], tmp_path: Path) -> None:
     ckpt_dir = tmp_path / "ckpt"
-    job = start_job("launch", "-n", "3", "--rank-interval", "0.4", "--ckpt-dir", str(ckpt_dir), *LONG_COUNTER)
+    job = start_job("launch", "-n", "3", "--rank-interval", "0.4", "--ckpt-dir", str(ckpt_dir), *STRESS_COUNTER)
     job.wait_step(60)
     killed = int(take(ckpt_dir, "--kill").split()[1])  # "checkpoint N written: ..."
     assert job.wait() == 0, job.stderr
     again = start_job("restart", "--ckpt-dir", str(ckpt_dir))
-    again.finishes_with(expected_long)
+    again.finishes_with(counter_results(3, int(STRESS_COUNTER[1])))
     later = [manifest(ckpt_dir, "counter", int(p.stem.rsplit("_", 1)[1])) for p in ckpt_dir.glob("ckpt_counter_*.json")]
     later = [m for m in later if m["number"] > killed]
     assert later and all(m["kind"] == "rank" and m["generation"] == 1 for m in later), later
