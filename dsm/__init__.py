@@ -20,6 +20,7 @@ from ckpt.plugin import lazy_exports
 from ._errors import DsmError, ReplayDiverged
 
 if TYPE_CHECKING:
+    from ._api import SharedMemory
     from ._array import Lock, SharedArray
     from ._diff import Diff
     from ._memory import Memory
@@ -38,6 +39,7 @@ if not TYPE_CHECKING:  # (type checkers see the imports above, and still catch a
         __name__,
         {
             "Lock": "._array",
+            "SharedMemory": "._api",
             "SharedArray": "._array",
             "Diff": "._diff",
             "Memory": "._memory",
@@ -60,6 +62,7 @@ __all__ = [
     "Replay",
     "ReplayDiverged",
     "SharedArray",
+    "SharedMemory",
     "Statistics",
     "attach",
 ]
@@ -72,7 +75,7 @@ FILLS = ("copy", "line")
 
 def attach(
     rt: Any, protocol: str | None = None, page_size: int = 4096, fill: str | None = None, unsafe: int | None = None
-) -> Memory:
+) -> SharedMemory:
     """Collective: this rank's handle on a new shared memory of `rt`'s ranks.
 
     `protocol` is one of `PROTOCOLS`; by default ``ckpt launch --dsm-protocol``,
@@ -91,7 +94,7 @@ def attach(
     if chosen == "cashmere":
         from ._cashmere import Cashmere
 
-        return Cashmere(rt, page_size, filling or "copy", threshold)  # type: ignore[return-value]  # programs' API
+        return Cashmere(rt, page_size, filling or "copy", threshold)
     if filling not in (None, "copy"):
         raise DsmError(f"the {filling!r} fill is the cashmere protocol's: {chosen or 'async'} copies whole pages")
     if threshold:

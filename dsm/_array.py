@@ -20,7 +20,7 @@ import numpy as np
 from ._errors import DsmError
 
 if TYPE_CHECKING:
-    from ._memory import Memory
+    from ._api import Faults
     from ._region import Region
 
 try:  # numpy >= 2
@@ -37,7 +37,7 @@ class SharedArray:
     ``lock``/``barrier`` calls.
     """
 
-    def __init__(self, memory: Memory, region: Region, shape: tuple[int, ...], dtype: np.dtype[Any]) -> None:
+    def __init__(self, memory: Faults, region: Region, shape: tuple[int, ...], dtype: np.dtype[Any]) -> None:
         self._mem, self._region = memory, region
         self.shape, self.dtype = shape, dtype
         self.size = int(np.prod(shape, dtype=np.int64))
@@ -147,7 +147,7 @@ class SharedArray:
 class Lock:
     """A DSM lock: ``with lock:`` acquires (taking the write notices of its last release) and releases."""
 
-    def __init__(self, memory: Memory, lock_id: int) -> None:
+    def __init__(self, memory: Faults, lock_id: int) -> None:
         self._mem, self.id = memory, lock_id
 
     def acquire(self) -> None:

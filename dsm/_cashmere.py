@@ -208,14 +208,14 @@ class Cashmere:
         region = CashmereRegion(self.pd, len(self.regions), nbytes, unit, self.page_size, self.rank, self.size)
         self.regions.append(region)
         region.peers = self.rt.allgather(region.address())
-        return SharedArray(self, region, shape, np.dtype(dtype))  # type: ignore[arg-type]
+        return SharedArray(self, region, shape, np.dtype(dtype))
 
     def lock(self) -> Lock:
         """Collective by convention (call in the same order everywhere): a new lock, its tail at id mod size."""
         if self.nlocks >= MAX_LOCKS:
             raise DsmError(f"the cashmere protocol has room for {MAX_LOCKS} locks")
         self.nlocks += 1
-        return Lock(self, self.nlocks - 1)  # type: ignore[arg-type]
+        return Lock(self, self.nlocks - 1)
 
     def barrier(self) -> None:
         """Global barrier: every rank's writes through, its notices posted; then each drops what they name."""

@@ -60,6 +60,7 @@ from ckpt import verbs
 from ckpt.plugin import PluginCalls, Runtime
 
 from . import HLRC, PROTOCOLS, _fetch, _onesided, _reconnect, _replay, _waits, hookspecs
+from ._array import Lock, SharedArray
 from ._diff import diff_unit
 from ._errors import DsmError, check_synchronising
 from ._handler import Handler
@@ -183,10 +184,8 @@ class Memory(Intervals):
         self._decide_hooks()  # again: an implementation may have registered hook objects for this memory
 
     # ------------------------------------------------------------------ public API
-    def array(self, shape: int | tuple[int, ...], dtype: Any = np.float64) -> Any:
+    def array(self, shape: int | tuple[int, ...], dtype: Any = np.float64) -> SharedArray:
         """Collective: a shared array of zeros; the same handle on every rank (call in the same order everywhere)."""
-        from ._array import SharedArray
-
         self._check()
         shape = (shape,) if isinstance(shape, int | np.integer) else tuple(int(s) for s in shape)
         nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
@@ -196,10 +195,8 @@ class Memory(Intervals):
         region.peers = self.rt.allgather(region.address())
         return SharedArray(self, region, shape, np.dtype(dtype))
 
-    def lock(self) -> Any:
+    def lock(self) -> Lock:
         """Collective by convention (call in the same order everywhere): a new lock, homed at id mod size."""
-        from ._array import Lock
-
         self.nlocks += 1
         return Lock(self, self.nlocks - 1)
 
