@@ -137,9 +137,11 @@ class Control:
         """Take every notification that arrived: each took a posted receive, which only a poll gives back.  Done at
         every acquire, release and wait, so a rank is never owed more than the few of one operation per peer (a
         successor's link, a predecessor's flag, a barrier's release) -- never enough to leave a writer without a
-        receive, in RNR retries bounded by its endpoint's wait."""
-        while self.server.poll():
-            pass
+        receive, in RNR retries bounded by its endpoint's wait.  It looks at the completion channel first and
+        polls only if something came (`Endpoint.take_signalled`): most looks find nothing, and an empty poll of a
+        simulated CQ waits up to 0.5 ms for a completion -- at two looks per lock operation, that was half of a
+        Cashmere run's time (docs/benchmarks.md, "The protocol study")."""
+        self.server.take_signalled()
 
     # ------------------------------------------------------------ MCS
     def acquire(

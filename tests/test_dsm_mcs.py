@@ -120,3 +120,35 @@ def test_a_flag_write_wakes_a_rank_blocked_on_its_completion_channel() -> None:
 
     flag, notifications = run_ranks(2, body, "cashmere")[1]
     assert flag == 1 and notifications >= 1
+
+
+def test_a_look_for_notifications_polls_only_once_one_came() -> None:
+    """`Control.reap` runs at every lock operation.  With nothing arrived it must not poll: an empty poll of a
+    simulated CQ waits up to 0.5 ms, which was half of a Cashmere run.  Once a WRITE WITH IMM has landed, a look
+    takes it (its receive is given back)."""
+    looked, sent = threading.Event(), threading.Event()
+
+    def body(mem: Any, rt: ThreadRuntime) -> Any:
+        control = mem.control
+        mem.barrier()
+        word = NODES + NODE * NODE_WORDS + 1
+        if rt.rank == 0:
+            assert looked.wait(30)
+            control.run(1, [control.notify_write(control.local(5), 1, word)])  # ME: rank 0 + 1
+            sent.set()
+            return None
+        polls: list[int] = []
+        real = mem.server._poll
+        mem.server._poll = lambda: polls.append(real()) or polls[-1]
+        control.reap()  # the first look arms the CQ, then polls once
+        first = len(polls)
+        for _ in range(50):
+            control.reap()
+        idle = len(polls) - first
+        before = mem.server.notifications
+        looked.set()
+        assert sent.wait(30)
+        wait_for(lambda: control.reap() or mem.server.notifications > before, 10, "the notification taken")
+        return first, idle, sum(polls), mem.server.notifications - before, int(control.words[word])
+
+    assert run_ranks(2, body, "cashmere")[1] == (1, 0, 1, 1, 1)
