@@ -35,6 +35,8 @@ atomics: no thread of a page's home, lock's home or barrier's manager runs for i
 * **Acquire** (a lock, a barrier's exit) self-invalidates every page its list names
   and every page it joined while Weak: (a) lock the entry, (d) leave its readers,
   writers and noticed sets, (e) the state follows, (f) unlock; (b, c) drop the copy.
+  An unsafe page keeps a writer that dropped its copy in its writers until no rank
+  shares the page: it stays Weak, which is what its holders' acquires look for.
 
 Invariants:
 * a release completes only after its write-throughs have landed at the homes and
@@ -590,7 +592,10 @@ class Cashmere:
             if home == self.rank or region.state[page] == INVALID:
                 continue
             entry = self._lock_entry(region, page, home)
-            entry &= ~me
+            entry[READERS] &= ~me
+            entry[NOTICED] &= ~me
+            if not (entry[UNSAFE] and entry[READERS]):  # (e): unsafe, it stays Weak while shared (`_unsafe_written`)
+                entry[WRITERS] &= entry[READERS] | 1 << home  # the writers that still share it (the home always does)
             self._unlock_entry(region, page, home, entry)
             region.state[page] = INVALID
             region.lines[page] = False
@@ -600,7 +605,12 @@ class Cashmere:
 
     def _unsafe_written(self) -> set[int]:
         """The unsafe pages this rank holds that another rank writes (the paper's second optimisation: their
-        writers send no notices, so an acquire reads each one's writers, a chain per home)."""
+        writers send no notices, so an acquire reads each one's writers, a chain per home).
+
+        A writer of an unsafe page stays in its writers while anyone else shares it, even after it dropped its own
+        copy (`_self_invalidate`): the paper's Weak state, which leaves only with the last sharer.  Were it to leave
+        at its drop, a holder that checks after that would find no other writer and keep a copy without its
+        writes."""
         by_home: dict[int, list[int]] = {}
         for gid in self.unsafe_held:
             aid, page = split_gid(gid)

@@ -357,6 +357,70 @@ def test_a_holder_that_never_waits_still_gives_its_receives_back(monkeypatch: py
     assert run_ranks(2, body, "cashmere") == ["ok", "ok"]
 
 
+def test_a_writer_that_drops_an_unsafe_page_stays_a_writer_for_the_holders_that_check_after_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The race CI found: rank 1 holds an unsafe page and rank 2 has written it.  At the barrier's exit rank 2
+    drops its copy (rank 1 writes the page too) *before* rank 1 checks the page's row.  Rank 2 must still be in
+    the writers then (the page stays Weak while it is shared), or rank 1 keeps its copy without rank 2's write."""
+    dropped = threading.Event()
+    real = cashmere.Cashmere._self_invalidate
+
+    def ordered(self: Any) -> None:
+        if self.rank == 1 and self.epoch == 4:
+            assert dropped.wait(30)  # rank 2 has dropped its copy: now rank 1 checks
+        real(self)
+        if self.rank == 2 and self.epoch == 4:
+            dropped.set()
+
+    monkeypatch.setattr(cashmere.Cashmere, "_self_invalidate", ordered)
+
+    def body(mem: Any, rt: ThreadRuntime) -> Any:
+        a = mem.array(DOUBLES, np.float64)
+        lock = mem.lock()
+        if rt.rank == 0:
+            assert a[0] == 0.0  # home, by a read
+        mem.barrier()
+        if rt.rank in (2, 3):
+            assert a[1] == 0.0  # readers
+        mem.barrier()
+        if rt.rank == 1:
+            with lock:
+                a[1] = 1.0  # notices to ranks 2 and 3; the page becomes unsafe
+        mem.barrier()
+        if rt.rank == 2:
+            with lock:
+                a[2] = 2.0  # no notice: the page is unsafe
+        mem.barrier()  # epoch 4
+        return float(a[2]) if rt.rank == 1 else None
+
+    assert run_ranks(4, body, "cashmere", unsafe=2)[1] == 2.0
+
+
+def test_rank_0_dropping_an_unsafe_page_leaves_it_unsafe() -> None:
+    """Leaving a row's sets is per set: rank 0's bit (1) is also the value of the row's unsafe mark, which a drop
+    by rank 0 must not clear."""
+
+    def body(mem: Any, rt: ThreadRuntime) -> Any:
+        a = mem.array(DOUBLES, np.float64)
+        lock = mem.lock()
+        if rt.rank == 3:
+            assert a[0] == 0.0  # home, by a read
+        mem.barrier()
+        if rt.rank in (0, 2):
+            assert a[1] == 0.0  # readers
+        mem.barrier()
+        if rt.rank == 1:
+            with lock:
+                a[1] = 1.0  # notices to ranks 0 and 2; the page becomes unsafe
+        mem.barrier()  # ranks 0 and 2 drop their copies here
+        mem.barrier()
+        return [int(x) for x in mem.regions[0].directory[0, cashmere.FIRST : cashmere.BUSY]] if rt.rank == 3 else None
+
+    readers, writers, noticed, unsafe = run_ranks(4, body, "cashmere", unsafe=2)[3]
+    assert unsafe == 1 and readers & 0b101 == 0 and writers == 0b10 and noticed & 0b101 == 0
+
+
 def test_an_unsafe_page_sends_notices_once_and_its_holders_check_its_row_at_acquires() -> None:
     """With --dsm-unsafe 2: rank 1's release to two readers (ranks 2, 3) makes the page unsafe, and they still get
     notices.  Rank 2's later write sends none, yet rank 1, which kept its copy all along, drops it at its next
