@@ -357,6 +357,24 @@ def test_a_holder_that_never_waits_still_gives_its_receives_back(monkeypatch: py
     assert run_ranks(2, body, "cashmere") == ["ok", "ok"]
 
 
+def made_unsafe(mem: Any, rt: ThreadRuntime, home: int, readers: tuple[int, int]) -> tuple[Any, Any]:
+    """Under --dsm-unsafe 2, over three barriers: `home` homes the array's first page, `readers` copy it, and rank 1
+    writes it under the lock, so its release notices both readers and marks the page unsafe.  (The array, the lock.)"""
+    a = mem.array(DOUBLES, np.float64)
+    lock = mem.lock()
+    if rt.rank == home:
+        assert a[0] == 0.0  # home, by a read
+    mem.barrier()
+    if rt.rank in readers:
+        assert a[1] == 0.0
+    mem.barrier()
+    if rt.rank == 1:
+        with lock:
+            a[1] = 1.0
+    mem.barrier()
+    return a, lock
+
+
 def test_a_writer_that_drops_an_unsafe_page_stays_a_writer_for_the_holders_that_check_after_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -376,18 +394,7 @@ def test_a_writer_that_drops_an_unsafe_page_stays_a_writer_for_the_holders_that_
     monkeypatch.setattr(cashmere.Cashmere, "_self_invalidate", ordered)
 
     def body(mem: Any, rt: ThreadRuntime) -> Any:
-        a = mem.array(DOUBLES, np.float64)
-        lock = mem.lock()
-        if rt.rank == 0:
-            assert a[0] == 0.0  # home, by a read
-        mem.barrier()
-        if rt.rank in (2, 3):
-            assert a[1] == 0.0  # readers
-        mem.barrier()
-        if rt.rank == 1:
-            with lock:
-                a[1] = 1.0  # notices to ranks 2 and 3; the page becomes unsafe
-        mem.barrier()
+        a, lock = made_unsafe(mem, rt, 0, (2, 3))
         if rt.rank == 2:
             with lock:
                 a[2] = 2.0  # no notice: the page is unsafe
@@ -402,18 +409,7 @@ def test_rank_0_dropping_an_unsafe_page_leaves_it_unsafe() -> None:
     by rank 0 must not clear."""
 
     def body(mem: Any, rt: ThreadRuntime) -> Any:
-        a = mem.array(DOUBLES, np.float64)
-        lock = mem.lock()
-        if rt.rank == 3:
-            assert a[0] == 0.0  # home, by a read
-        mem.barrier()
-        if rt.rank in (0, 2):
-            assert a[1] == 0.0  # readers
-        mem.barrier()
-        if rt.rank == 1:
-            with lock:
-                a[1] = 1.0  # notices to ranks 0 and 2; the page becomes unsafe
-        mem.barrier()  # ranks 0 and 2 drop their copies here
+        made_unsafe(mem, rt, 3, (0, 2))  # ranks 0 and 2 drop their copies at its last barrier
         mem.barrier()
         return [int(x) for x in mem.regions[0].directory[0, cashmere.FIRST : cashmere.BUSY]] if rt.rank == 3 else None
 
@@ -427,18 +423,7 @@ def test_an_unsafe_page_sends_notices_once_and_its_holders_check_its_row_at_acqu
     acquire: it read the page's row there and found another writer."""
 
     def body(mem: Any, rt: ThreadRuntime) -> Any:
-        a = mem.array(DOUBLES, np.float64)
-        lock = mem.lock()
-        if rt.rank == 0:
-            assert a[0] == 0.0  # home, by a read
-        mem.barrier()
-        if rt.rank in (2, 3):
-            assert a[1] == 0.0  # readers
-        mem.barrier()
-        if rt.rank == 1:
-            with lock:
-                a[1] = 1.0  # notices to ranks 2 and 3; the page becomes unsafe
-        mem.barrier()
+        a, lock = made_unsafe(mem, rt, 0, (2, 3))
         if rt.rank == 2:
             with lock:
                 a[2] = 2.0  # no notice: the page is unsafe
