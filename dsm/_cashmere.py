@@ -408,6 +408,9 @@ class Cashmere:
         entry = self._lock_entry(region, page, home)
         me = 1 << self.rank
         entry[READERS] |= me
+        # a fresh copy: the next release processes it, even if an earlier one did while this rank held no copy
+        # (written, dropped at an acquire, then released)
+        region.processed[page] = False
         if int(entry[WRITERS]) & ~me:  # Weak: another rank writes it; our copy may be stale at our next acquire
             self.stale.add(gid_of(region.aid, page))
         if entry[UNSAFE]:  # its writers send no notices: our acquires read its row
@@ -505,7 +508,8 @@ class Cashmere:
                 targets = 0  # its readers read its row at their acquires
             elif self.unsafe and targets.bit_count() >= self.unsafe:
                 entry[UNSAFE] = 1  # these readers still get their notices: who joins later learns it is unsafe,
-                self.unsafe_held.add(gid)  # and we, who keep our copy, check its row from now on too
+                if home != self.rank and region.state[page] != INVALID:
+                    self.unsafe_held.add(gid)  # and we, if we keep a copy, check its row from now on too
                 self.counters.unsafe_pages += 1
             if targets:
                 self._post_notices([rank for rank in range(self.size) if targets >> rank & 1], gid)

@@ -370,7 +370,10 @@ class Endpoint:
                 if not self.armed:
                     self.cq.req_notify()
                     self.armed = True
-                    continue  # a completion may have come between the poll and the arming
+                    # then poll: a completion that came between the last poll and the arming fired no event, and if
+                    # its data makes done() true, nothing else would take it (take_signalled polls only on events)
+                    self.poll()
+                    continue
                 try:
                     self.channel.get_cq_event(self.cq, WAKE)
                     self.cq.ack_events(1)

@@ -19,6 +19,7 @@ from dsm import DsmError
 from dsm import _cashmere as cashmere
 from dsm._mcs import NEXT, NODE_WORDS, NODES, NOTICE_TAIL
 from dsm._net import Endpoint
+from dsm._region import INVALID
 
 pytestmark = pytest.mark.timeout(60)
 DOUBLES = 512  # float64 per 4 KiB page
@@ -355,6 +356,39 @@ def test_a_holder_that_never_waits_still_gives_its_receives_back(monkeypatch: py
         return "ok"
 
     assert run_ranks(2, body, "cashmere") == ["ok", "ok"]
+
+
+def test_a_writer_that_dropped_its_copy_before_its_release_notices_its_next_write_too() -> None:
+    """Rank 1 writes page 0, then drops its copy at an acquire before its release (it joined a Weak page: rank 2
+    writes it).  The release still processes the page -- processed = True -- while rank 1 holds no copy, and only
+    a drop clears that bit.  Rank 2 drops, the row empties (writers &= readers | home), rank 2 copies the page
+    afresh, rank 1 copies it again and writes it: its release must add it to the writers and notice rank 2,
+    or rank 2's acquire keeps a copy without rank 1's write."""
+
+    def body(mem: Any, rt: ThreadRuntime) -> Any:
+        a = mem.array(DOUBLES, np.float64)
+        lock = mem.lock()
+        if rt.rank == 0:
+            assert a[0] == 0.0  # home, by a read
+        mem.barrier()  # 1
+        if rt.rank == 2:
+            a[5] = 5.0  # rank 2: a reader and, from its release on, a writer
+        mem.barrier()  # 2
+        if rt.rank == 1:
+            a[0] = 1.0  # joins a Weak page: stale
+            with lock:  # the acquire drops the copy; the release processes the page (notice to rank 2)
+                pass
+            assert a._region.state[0] == INVALID and a._region.processed[0]  # no copy, yet processed
+        mem.barrier()  # 3: rank 2 drops its copy (the notice); the row is empty again
+        if rt.rank == 2:
+            assert a[0] == 1.0  # a fresh copy: Shared, not stale
+        mem.barrier()  # 4
+        if rt.rank == 1:
+            a[1] = 2.0  # a copy again, and a write: the release below must notice rank 2
+        mem.barrier()  # 5
+        return float(a[1]) if rt.rank == 2 else None
+
+    assert run_ranks(3, body, "cashmere")[2] == 2.0
 
 
 def made_unsafe(mem: Any, rt: ThreadRuntime, home: int, readers: tuple[int, int]) -> tuple[Any, Any]:

@@ -10,8 +10,10 @@ from dsm_util import run_ranks
 
 from ckpt import verbs
 from ckpt.testing import ThreadRuntime, wait_for
-from dsm._mcs import NEXT, NODE_WORDS, NODES, READ, SOURCE, TAILS
-from dsm._net import rdma
+from dsm import DsmError
+from dsm import _cashmere as cashmere
+from dsm._mcs import FLAG, NEXT, NODE_WORDS, NODES, ONE, READ, SOURCE, TAILS
+from dsm._net import Endpoint, rdma
 
 pytestmark = pytest.mark.timeout(60)
 NODE = 5  # the queue node the tests use (a program lock's: nothing else touches it here)
@@ -151,3 +153,52 @@ def test_a_look_for_notifications_polls_only_once_one_came() -> None:
         return idle, polls.count(0), mem.server.notifications - before, int(control.words[word])
 
     assert run_ranks(2, body, "cashmere")[1] == (0, 0, 1, 1)
+
+
+def test_a_completion_that_lands_while_a_wait_arms_the_cq_is_taken(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Endpoint.wait arms the CQ after its spin.  A notification whose completion comes between its last empty poll
+    and the arming fires no event; if its data makes `done()` true, the wait must still take it (arm, then poll),
+    since `reap` polls only after an event.  Else its receive is never given back, and with one receive per peer the
+    peer's next notification finds none (found by review)."""
+    monkeypatch.setattr(cashmere, "NOTIFY_RECVS", 1)
+    monkeypatch.setattr(Endpoint.wait, "__defaults__", (1.0, None, True, None))  # 120 s -> 1 s
+    go, waited = threading.Event(), threading.Event()
+    first, second = NODES + 5 * NODE_WORDS + FLAG, NODES + 6 * NODE_WORDS + FLAG
+
+    def body(mem: Any, rt: ThreadRuntime) -> Any:
+        control = mem.control
+        mem.barrier()
+        if rt.rank == 1:
+            assert go.wait(30)
+            control.run(0, [control.notify_write(control.local(ONE), 0, first)])
+            assert waited.wait(30)  # rank 0's wait is over
+            try:  # a second notification: it needs the receive the first one took back at rank 0
+                control.run(0, [control.notify_write(control.local(ONE), 0, second)])
+            except DsmError as exc:
+                return f"no receive: {exc}"
+            return "delivered"
+        server, cq = mem.server, mem.server.cq
+        real_arm = cq.req_notify
+
+        def arm(*args: Any) -> None:  # the wait's arming: rank 1's completion lands just before it
+            cq.req_notify = real_arm
+            go.set()
+            wait_for(lambda: cq.handle.entries, 10, "rank 1's completion")
+            real_arm(*args)
+
+        control.reap()
+        while True:  # where a wait is once it took an event: the CQ not armed, the channel empty
+            try:
+                server.channel.get_cq_event(cq, 0)
+            except verbs.PyverbsRDMAError:
+                break
+            cq.ack_events(1)
+        server.armed = False
+        cq.handle.armed = 0
+        cq.req_notify = arm
+        server.wait(lambda: bool(control.words[first]), "the first notification", timeout=float("inf"))
+        waited.set()
+        wait_for(lambda: control.reap() or control.words[second], 10, "the second notification")
+        return None
+
+    assert run_ranks(2, body, "cashmere")[1] == "delivered"
