@@ -31,7 +31,7 @@ atomics: no thread of a page's home, lock's home or barrier's manager runs for i
   this rank to its writers and appends a notice to the circular list of each reader
   not already noticed -- a FETCH_AND_ADD reserves the slot, two WRITEs fill it (the
   page, then the reservation number, which marks it complete).  The processed bit is
-  cleared when the rank drops the page.
+  cleared when the rank drops the page, and when it copies it afresh.
 * **Acquire** (a lock, a barrier's exit) self-invalidates every page its list names
   and every page it joined while Weak: (a) lock the entry, (d) leave its readers,
   writers and noticed sets, (e) the state follows, (f) unlock; (b, c) drop the copy.
