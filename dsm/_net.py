@@ -324,12 +324,23 @@ class Endpoint:
         took its event) is armed and then polled once, the usual arm-then-poll order that misses
         nothing.
         """
-        if self.armed:
-            try:
-                self.channel.get_cq_event(self.cq, 0)
-            except verbs.PyverbsRDMAError:
-                return  # no event: nothing completed since the CQ was armed
-            self.cq.ack_events(1)
+        if self.armed and not self._event(0):
+            return  # nothing completed since the CQ was armed
+        self._arm_and_take()
+
+    def _event(self, timeout: float) -> bool:
+        """Take the channel's event (waiting up to `timeout` s for one): the armed CQ got a completion since."""
+        try:
+            self.channel.get_cq_event(self.cq, timeout)
+        except verbs.PyverbsRDMAError:
+            return False
+        self.cq.ack_events(1)
+        self.armed = False
+        return True
+
+    def _arm_and_take(self) -> None:
+        """Arm the CQ, then poll it until a batch comes back short: a completion that came before the arming fired
+        no event, and only this poll takes it."""
         self.cq.req_notify()
         self.armed = True
         while self._poll() == POLL_BATCH:
@@ -368,17 +379,11 @@ class Endpoint:
                 if idle < SPIN:
                     continue
                 if not self.armed:
-                    self.cq.req_notify()
-                    self.armed = True
-                    # then poll: a completion that came between the last poll and the arming fired no event, and if
-                    # its data makes done() true, nothing else would take it (take_signalled polls only on events)
-                    self.poll()
+                    # if the completion that makes done() true came before the arming, take_signalled (which
+                    # polls only after events) would never take it: it is polled here
+                    self._arm_and_take()
                     continue
-                try:
-                    self.channel.get_cq_event(self.cq, WAKE)
-                    self.cq.ack_events(1)
-                    self.armed = False
-                except verbs.PyverbsRDMAError:
+                if not self._event(WAKE):
                     if on_idle is not None:
                         on_idle()
                     if reported is None:
@@ -388,7 +393,7 @@ class Endpoint:
                         self._check_recovery(now, what)
                         deadline = max(deadline, now + timeout)
                     if now > deadline:
-                        raise DsmError(f"DSM: no progress for {timeout:.0f} s waiting for {what}") from None
+                        raise DsmError(f"DSM: no progress for {timeout:.0f} s waiting for {what}")
             return True
         finally:
             if reported is not None:
